@@ -1,0 +1,722 @@
+//! The router's configuration: flags (each with a `VALET_…` variable), their defaults,
+//! and the one place they are validated and derived values are resolved.
+//!
+//! [`RouterArgs::resolve`] runs once at start-up, before any port is bound; every
+//! consumer (retry loop, Envoy timeouts, drain) reads the same [`RouterConfig`].
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Args;
+
+use crate::addr::ActorDomain;
+
+/// Default `--parked-request-budget`.
+pub const DEFAULT_BUDGET: &str = "5s";
+/// Default `--parked-request-max`.
+pub const DEFAULT_MAX_PARKED: usize = 1024;
+/// Default `--parked-request-retry-interval`.
+pub const DEFAULT_RETRY_INTERVAL: &str = "100ms";
+/// Default `--parked-request-retry-factor`.
+pub const DEFAULT_RETRY_FACTOR: f64 = 1.1;
+/// Default `--parked-request-retry-jitter`.
+pub const DEFAULT_RETRY_JITTER: f64 = 0.1;
+/// Default `--resume-attempt-timeout`.
+pub const DEFAULT_RESUME_ATTEMPT_TIMEOUT: &str = "30s";
+/// The floor of the derived `--extproc-max-requests` (Envoy's own default).
+pub const MIN_DERIVED_EXTPROC_MAX_REQUESTS: u32 = 1024;
+/// How much longer than the budget Envoy (and the built-in data plane) give a decision,
+/// and the derived `--drain-timeout` beyond the budget.
+pub const DECISION_MARGIN: Duration = Duration::from_secs(5);
+/// The budget of a flight when parking is disabled: only `Aborted` is retried.
+pub const DISABLED_ABORTED_BUDGET: Duration = Duration::from_secs(15);
+
+/// Default `--listen` of the router's built-in HTTP data plane.
+pub const DEFAULT_LISTEN: &str = "0.0.0.0:8080";
+/// Default `--extproc-listen`.
+pub const DEFAULT_EXTPROC_LISTEN: &str = "0.0.0.0:50051";
+/// Default `--admin-listen` (loopback: admin pages are not for the network).
+pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:4040";
+/// Default `--control-plane`.
+pub const DEFAULT_CONTROL_PLANE: &str = "http://127.0.0.1:7070";
+/// Default `--actor-domain`.
+pub const DEFAULT_ACTOR_DOMAIN: &str = "actors.resources.substrate.ate.dev";
+/// Default `--worker-port`.
+pub const DEFAULT_WORKER_PORT: u16 = 80;
+
+/// Flags of `valet router` (and of `valet up`, which runs a router too).
+#[derive(Debug, Clone, Args)]
+pub struct RouterArgs {
+    /// Address of the built-in HTTP data plane; empty turns it off, port 0 picks one.
+    #[arg(long, env = "VALET_LISTEN", default_value = DEFAULT_LISTEN, value_name = "ADDR")]
+    pub listen: String,
+
+    /// Address of the Envoy ext_proc gRPC server; empty turns it off, port 0 picks one.
+    #[arg(long, env = "VALET_EXTPROC_LISTEN", default_value = DEFAULT_EXTPROC_LISTEN, value_name = "ADDR")]
+    pub extproc_listen: String,
+
+    /// Address of the admin server (/metrics, /statusz, /healthz, /readyz); empty turns it off.
+    #[arg(long, env = "VALET_ADMIN_LISTEN", default_value = DEFAULT_ADMIN_LISTEN, value_name = "ADDR")]
+    pub admin_listen: String,
+
+    /// The control plane (`ateapi.Control`) to resume actors with; `http://` means h2c.
+    #[arg(long, env = "VALET_CONTROL_PLANE", default_value = DEFAULT_CONTROL_PLANE, value_name = "URL")]
+    pub control_plane: String,
+
+    /// DNS suffix of actor hosts: `<name>.<atespace>.<actor-domain>`.
+    #[arg(long, env = "VALET_ACTOR_DOMAIN", default_value = DEFAULT_ACTOR_DOMAIN, value_name = "DOMAIN")]
+    pub actor_domain: String,
+
+    /// Port to route to when the control plane names none for an actor.
+    #[arg(long, env = "VALET_WORKER_PORT", default_value_t = DEFAULT_WORKER_PORT, value_name = "PORT")]
+    pub worker_port: u16,
+
+    #[command(flatten)]
+    pub parking: ParkingArgs,
+}
+
+/// Flags of request parking (`parking.md`, "Configuration").
+#[derive(Debug, Clone, Args)]
+pub struct ParkingArgs {
+    /// How long a resume flight may keep starting attempts. Requests that join an
+    /// in-flight resume share its remaining budget. Must be > 0.
+    #[arg(long, env = "VALET_PARKED_REQUEST_BUDGET", default_value = DEFAULT_BUDGET, value_parser = parse_duration, value_name = "DURATION")]
+    pub parked_request_budget: Duration,
+
+    /// Most requests parked at once; a slot is taken only when a request's resume must
+    /// wait. Requests parking beyond it are shed with 503. 0 disables parking.
+    #[arg(long, env = "VALET_PARKED_REQUEST_MAX", default_value_t = DEFAULT_MAX_PARKED, value_name = "N")]
+    pub parked_request_max: usize,
+
+    /// Delay before a parked request's first resume retry. Must be > 0.
+    #[arg(long, env = "VALET_PARKED_REQUEST_RETRY_INTERVAL", default_value = DEFAULT_RETRY_INTERVAL, value_parser = parse_duration, value_name = "DURATION")]
+    pub parked_request_retry_interval: Duration,
+
+    /// Multiplier of the retry delay after each attempt. Must be >= 1; no cap.
+    #[arg(long, env = "VALET_PARKED_REQUEST_RETRY_FACTOR", default_value_t = DEFAULT_RETRY_FACTOR, allow_negative_numbers = true, value_name = "FACTOR")]
+    pub parked_request_retry_factor: f64,
+
+    /// Random fraction in [0, 1) of each delay added to it, to spread retries out.
+    #[arg(long, env = "VALET_PARKED_REQUEST_RETRY_JITTER", default_value_t = DEFAULT_RETRY_JITTER, allow_negative_numbers = true, value_name = "FRACTION")]
+    pub parked_request_retry_jitter: f64,
+
+    /// Envoy circuit-breaker max_requests of the ext_proc cluster. 0 derives
+    /// max(2 x --parked-request-max, 1024); an explicit value must be >= --parked-request-max.
+    #[arg(
+        long,
+        env = "VALET_EXTPROC_MAX_REQUESTS",
+        default_value_t = 0,
+        value_name = "N"
+    )]
+    pub extproc_max_requests: u32,
+
+    /// Deadline of one ResumeActor attempt (plus any capacity wait it asks for); never
+    /// derived from a caller. Must be > 0.
+    #[arg(long, env = "VALET_RESUME_ATTEMPT_TIMEOUT", default_value = DEFAULT_RESUME_ATTEMPT_TIMEOUT, value_parser = parse_duration, value_name = "DURATION")]
+    pub resume_attempt_timeout: Duration,
+
+    /// On SIGTERM, how long readiness reports not-ready before the router stops accepting.
+    #[arg(long, env = "VALET_DRAIN_DELAY", default_value = "0s", value_parser = parse_duration, value_name = "DURATION")]
+    pub drain_delay: Duration,
+
+    /// How long requests already received may still wait during shutdown. 0 derives
+    /// budget + 5s; an explicit value must be >= the budget.
+    #[arg(long, env = "VALET_DRAIN_TIMEOUT", default_value = "0s", value_parser = parse_duration, value_name = "DURATION")]
+    pub drain_timeout: Duration,
+}
+
+/// An invalid configuration: names the flag, the value and the rule.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid configuration: {flag}={value}: {rule}")]
+pub struct ConfigError {
+    /// The flag, with its dashes.
+    pub flag: &'static str,
+    /// The value as given.
+    pub value: String,
+    /// The rule it breaks.
+    pub rule: String,
+}
+
+impl ConfigError {
+    fn new(flag: &'static str, value: impl fmt::Display, rule: impl Into<String>) -> Self {
+        Self {
+            flag,
+            value: value.to_string(),
+            rule: rule.into(),
+        }
+    }
+}
+
+/// The resolved, validated router configuration. Fields are read-only: every consumer
+/// sees the same derived values.
+#[derive(Debug, Clone)]
+pub struct RouterConfig {
+    listen: Option<SocketAddr>,
+    extproc_listen: Option<SocketAddr>,
+    admin_listen: Option<SocketAddr>,
+    control_plane: String,
+    actor_domain: ActorDomain,
+    worker_port: u16,
+    parking: ParkingConfig,
+    extproc_max_requests: u32,
+    extproc_max_requests_derived: bool,
+    drain_delay: Duration,
+    drain_timeout: Duration,
+}
+
+impl RouterConfig {
+    /// The built-in HTTP data plane's address, if on.
+    pub fn listen(&self) -> Option<SocketAddr> {
+        self.listen
+    }
+    /// The ext_proc server's address, if on.
+    pub fn extproc_listen(&self) -> Option<SocketAddr> {
+        self.extproc_listen
+    }
+    /// The admin server's address, if on.
+    pub fn admin_listen(&self) -> Option<SocketAddr> {
+        self.admin_listen
+    }
+    /// The control plane's URL (`http://host:port`).
+    pub fn control_plane(&self) -> &str {
+        &self.control_plane
+    }
+    /// The actor host suffix.
+    pub fn actor_domain(&self) -> &ActorDomain {
+        &self.actor_domain
+    }
+    /// The port routed to when the control plane names none.
+    pub fn worker_port(&self) -> u16 {
+        self.worker_port
+    }
+    /// The parking part.
+    pub fn parking(&self) -> &ParkingConfig {
+        &self.parking
+    }
+    /// The effective Envoy circuit-breaker `max_requests` of the ext_proc cluster.
+    pub fn extproc_max_requests(&self) -> u32 {
+        self.extproc_max_requests
+    }
+    /// Whether [`Self::extproc_max_requests`] was derived rather than given.
+    pub fn extproc_max_requests_derived(&self) -> bool {
+        self.extproc_max_requests_derived
+    }
+    /// How long readiness fails before the router stops accepting.
+    pub fn drain_delay(&self) -> Duration {
+        self.drain_delay
+    }
+    /// The effective drain timeout.
+    pub fn drain_timeout(&self) -> Duration {
+        self.drain_timeout
+    }
+    /// How long a data plane may take to decide a request: budget + 5 s (Envoy's
+    /// `message_timeout` and the built-in data plane's decision deadline).
+    pub fn decision_timeout(&self) -> Duration {
+        self.parking.budget + DECISION_MARGIN
+    }
+
+    /// The effective flags as `(flag, value)` pairs, for logs and `/statusz`.
+    pub fn effective_flags(&self) -> Vec<(&'static str, String)> {
+        let addr = |a: Option<SocketAddr>| a.map(|a| a.to_string()).unwrap_or_default();
+        let p = &self.parking;
+        vec![
+            ("--listen", addr(self.listen)),
+            ("--extproc-listen", addr(self.extproc_listen)),
+            ("--admin-listen", addr(self.admin_listen)),
+            ("--control-plane", self.control_plane.clone()),
+            ("--actor-domain", self.actor_domain.to_string()),
+            ("--worker-port", self.worker_port.to_string()),
+            ("--parked-request-budget", fmt_duration(p.budget)),
+            ("--parked-request-max", p.max_parked.to_string()),
+            (
+                "--parked-request-retry-interval",
+                fmt_duration(p.retry_interval),
+            ),
+            ("--parked-request-retry-factor", p.retry_factor.to_string()),
+            ("--parked-request-retry-jitter", p.retry_jitter.to_string()),
+            (
+                "--extproc-max-requests",
+                self.extproc_max_requests.to_string(),
+            ),
+            (
+                "--resume-attempt-timeout",
+                fmt_duration(p.resume_attempt_timeout),
+            ),
+            ("--drain-delay", fmt_duration(self.drain_delay)),
+            ("--drain-timeout", fmt_duration(self.drain_timeout)),
+        ]
+    }
+}
+
+/// The resolved parking configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParkingConfig {
+    budget: Duration,
+    max_parked: usize,
+    retry_interval: Duration,
+    retry_factor: f64,
+    retry_jitter: f64,
+    resume_attempt_timeout: Duration,
+}
+
+impl ParkingConfig {
+    /// Validates a parking configuration on its own (the rules of `parking.md`).
+    ///
+    /// # Errors
+    /// The first rule broken.
+    pub fn new(
+        budget: Duration,
+        max_parked: usize,
+        retry_interval: Duration,
+        retry_factor: f64,
+        retry_jitter: f64,
+        resume_attempt_timeout: Duration,
+    ) -> Result<Self, ConfigError> {
+        if budget.is_zero() {
+            return Err(ConfigError::new(
+                "--parked-request-budget",
+                fmt_duration(budget),
+                "must be > 0",
+            ));
+        }
+        if retry_interval.is_zero() {
+            return Err(ConfigError::new(
+                "--parked-request-retry-interval",
+                fmt_duration(retry_interval),
+                "must be > 0",
+            ));
+        }
+        if !(retry_factor >= 1.0 && retry_factor.is_finite()) {
+            return Err(ConfigError::new(
+                "--parked-request-retry-factor",
+                retry_factor,
+                "must be >= 1",
+            ));
+        }
+        if !(0.0..1.0).contains(&retry_jitter) {
+            return Err(ConfigError::new(
+                "--parked-request-retry-jitter",
+                retry_jitter,
+                "must be in [0, 1)",
+            ));
+        }
+        if resume_attempt_timeout.is_zero() {
+            return Err(ConfigError::new(
+                "--resume-attempt-timeout",
+                fmt_duration(resume_attempt_timeout),
+                "must be > 0",
+            ));
+        }
+        Ok(Self {
+            budget,
+            max_parked,
+            retry_interval,
+            retry_factor,
+            retry_jitter,
+            resume_attempt_timeout,
+        })
+    }
+
+    /// The defaults of `parking.md`.
+    pub fn defaults() -> Self {
+        Self::new(
+            Duration::from_secs(5),
+            DEFAULT_MAX_PARKED,
+            Duration::from_millis(100),
+            DEFAULT_RETRY_FACTOR,
+            DEFAULT_RETRY_JITTER,
+            Duration::from_secs(30),
+        )
+        .expect("the defaults are valid")
+    }
+
+    /// Whether requests park (`--parked-request-max` > 0).
+    pub fn enabled(&self) -> bool {
+        self.max_parked > 0
+    }
+    /// `--parked-request-budget`.
+    pub fn budget(&self) -> Duration {
+        self.budget
+    }
+    /// The budget a flight runs under: the park budget, or the `Aborted`-only budget of
+    /// 15 s when parking is disabled.
+    pub fn flight_budget(&self) -> Duration {
+        if self.enabled() {
+            self.budget
+        } else {
+            DISABLED_ABORTED_BUDGET
+        }
+    }
+    /// `--parked-request-max`.
+    pub fn max_parked(&self) -> usize {
+        self.max_parked
+    }
+    /// `--parked-request-retry-interval`.
+    pub fn retry_interval(&self) -> Duration {
+        self.retry_interval
+    }
+    /// `--parked-request-retry-factor`.
+    pub fn retry_factor(&self) -> f64 {
+        self.retry_factor
+    }
+    /// `--parked-request-retry-jitter`.
+    pub fn retry_jitter(&self) -> f64 {
+        self.retry_jitter
+    }
+    /// `--resume-attempt-timeout`.
+    pub fn resume_attempt_timeout(&self) -> Duration {
+        self.resume_attempt_timeout
+    }
+}
+
+impl RouterArgs {
+    /// Validates every flag and derives `--extproc-max-requests` and `--drain-timeout`.
+    ///
+    /// # Errors
+    /// The first rule broken, naming the flag, its value and the rule.
+    pub fn resolve(&self) -> Result<RouterConfig, ConfigError> {
+        let listen = parse_listen("--listen", &self.listen)?;
+        let extproc_listen = parse_listen("--extproc-listen", &self.extproc_listen)?;
+        let admin_listen = parse_listen("--admin-listen", &self.admin_listen)?;
+        let control_plane = parse_control_plane(&self.control_plane)?;
+        let actor_domain: ActorDomain = self
+            .actor_domain
+            .parse()
+            .map_err(|e| ConfigError::new("--actor-domain", &self.actor_domain, format!("{e}")))?;
+        if self.worker_port == 0 {
+            return Err(ConfigError::new("--worker-port", 0, "must be in 1..=65535"));
+        }
+
+        let p = &self.parking;
+        let parking = ParkingConfig::new(
+            p.parked_request_budget,
+            p.parked_request_max,
+            p.parked_request_retry_interval,
+            p.parked_request_retry_factor,
+            p.parked_request_retry_jitter,
+            p.resume_attempt_timeout,
+        )?;
+
+        let (extproc_max_requests, extproc_max_requests_derived) = if p.extproc_max_requests == 0 {
+            let doubled = u32::try_from(parking.max_parked.saturating_mul(2)).unwrap_or(u32::MAX);
+            (doubled.max(MIN_DERIVED_EXTPROC_MAX_REQUESTS), true)
+        } else {
+            if (p.extproc_max_requests as usize) < parking.max_parked {
+                return Err(ConfigError::new(
+                    "--extproc-max-requests",
+                    p.extproc_max_requests,
+                    format!(
+                        "must be >= --parked-request-max ({}), or 0 to derive it",
+                        parking.max_parked
+                    ),
+                ));
+            }
+            (p.extproc_max_requests, false)
+        };
+
+        let drain_timeout = if p.drain_timeout.is_zero() {
+            parking.budget + DECISION_MARGIN
+        } else {
+            if p.drain_timeout < parking.budget {
+                return Err(ConfigError::new(
+                    "--drain-timeout",
+                    fmt_duration(p.drain_timeout),
+                    format!(
+                        "must be >= --parked-request-budget ({}), or 0 to derive it",
+                        fmt_duration(parking.budget)
+                    ),
+                ));
+            }
+            p.drain_timeout
+        };
+
+        Ok(RouterConfig {
+            listen,
+            extproc_listen,
+            admin_listen,
+            control_plane,
+            actor_domain,
+            worker_port: self.worker_port,
+            parking,
+            extproc_max_requests,
+            extproc_max_requests_derived,
+            drain_delay: p.drain_delay,
+            drain_timeout,
+        })
+    }
+}
+
+fn parse_listen(flag: &'static str, value: &str) -> Result<Option<SocketAddr>, ConfigError> {
+    if value.is_empty() {
+        return Ok(None);
+    }
+    value.parse().map(Some).map_err(|_| {
+        ConfigError::new(
+            flag,
+            value,
+            "must be <ip>:<port> (port 0 picks one), or empty to turn it off",
+        )
+    })
+}
+
+fn parse_control_plane(value: &str) -> Result<String, ConfigError> {
+    let rule = "must be http://<host>:<port> (h2c)";
+    let rest = value
+        .strip_prefix("http://")
+        .ok_or_else(|| ConfigError::new("--control-plane", value, rule))?;
+    let authority = rest.strip_suffix('/').unwrap_or(rest);
+    let valid = !authority.is_empty()
+        && !authority.contains('/')
+        && !authority.contains('@')
+        && value.parse::<http::Uri>().is_ok();
+    if !valid {
+        return Err(ConfigError::new("--control-plane", value, rule));
+    }
+    Ok(format!("http://{authority}"))
+}
+
+/// Parses a duration: a number with `ms`, `s` or `m`, or `0`. Fractions are allowed
+/// (`1.5s`).
+///
+/// # Errors
+/// A message naming the accepted forms.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    if s == "0" {
+        return Ok(Duration::ZERO);
+    }
+    let err = || format!("{s:?} is not a duration (want e.g. 250ms, 5s, 1.5m, or 0)");
+    let (number, unit_secs) = if let Some(n) = s.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = s.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = s.strip_suffix('m') {
+        (n, 60.0)
+    } else {
+        return Err(err());
+    };
+    if number.is_empty() || !number.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+        return Err(err());
+    }
+    let n: f64 = number.parse().map_err(|_| err())?;
+    Duration::try_from_secs_f64(n * unit_secs).map_err(|_| err())
+}
+
+/// Formats a duration the way [`parse_duration`] reads it.
+pub fn fmt_duration(d: Duration) -> String {
+    if d.is_zero() {
+        "0s".to_owned()
+    } else if d.subsec_nanos() % 1_000_000 == 0 && d < Duration::from_secs(1) {
+        format!("{}ms", d.as_millis())
+    } else if d.subsec_nanos() == 0 {
+        format!("{}s", d.as_secs())
+    } else {
+        format!("{}s", d.as_secs_f64())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        router: RouterArgs,
+    }
+
+    fn resolve(args: &[&str]) -> Result<RouterConfig, ConfigError> {
+        let mut argv = vec!["valet"];
+        argv.extend_from_slice(args);
+        Cli::try_parse_from(argv).unwrap().router.resolve()
+    }
+
+    fn rule_of(args: &[&str]) -> String {
+        resolve(args).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn defaults_resolve() {
+        let c = resolve(&[]).unwrap();
+        let p = c.parking();
+        assert_eq!(p.budget(), Duration::from_secs(5));
+        assert_eq!(p.max_parked(), 1024);
+        assert!(p.enabled());
+        assert_eq!(p.retry_interval(), Duration::from_millis(100));
+        assert_eq!(p.retry_factor(), 1.1);
+        assert_eq!(p.retry_jitter(), 0.1);
+        assert_eq!(p.resume_attempt_timeout(), Duration::from_secs(30));
+        assert_eq!(c.extproc_max_requests(), 2048);
+        assert!(c.extproc_max_requests_derived());
+        assert_eq!(c.drain_timeout(), Duration::from_secs(10));
+        assert_eq!(c.drain_delay(), Duration::ZERO);
+        assert_eq!(c.decision_timeout(), Duration::from_secs(10));
+        assert_eq!(c.listen(), Some("0.0.0.0:8080".parse().unwrap()));
+        assert_eq!(c.extproc_listen(), Some("0.0.0.0:50051".parse().unwrap()));
+        assert_eq!(c.admin_listen(), Some("127.0.0.1:4040".parse().unwrap()));
+        assert_eq!(c.control_plane(), "http://127.0.0.1:7070");
+        assert_eq!(c.actor_domain().as_str(), DEFAULT_ACTOR_DOMAIN);
+        assert_eq!(c.worker_port(), 80);
+    }
+
+    #[test]
+    fn derived_extproc_max_requests() {
+        let cases: [(&str, u32); 5] = [
+            ("1024", 2048),
+            ("100", 1024),
+            ("0", 1024),
+            ("511", 1024),
+            ("3000", 6000),
+        ];
+        for (max, want) in cases {
+            let c = resolve(&["--parked-request-max", max]).unwrap();
+            assert_eq!(c.extproc_max_requests(), want, "lot {max}");
+        }
+        let c = resolve(&[
+            "--parked-request-max",
+            "100",
+            "--extproc-max-requests",
+            "100",
+        ])
+        .unwrap();
+        assert_eq!(c.extproc_max_requests(), 100);
+        assert!(!c.extproc_max_requests_derived());
+        assert_eq!(
+            rule_of(&[
+                "--parked-request-max",
+                "100",
+                "--extproc-max-requests",
+                "99"
+            ]),
+            "invalid configuration: --extproc-max-requests=99: must be >= --parked-request-max (100), or 0 to derive it"
+        );
+    }
+
+    #[test]
+    fn derived_drain_timeout() {
+        let c = resolve(&["--parked-request-budget", "2s"]).unwrap();
+        assert_eq!(c.drain_timeout(), Duration::from_secs(7));
+        let c = resolve(&["--parked-request-budget", "2s", "--drain-timeout", "2s"]).unwrap();
+        assert_eq!(c.drain_timeout(), Duration::from_secs(2));
+        assert_eq!(
+            rule_of(&["--parked-request-budget", "2s", "--drain-timeout", "1500ms"]),
+            "invalid configuration: --drain-timeout=1.5s: must be >= --parked-request-budget (2s), or 0 to derive it"
+        );
+    }
+
+    #[test]
+    fn every_rule() {
+        let cases: &[(&[&str], &str)] = &[
+            (
+                &["--parked-request-budget", "0ms"],
+                "invalid configuration: --parked-request-budget=0s: must be > 0",
+            ),
+            (
+                &["--parked-request-retry-interval", "0"],
+                "invalid configuration: --parked-request-retry-interval=0s: must be > 0",
+            ),
+            (
+                &["--parked-request-retry-factor", "0.9"],
+                "invalid configuration: --parked-request-retry-factor=0.9: must be >= 1",
+            ),
+            (
+                &["--parked-request-retry-factor", "NaN"],
+                "invalid configuration: --parked-request-retry-factor=NaN: must be >= 1",
+            ),
+            (
+                &["--parked-request-retry-jitter", "1"],
+                "invalid configuration: --parked-request-retry-jitter=1: must be in [0, 1)",
+            ),
+            (
+                &["--parked-request-retry-jitter", "-0.1"],
+                "invalid configuration: --parked-request-retry-jitter=-0.1: must be in [0, 1)",
+            ),
+            (
+                &["--resume-attempt-timeout", "0s"],
+                "invalid configuration: --resume-attempt-timeout=0s: must be > 0",
+            ),
+            (
+                &["--listen", "localhost:80"],
+                "invalid configuration: --listen=localhost:80: must be <ip>:<port> (port 0 picks one), or empty to turn it off",
+            ),
+            (
+                &["--admin-listen", "127.0.0.1"],
+                "invalid configuration: --admin-listen=127.0.0.1: must be <ip>:<port> (port 0 picks one), or empty to turn it off",
+            ),
+            (
+                &["--extproc-listen", ":50051"],
+                "invalid configuration: --extproc-listen=:50051: must be <ip>:<port> (port 0 picks one), or empty to turn it off",
+            ),
+            (
+                &["--control-plane", "https://cp:443"],
+                "invalid configuration: --control-plane=https://cp:443: must be http://<host>:<port> (h2c)",
+            ),
+            (
+                &["--control-plane", "http://"],
+                "invalid configuration: --control-plane=http://: must be http://<host>:<port> (h2c)",
+            ),
+            (
+                &["--control-plane", "http://cp:7070/path"],
+                "invalid configuration: --control-plane=http://cp:7070/path: must be http://<host>:<port> (h2c)",
+            ),
+            (
+                &["--actor-domain", "bad_domain"],
+                "invalid configuration: --actor-domain=bad_domain: label \"bad_domain\" may only contain a-z, 0-9 and '-'",
+            ),
+            (
+                &["--worker-port", "0"],
+                "invalid configuration: --worker-port=0: must be in 1..=65535",
+            ),
+        ];
+        for (args, want) in cases {
+            assert_eq!(rule_of(args), *want, "{args:?}");
+        }
+    }
+
+    #[test]
+    fn listeners_turn_off_when_empty() {
+        let c = resolve(&["--listen", "", "--extproc-listen", "", "--admin-listen", ""]).unwrap();
+        assert_eq!(c.listen(), None);
+        assert_eq!(c.extproc_listen(), None);
+        assert_eq!(c.admin_listen(), None);
+        let c = resolve(&["--listen", "127.0.0.1:0"]).unwrap();
+        assert_eq!(c.listen(), Some("127.0.0.1:0".parse().unwrap()));
+    }
+
+    #[test]
+    fn disabled_parking() {
+        let c = resolve(&["--parked-request-max", "0"]).unwrap();
+        assert!(!c.parking().enabled());
+        assert_eq!(c.parking().flight_budget(), Duration::from_secs(15));
+        assert_eq!(
+            resolve(&[]).unwrap().parking().flight_budget(),
+            Duration::from_secs(5)
+        );
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("5s"), Ok(Duration::from_secs(5)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
+        for bad in ["", "5", "s", "-1s", "5h", "1e3s", "abc"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?}");
+        }
+        for d in ["250ms", "5s", "1.5s", "0s"] {
+            assert_eq!(fmt_duration(parse_duration(d).unwrap()), d);
+        }
+    }
+
+    #[test]
+    fn bad_duration_is_a_parse_error_naming_the_flag() {
+        let err = Cli::try_parse_from(["valet", "--parked-request-budget", "5"]).unwrap_err();
+        let text = err.to_string();
+        let first = text.lines().next().unwrap();
+        assert!(first.contains("--parked-request-budget"), "{first}");
+        assert!(first.contains("'5'"), "{first}");
+    }
+}

@@ -1,0 +1,204 @@
+//! The router's view of the control plane: one call, `ResumeActor`.
+//!
+//! [`ControlPlane`] is what the retry loop calls; [`GrpcControlPlane`] speaks
+//! `ateapi.Control` over h2c. Errors are read once here into [`ResumeError`], so the
+//! classification downstream never looks at raw `tonic::Status` details again.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use tonic::Code;
+use tonic::transport::{Channel, Endpoint};
+use tonic_types::StatusExt;
+use valet_proto::ateapi;
+
+use crate::addr::ActorRef;
+
+/// The `ErrorInfo.reason` of a crashed actor; never parked.
+pub const ACTOR_CRASHED: &str = "ACTOR_CRASHED";
+
+/// One `ResumeActor` attempt.
+#[derive(Debug, Clone)]
+pub struct ResumeRequest {
+    /// The actor to resume.
+    pub actor: ActorRef,
+    /// The `wait_for_capacity` extension: `None` asks the control plane not to wait.
+    pub wait_for_capacity: Option<Duration>,
+    /// The attempt's own deadline, sent as `grpc-timeout` and enforced locally.
+    pub timeout: Duration,
+}
+
+/// What a failed attempt said, read once from the gRPC status.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResumeError {
+    code: Code,
+    message: String,
+    crashed: bool,
+}
+
+impl ResumeError {
+    /// An error with no details.
+    pub fn new(code: Code, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+            crashed: false,
+        }
+    }
+
+    /// The `FailedPrecondition` of a crashed actor (`ErrorInfo.reason = ACTOR_CRASHED`).
+    pub fn crashed(message: impl Into<String>) -> Self {
+        Self {
+            code: Code::FailedPrecondition,
+            message: message.into(),
+            crashed: true,
+        }
+    }
+
+    /// The gRPC code.
+    pub fn code(&self) -> Code {
+        self.code
+    }
+
+    /// The control plane's own description (the status message, never a wrapper's text).
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// Whether the status carried `ErrorInfo{reason: "ACTOR_CRASHED"}`.
+    pub fn is_crashed(&self) -> bool {
+        self.crashed
+    }
+}
+
+impl From<tonic::Status> for ResumeError {
+    fn from(status: tonic::Status) -> Self {
+        let crashed = status
+            .get_details_error_info()
+            .is_some_and(|info| info.reason == ACTOR_CRASHED);
+        Self {
+            code: status.code(),
+            message: status.message().to_owned(),
+            crashed,
+        }
+    }
+}
+
+/// The boxed future a [`ControlPlane`] returns.
+pub type ResumeFuture<'a> =
+    Pin<Box<dyn Future<Output = Result<ateapi::Actor, ResumeError>> + Send + 'a>>;
+
+/// A control plane the router can resume actors with.
+pub trait ControlPlane: Send + Sync + 'static {
+    /// One `ResumeActor` attempt. Must honour `req.timeout`.
+    fn resume_actor(&self, req: ResumeRequest) -> ResumeFuture<'_>;
+}
+
+/// `ateapi.Control` over gRPC (h2c for `http://` addresses).
+#[derive(Debug, Clone)]
+pub struct GrpcControlPlane {
+    client: ateapi::control_client::ControlClient<Channel>,
+}
+
+impl GrpcControlPlane {
+    /// A client that connects on first use and reconnects as needed; an unreachable
+    /// control plane shows up as `Unavailable` on each attempt.
+    ///
+    /// # Errors
+    /// When `url` is not a valid endpoint.
+    pub fn connect_lazy(url: &str) -> Result<Self, tonic::transport::Error> {
+        let channel = Endpoint::from_shared(url.to_owned())?
+            .connect_timeout(Duration::from_secs(2))
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(20))
+            .keep_alive_timeout(Duration::from_secs(10))
+            .connect_lazy();
+        Ok(Self {
+            client: ateapi::control_client::ControlClient::new(channel),
+        })
+    }
+}
+
+impl ControlPlane for GrpcControlPlane {
+    fn resume_actor(&self, req: ResumeRequest) -> ResumeFuture<'_> {
+        let mut client = self.client.clone();
+        Box::pin(async move {
+            let mut request = tonic::Request::new(ateapi::ResumeActorRequest {
+                actor_ref: Some(ateapi::ActorRef {
+                    atespace: req.actor.atespace().to_owned(),
+                    name: req.actor.name().to_owned(),
+                }),
+                boot: false,
+                wait_for_capacity: req.wait_for_capacity.and_then(|d| d.try_into().ok()),
+            });
+            request.set_timeout(req.timeout);
+            // grpc-timeout tells the server; the local timer covers a server that
+            // never answers.
+            match tokio::time::timeout(req.timeout, client.resume_actor(request)).await {
+                Ok(Ok(response)) => response
+                    .into_inner()
+                    .actor
+                    .ok_or_else(|| ResumeError::new(Code::Internal, "response without actor")),
+                Ok(Err(status)) => Err(status.into()),
+                Err(_) => Err(ResumeError::new(
+                    Code::DeadlineExceeded,
+                    "resume attempt timed out",
+                )),
+            }
+        })
+    }
+}
+
+/// The canonical name of a gRPC code (`RESOURCE_EXHAUSTED`), for metric labels.
+pub fn code_name(code: Code) -> &'static str {
+    match code {
+        Code::Ok => "OK",
+        Code::Cancelled => "CANCELLED",
+        Code::Unknown => "UNKNOWN",
+        Code::InvalidArgument => "INVALID_ARGUMENT",
+        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        Code::NotFound => "NOT_FOUND",
+        Code::AlreadyExists => "ALREADY_EXISTS",
+        Code::PermissionDenied => "PERMISSION_DENIED",
+        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        Code::FailedPrecondition => "FAILED_PRECONDITION",
+        Code::Aborted => "ABORTED",
+        Code::OutOfRange => "OUT_OF_RANGE",
+        Code::Unimplemented => "UNIMPLEMENTED",
+        Code::Internal => "INTERNAL",
+        Code::Unavailable => "UNAVAILABLE",
+        Code::DataLoss => "DATA_LOSS",
+        Code::Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic_types::{ErrorDetails, StatusExt};
+
+    #[test]
+    fn reads_crashed_from_error_info() {
+        let status = tonic::Status::with_error_details(
+            Code::FailedPrecondition,
+            "AssignWorker prerequisite not met (got STATUS_CRASHED, want SUSPENDED or PAUSED)",
+            ErrorDetails::with_error_info(ACTOR_CRASHED, "ateapi", []),
+        );
+        let e = ResumeError::from(status);
+        assert!(e.is_crashed());
+        assert_eq!(e.code(), Code::FailedPrecondition);
+        assert_eq!(
+            e.message(),
+            "AssignWorker prerequisite not met (got STATUS_CRASHED, want SUSPENDED or PAUSED)"
+        );
+
+        let other = tonic::Status::with_error_details(
+            Code::FailedPrecondition,
+            "x",
+            ErrorDetails::with_error_info("SOMETHING_ELSE", "ateapi", []),
+        );
+        assert!(!ResumeError::from(other).is_crashed());
+        assert!(!ResumeError::from(tonic::Status::failed_precondition("x")).is_crashed());
+    }
+}

@@ -1,0 +1,273 @@
+//! The router's metrics: OpenTelemetry instruments (meter `atenet-router`) exported
+//! through a Prometheus registry that [`Metrics::render`] turns into exposition text.
+//!
+//! Names follow `parking.md`; Prometheus replaces dots with underscores, adds `_total` to
+//! counters and the unit to the histograms (`…_wait_duration_seconds`).
+
+use std::fmt;
+use std::time::Duration;
+
+use opentelemetry::KeyValue;
+use opentelemetry::metrics::{Counter, Histogram, MeterProvider as _, UpDownCounter};
+use opentelemetry_sdk::metrics::SdkMeterProvider;
+
+/// The OpenTelemetry meter name.
+pub const METER: &str = "atenet-router";
+
+/// Bucket bounds (seconds) of the wait and decision histograms: fine below a second,
+/// where the fast path and most parks end, out to the longest decision.
+const SECONDS_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 7.5, 10.0,
+    15.0, 30.0, 60.0,
+];
+
+/// How a parked request's wait ended: the `outcome` label of
+/// `atenet.router.parking.wait.duration`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ParkOutcome {
+    /// The flight succeeded and the request was routed.
+    Served,
+    /// The budget ran out on a retryable condition.
+    BudgetExhausted,
+    /// The client went away while parked.
+    Canceled,
+    /// The request's own deadline ended while parked.
+    Timeout,
+    /// The flight failed with a non-retryable error.
+    Error,
+}
+
+impl ParkOutcome {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ParkOutcome::Served => "served",
+            ParkOutcome::BudgetExhausted => "budget_exhausted",
+            ParkOutcome::Canceled => "canceled",
+            ParkOutcome::Timeout => "timeout",
+            ParkOutcome::Error => "error",
+        }
+    }
+}
+
+impl fmt::Display for ParkOutcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The instruments of one router, with their own registry (so routers in one process,
+/// as in tests, never share counts).
+pub struct Metrics {
+    registry: prometheus::Registry,
+    _provider: SdkMeterProvider,
+    parking_active: UpDownCounter<i64>,
+    parking_wait: Histogram<f64>,
+    parking_rejected: Counter<u64>,
+    requests: Counter<u64>,
+    resume_attempts: Counter<u64>,
+    flights_active: UpDownCounter<i64>,
+    decision_duration: Histogram<f64>,
+}
+
+impl fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Creates the instruments on a fresh registry.
+    pub fn new() -> Self {
+        let registry = prometheus::Registry::new();
+        let exporter = opentelemetry_prometheus::exporter()
+            .with_registry(registry.clone())
+            .build()
+            .expect("a fresh registry accepts the exporter");
+        let provider = SdkMeterProvider::builder().with_reader(exporter).build();
+        let meter = provider.meter(METER);
+        Self {
+            parking_active: meter
+                .i64_up_down_counter("atenet.router.parking.active")
+                .with_description("Requests currently parked.")
+                .build(),
+            parking_wait: meter
+                .f64_histogram("atenet.router.parking.wait.duration")
+                .with_description(
+                    "Time each parked request spent parked, recorded once when its wait ends.",
+                )
+                .with_unit("s")
+                .with_boundaries(SECONDS_BUCKETS.to_vec())
+                .build(),
+            parking_rejected: meter
+                .u64_counter("atenet.router.parking.rejected")
+                .with_description("Requests shed because the parking lot was full.")
+                .build(),
+            requests: meter
+                .u64_counter("atenet.router.requests")
+                .with_description("Requests decided, by HTTP status and verdict.")
+                .build(),
+            resume_attempts: meter
+                .u64_counter("atenet.router.resume.attempts")
+                .with_description("ResumeActor attempts, by gRPC code.")
+                .build(),
+            flights_active: meter
+                .i64_up_down_counter("atenet.router.flights.active")
+                .with_description("Resume flights in progress.")
+                .build(),
+            decision_duration: meter
+                .f64_histogram("atenet.router.route.duration")
+                .with_description("Time from a request's arrival to the router's decision.")
+                .with_unit("s")
+                .with_boundaries(SECONDS_BUCKETS.to_vec())
+                .build(),
+            registry,
+            _provider: provider,
+        }
+    }
+
+    pub(crate) fn parked(&self, delta: i64) {
+        self.parking_active.add(delta, &[]);
+    }
+
+    pub(crate) fn wait_ended(&self, waited: Duration, outcome: ParkOutcome) {
+        self.parking_wait.record(
+            waited.as_secs_f64(),
+            &[KeyValue::new("outcome", outcome.as_str())],
+        );
+    }
+
+    pub(crate) fn rejected(&self) {
+        self.parking_rejected.add(1, &[]);
+    }
+
+    pub(crate) fn decided(&self, status: u16, verdict: &'static str, took: Duration) {
+        self.requests.add(
+            1,
+            &[
+                KeyValue::new("status", i64::from(status)),
+                KeyValue::new("verdict", verdict),
+            ],
+        );
+        self.decision_duration.record(took.as_secs_f64(), &[]);
+    }
+
+    pub(crate) fn resume_attempt(&self, code: &'static str) {
+        self.resume_attempts.add(1, &[KeyValue::new("code", code)]);
+    }
+
+    pub(crate) fn flight_started(&self) {
+        self.flights_active.add(1, &[]);
+    }
+
+    pub(crate) fn flight_ended(&self) {
+        self.flights_active.add(-1, &[]);
+    }
+
+    /// Every metric as Prometheus text exposition (format 0.0.4).
+    pub fn render(&self) -> String {
+        prometheus::TextEncoder::new()
+            .encode_to_string(&self.registry.gather())
+            .unwrap_or_else(|e| format!("# error encoding metrics: {e}\n"))
+    }
+
+    /// The value of one series of [`Self::render`]'s output: the sample called `name`
+    /// whose labels include `labels`, summed over the other labels; 0 when absent.
+    pub fn sample(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        sample_of(&self.render(), name, labels)
+    }
+}
+
+/// Reads a sample out of Prometheus text: see [`Metrics::sample`].
+pub fn sample_of(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let mut total = 0.0;
+    for line in text.lines() {
+        if line.starts_with('#') || line.is_empty() {
+            continue;
+        }
+        let Some((series, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let (series_name, series_labels) = match series.split_once('{') {
+            Some((n, rest)) => (n, rest.strip_suffix('}').unwrap_or(rest)),
+            None => (series, ""),
+        };
+        if series_name != name {
+            continue;
+        }
+        let pairs: Vec<(&str, &str)> = series_labels
+            .split(',')
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (k, v.trim_matches('"')))
+            .collect();
+        if labels.iter().all(|want| pairs.contains(want)) {
+            total += value.parse::<f64>().unwrap_or(0.0);
+        }
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_in_exposition() {
+        let m = Metrics::new();
+        m.parked(1);
+        m.wait_ended(Duration::from_millis(300), ParkOutcome::Served);
+        m.rejected();
+        m.decided(200, "routed", Duration::from_millis(2));
+        m.resume_attempt("RESOURCE_EXHAUSTED");
+        m.flight_started();
+        let text = m.render();
+        for name in [
+            "atenet_router_parking_active",
+            "atenet_router_parking_wait_duration_seconds_bucket",
+            "atenet_router_parking_rejected_total",
+            "atenet_router_requests_total",
+            "atenet_router_resume_attempts_total",
+            "atenet_router_flights_active",
+            "atenet_router_route_duration_seconds_count",
+        ] {
+            assert!(text.contains(name), "{name} missing from:\n{text}");
+        }
+        assert_eq!(m.sample("atenet_router_parking_active", &[]), 1.0);
+        assert_eq!(
+            m.sample(
+                "atenet_router_parking_wait_duration_seconds_count",
+                &[("outcome", "served")]
+            ),
+            1.0
+        );
+        assert_eq!(
+            m.sample(
+                "atenet_router_parking_wait_duration_seconds_sum",
+                &[("outcome", "served")]
+            ),
+            0.3
+        );
+        assert_eq!(
+            m.sample(
+                "atenet_router_requests_total",
+                &[("status", "200"), ("verdict", "routed")]
+            ),
+            1.0
+        );
+        assert_eq!(
+            m.sample(
+                "atenet_router_resume_attempts_total",
+                &[("code", "RESOURCE_EXHAUSTED")]
+            ),
+            1.0
+        );
+        assert_eq!(m.sample("atenet_router_parking_rejected_total", &[]), 1.0);
+        assert_eq!(m.sample("absent", &[]), 0.0);
+    }
+}

@@ -1,0 +1,257 @@
+//! The decision pipeline: host → actor → flight → (lot) → route or verdict.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::addr::{ActorRef, parse_host};
+use crate::config::RouterConfig;
+use crate::control::ControlPlane;
+use crate::flight::{FlightState, FlightWatch, Registry};
+use crate::lot::{ParkingLot, Slot};
+use crate::metrics::{Metrics, ParkOutcome};
+use crate::retry;
+use crate::verdict::{Denial, Verdict};
+
+/// Where to send a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    /// The actor the request is for.
+    pub actor: ActorRef,
+    /// Its worker's address.
+    pub addr: SocketAddr,
+}
+
+/// The router's decision for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Forward to the actor's worker.
+    Route(Route),
+    /// Answer with this verdict.
+    Deny(Denial, Verdict),
+}
+
+impl Decision {
+    /// The HTTP status this decision answers with (200 for a route: the actor's own
+    /// status is not the router's).
+    pub fn status(&self) -> u16 {
+        match self {
+            Decision::Route(_) => 200,
+            Decision::Deny(_, v) => v.status(),
+        }
+    }
+}
+
+/// The request-parking router: cheap to clone, shared by every data plane.
+#[derive(Debug, Clone)]
+pub struct Router {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    config: Arc<RouterConfig>,
+    control_plane: Arc<dyn ControlPlane>,
+    flights: Arc<Registry>,
+    lot: ParkingLot,
+    metrics: Arc<Metrics>,
+    tasks: TaskTracker,
+    cutoff: CancellationToken,
+}
+
+impl std::fmt::Debug for dyn ControlPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ControlPlane")
+    }
+}
+
+impl Router {
+    /// A router over `control_plane` with `config`, counting into `metrics`.
+    pub fn new(
+        config: Arc<RouterConfig>,
+        control_plane: Arc<dyn ControlPlane>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                lot: ParkingLot::new(config.parking().max_parked(), Arc::clone(&metrics)),
+                flights: Registry::new(Arc::clone(&metrics)),
+                config,
+                control_plane,
+                metrics,
+                tasks: TaskTracker::new(),
+                cutoff: CancellationToken::new(),
+            }),
+        }
+    }
+
+    /// The resolved configuration.
+    pub fn config(&self) -> &RouterConfig {
+        &self.inner.config
+    }
+
+    /// The metrics.
+    pub fn metrics(&self) -> &Metrics {
+        &self.inner.metrics
+    }
+
+    /// The parking lot (for status pages).
+    pub fn lot(&self) -> &ParkingLot {
+        &self.inner.lot
+    }
+
+    /// Resume flights in progress.
+    pub fn flights_in_progress(&self) -> usize {
+        self.inner.flights.len()
+    }
+
+    /// Decides a request for `host`, waiting at most until `deadline` (the request's own
+    /// deadline). Dropping the future means the caller went away: its parking slot is
+    /// freed at once and `canceled` recorded; the flight goes on for the others.
+    pub async fn decide(&self, host: &str, deadline: Instant) -> Decision {
+        let mut record = Recording {
+            metrics: &self.inner.metrics,
+            started: Instant::now(),
+            done: false,
+        };
+        let decision = match parse_host(host, self.inner.config.actor_domain()) {
+            Err(e) => deny(Denial::InvalidHost(e)),
+            Ok(actor) => match self.resolve(&actor, deadline).await {
+                Ok(addr) => Decision::Route(Route { actor, addr }),
+                Err(denial) => deny(denial),
+            },
+        };
+        record.finish(&decision);
+        decision
+    }
+
+    /// Makes every request still waiting answer `router shutting down` (the drain
+    /// timeout has passed). Flights themselves run on to their own result.
+    pub fn cut_off_waiting(&self) {
+        self.inner.cutoff.cancel();
+    }
+
+    /// Waits for every flight task to end; call after the data planes stop accepting.
+    pub async fn flights_finished(&self) {
+        self.inner.tasks.close();
+        self.inner.tasks.wait().await;
+    }
+
+    async fn resolve(&self, actor: &ActorRef, deadline: Instant) -> Result<SocketAddr, Denial> {
+        let budget = self.inner.config.parking().flight_budget();
+        let (watch, flight) = self.inner.flights.join(actor, budget);
+        if let Some(flight) = flight {
+            self.spawn_flight(flight);
+        }
+        let mut wait = Wait {
+            actor,
+            watch,
+            slot: None,
+        };
+        tokio::select! {
+            biased;
+            result = wait.until_done(&self.inner.lot) => result,
+            () = tokio::time::sleep_until(deadline) => Err(wait.end(Denial::CallerDeadline(actor.clone()))),
+            () = self.inner.cutoff.cancelled() => Err(wait.end(Denial::ShuttingDown(actor.clone()))),
+        }
+    }
+
+    fn spawn_flight(&self, flight: crate::flight::Flight) {
+        let inner = &self.inner;
+        inner.tasks.spawn(retry::run(
+            flight,
+            Arc::clone(&inner.control_plane),
+            inner.config.parking().clone(),
+            inner.config.worker_port(),
+            Arc::clone(&inner.metrics),
+        ));
+    }
+}
+
+fn deny(denial: Denial) -> Decision {
+    let verdict = Verdict::of(&denial);
+    Decision::Deny(denial, verdict)
+}
+
+/// One caller's wait on its flight, holding a slot once the flight parks.
+struct Wait<'a> {
+    actor: &'a ActorRef,
+    watch: FlightWatch,
+    slot: Option<Slot>,
+}
+
+impl Wait<'_> {
+    async fn until_done(&mut self, lot: &ParkingLot) -> Result<SocketAddr, Denial> {
+        loop {
+            let state = self.watch.borrow_and_update().clone();
+            match state {
+                FlightState::Resolving => {}
+                FlightState::Parked => {
+                    if self.slot.is_none() {
+                        match lot.try_park() {
+                            Some(slot) => self.slot = Some(slot),
+                            None => return Err(Denial::LotFull(self.actor.clone())),
+                        }
+                    }
+                }
+                FlightState::Done(result) => {
+                    return match result {
+                        Ok(addr) => {
+                            if let Some(slot) = self.slot.take() {
+                                slot.finish(ParkOutcome::Served);
+                            }
+                            Ok(addr)
+                        }
+                        Err(e) => Err(self.end(Denial::Flight(self.actor.clone(), e))),
+                    };
+                }
+            }
+            if self.watch.changed().await.is_err() {
+                // The flight always publishes before its sender goes; this is a flight
+                // whose task was dropped mid-publish.
+                let lost = crate::flight::FlightError::Lost;
+                return Err(self.end(Denial::Flight(self.actor.clone(), lost)));
+            }
+        }
+    }
+
+    /// Ends the wait with `denial`, recording the parked outcome if a slot was held.
+    fn end(&mut self, denial: Denial) -> Denial {
+        if let Some(slot) = self.slot.take() {
+            slot.finish(denial.park_outcome());
+        }
+        denial
+    }
+}
+
+/// Counts a decision once: as decided, or as `canceled` (408) when the caller's future
+/// is dropped first.
+struct Recording<'a> {
+    metrics: &'a Metrics,
+    started: Instant,
+    done: bool,
+}
+
+impl Recording<'_> {
+    fn finish(&mut self, decision: &Decision) {
+        self.done = true;
+        let verdict = match decision {
+            Decision::Route(_) => "routed",
+            Decision::Deny(_, v) => v.reason(),
+        };
+        self.metrics
+            .decided(decision.status(), verdict, self.started.elapsed());
+    }
+}
+
+impl Drop for Recording<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.metrics
+                .decided(408, "canceled", self.started.elapsed());
+        }
+    }
+}
