@@ -370,7 +370,27 @@ impl ParkingConfig {
     }
 }
 
+/// `RouterArgs` parsed on their own, for tests, benchmarks and embedders.
+#[derive(Debug, clap::Parser)]
+#[command(no_binary_name = true)]
+struct RouterFlags {
+    #[command(flatten)]
+    args: RouterArgs,
+}
+
 impl RouterArgs {
+    /// Parses router flags (no program name), with the defaults and `VALET_…` variables.
+    ///
+    /// # Errors
+    /// Clap's error for an unknown flag or an unparsable value.
+    pub fn try_parse_flags<I, T>(flags: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        <RouterFlags as clap::Parser>::try_parse_from(flags).map(|f| f.args)
+    }
+
     /// Validates every flag and derives `--extproc-max-requests` and `--drain-timeout`.
     ///
     /// # Errors

@@ -6,6 +6,7 @@
 //! active count is the semaphore's and can never go negative.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
@@ -17,6 +18,7 @@ use crate::metrics::{Metrics, ParkOutcome};
 pub struct ParkingLot {
     permits: Arc<Semaphore>,
     capacity: usize,
+    admitted: AtomicU64,
     metrics: Arc<Metrics>,
 }
 
@@ -26,6 +28,7 @@ impl ParkingLot {
         Self {
             permits: Arc::new(Semaphore::new(capacity.min(Semaphore::MAX_PERMITS))),
             capacity,
+            admitted: AtomicU64::new(0),
             metrics,
         }
     }
@@ -40,10 +43,16 @@ impl ParkingLot {
         self.capacity - self.permits.available_permits()
     }
 
+    /// Requests ever parked (slots ever taken).
+    pub fn admitted_total(&self) -> u64 {
+        self.admitted.load(Ordering::Relaxed)
+    }
+
     /// Takes a slot, or counts a rejection when the lot is full.
     pub(crate) fn try_park(&self) -> Option<Slot> {
         match Arc::clone(&self.permits).try_acquire_owned() {
             Ok(permit) => {
+                self.admitted.fetch_add(1, Ordering::Relaxed);
                 self.metrics.parked(1);
                 Some(Slot {
                     _permit: permit,

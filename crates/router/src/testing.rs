@@ -68,6 +68,8 @@ impl Calls {
 pub struct Call {
     /// What the router asked.
     pub request: ResumeRequest,
+    /// When it asked.
+    pub asked_at: tokio::time::Instant,
     reply: oneshot::Sender<Result<ateapi::Actor, ResumeError>>,
 }
 
@@ -125,6 +127,7 @@ impl ControlPlane for Scripted {
         let (reply, answer) = oneshot::channel();
         let sent = self.calls.send(Call {
             request: req,
+            asked_at: tokio::time::Instant::now(),
             reply,
         });
         Box::pin(async move {
