@@ -527,7 +527,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 pub fn fmt_duration(d: Duration) -> String {
     if d.is_zero() {
         "0s".to_owned()
-    } else if d.subsec_nanos() % 1_000_000 == 0 && d < Duration::from_secs(1) {
+    } else if d.subsec_nanos().is_multiple_of(1_000_000) && d < Duration::from_secs(1) {
         format!("{}ms", d.as_millis())
     } else if d.subsec_nanos() == 0 {
         format!("{}s", d.as_secs())

@@ -1,0 +1,154 @@
+//! The `valet` binary's command line: exit statuses, one-line errors, `--help`, and
+//! the `VALET_…` environment variables.
+
+use std::process::{Command, Output};
+
+fn valet(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_valet"));
+    cmd.args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("valet runs")
+}
+
+fn stderr_lines(o: &Output) -> Vec<String> {
+    String::from_utf8_lossy(&o.stderr)
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn invalid_configuration_exits_64_with_one_line() {
+    let o = valet(&["router", "--parked-request-retry-factor", "0.5"], &[]);
+    assert_eq!(o.status.code(), Some(64));
+    assert_eq!(
+        stderr_lines(&o),
+        vec![
+            "valet router: invalid configuration: --parked-request-retry-factor=0.5: must be >= 1"
+        ]
+    );
+}
+
+#[test]
+fn unparsable_value_exits_64_with_one_line_naming_flag_and_value() {
+    let o = valet(&["router", "--parked-request-budget", "five"], &[]);
+    assert_eq!(o.status.code(), Some(64));
+    let lines = stderr_lines(&o);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(lines[0].contains("--parked-request-budget"), "{}", lines[0]);
+    assert!(lines[0].contains("five"), "{}", lines[0]);
+}
+
+#[test]
+fn explicit_breaker_below_the_lot_is_refused() {
+    let o = valet(
+        &[
+            "router",
+            "--parked-request-max",
+            "2000",
+            "--extproc-max-requests",
+            "1500",
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(64));
+    assert_eq!(
+        stderr_lines(&o),
+        vec![
+            "valet router: invalid configuration: --extproc-max-requests=1500: must be >= --parked-request-max (2000), or 0 to derive it"
+        ]
+    );
+}
+
+#[test]
+fn environment_variables_configure_the_router() {
+    let o = valet(&["router"], &[("VALET_PARKED_REQUEST_BUDGET", "0s")]);
+    assert_eq!(o.status.code(), Some(64));
+    assert!(stderr_lines(&o)[0].contains("--parked-request-budget=0s: must be > 0"));
+
+    let o = valet(
+        &["router"],
+        &[
+            ("VALET_PARKED_REQUEST_MAX", "3000"),
+            ("VALET_DRAIN_DELAY", "2s"),
+        ],
+    );
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("--parked-request-max=3000"), "{out}");
+    assert!(out.contains("--extproc-max-requests=6000"), "{out}");
+    assert!(out.contains("--drain-delay=2s"), "{out}");
+    assert!(out.contains("--drain-timeout=10s"), "{out}");
+}
+
+#[test]
+fn help_lists_every_flag_with_default_and_variable() {
+    let o = valet(&["router", "--help"], &[]);
+    assert_eq!(o.status.code(), Some(0));
+    let help = String::from_utf8_lossy(&o.stdout);
+    for (flag, default) in [
+        ("--listen", "0.0.0.0:8080"),
+        ("--extproc-listen", "0.0.0.0:50051"),
+        ("--admin-listen", "127.0.0.1:4040"),
+        ("--control-plane", "http://127.0.0.1:7070"),
+        ("--actor-domain", "actors.resources.substrate.ate.dev"),
+        ("--worker-port", "80"),
+        ("--parked-request-budget", "5s"),
+        ("--parked-request-max", "1024"),
+        ("--parked-request-retry-interval", "100ms"),
+        ("--parked-request-retry-factor", "1.1"),
+        ("--parked-request-retry-jitter", "0.1"),
+        ("--extproc-max-requests", "0"),
+        ("--resume-attempt-timeout", "30s"),
+        ("--drain-delay", "0s"),
+        ("--drain-timeout", "0s"),
+    ] {
+        let var = format!(
+            "VALET_{}",
+            flag.trim_start_matches("--")
+                .replace('-', "_")
+                .to_uppercase()
+        );
+        let block = flag_block(&help, flag);
+        assert!(
+            block.contains(&format!("[default: {default}]")),
+            "{flag}: {block}"
+        );
+        assert!(block.contains(&format!("[env: {var}=")), "{flag}: {block}");
+    }
+}
+
+/// The lines of `--help` that describe `flag`.
+fn flag_block(help: &str, flag: &str) -> String {
+    let mut block = String::new();
+    let mut inside = false;
+    for line in help.lines() {
+        let trimmed = line.trim_start();
+        let indent = line.len() - trimmed.len();
+        // Flag lines are indented less than their (possibly wrapped) descriptions.
+        if trimmed.starts_with('-') && indent < 8 {
+            inside = trimmed.starts_with(&format!("{flag} "));
+        }
+        if inside {
+            block.push_str(line);
+            block.push('\n');
+        }
+    }
+    assert!(!block.is_empty(), "{flag} missing from --help:\n{help}");
+    // Help wraps with the terminal's width; compare with whitespace folded.
+    block.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+#[test]
+fn no_subcommand_is_a_usage_error() {
+    let o = valet(&[], &[]);
+    assert_eq!(o.status.code(), Some(64));
+}
