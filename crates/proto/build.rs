@@ -15,7 +15,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .file_descriptor_set_path(out_dir.join("ateapi_descriptor.bin"))
         .compile_with_config(
             config,
-            &[PathBuf::from("proto/ateapi.proto")],
+            &[
+                PathBuf::from("proto/ateapi.proto"),
+                PathBuf::from("proto/worker.proto"),
+            ],
             &[PathBuf::from("proto"), well_known],
         )?;
     println!("cargo:rerun-if-changed=proto");

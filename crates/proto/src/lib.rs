@@ -12,3 +12,9 @@ pub mod ateapi {
     /// The encoded `FileDescriptorSet` of `ateapi.proto`, for gRPC server reflection.
     pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("ateapi_descriptor");
 }
+
+/// `valet.worker`: how reference workers attach to the reference control plane.
+#[allow(missing_docs, unreachable_pub, missing_debug_implementations)]
+pub mod worker {
+    tonic::include_proto!("valet.worker");
+}

@@ -1,10 +1,13 @@
 //! The command-line tree: one subcommand per part (`cli.md`, "Subcommands").
 
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::error::ErrorKind;
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use valet_router::RouterArgs;
+use valet_router::config::parse_duration;
 
 use crate::EXIT_CONFIG;
 
@@ -20,21 +23,199 @@ pub(crate) struct Cli {
 pub(crate) enum Command {
     /// The router alone: parks requests for actors whose pool is full.
     Router(RouterArgs),
+    /// The reference control plane (ateapi.Control) with its embedded database.
+    ControlPlane(ControlPlaneArgs),
+    /// One reference worker: joins a pool of a running control plane.
+    Worker(WorkerArgs),
+    /// A client of any ateapi.Control server.
+    Ctl(CtlArgs),
+}
+
+/// Default `--listen` of the control plane.
+pub(crate) const DEFAULT_CONTROL_PLANE_LISTEN: &str = "127.0.0.1:7070";
+/// Default `--data-dir`.
+pub(crate) const DEFAULT_DATA_DIR: &str = "./valet-data";
+/// Default control-plane address of workers and `valet ctl`.
+pub(crate) const DEFAULT_CONTROL_PLANE: &str = "http://127.0.0.1:7070";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum OnOff {
+    On,
+    Off,
+}
+
+#[derive(Debug, Clone, Args)]
+pub(crate) struct ControlPlaneArgs {
+    /// gRPC address of ateapi.Control; port 0 picks one.
+    #[arg(long, env = "VALET_CONTROL_PLANE_LISTEN", default_value = DEFAULT_CONTROL_PLANE_LISTEN, value_name = "ADDR")]
+    pub(crate) listen: std::net::SocketAddr,
+
+    /// Directory of the embedded database.
+    #[arg(long, env = "VALET_DATA_DIR", default_value = DEFAULT_DATA_DIR, value_name = "DIR")]
+    pub(crate) data_dir: PathBuf,
+
+    /// Honour ResumeActor's wait_for_capacity (first-come hand-off of freed workers);
+    /// off answers at once, like a server without the extension.
+    #[arg(
+        long,
+        env = "VALET_CAPACITY_WAIT",
+        default_value = "on",
+        value_name = "ON|OFF"
+    )]
+    pub(crate) capacity_wait: OnOff,
+
+    /// Declares an actor template (its pool has the same name): NAME, NAME:data or
+    /// NAME:full (the snapshot a suspend takes). `counter` (data) is always known.
+    #[arg(
+        long = "template",
+        env = "VALET_TEMPLATES",
+        value_delimiter = ',',
+        value_name = "NAME[:data|full]"
+    )]
+    pub(crate) templates: Vec<valet_control::Template>,
+
+    /// How long a worker may take to restore an actor before it counts as crashed.
+    #[arg(long, env = "VALET_RESTORE_TIMEOUT", default_value = "60s", value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) restore_timeout: Duration,
+
+    /// After a restart, how long RUNNING actors' workers have to re-attach before the
+    /// actors go back to SUSPENDED.
+    #[arg(long, env = "VALET_REJOIN_GRACE", default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) rejoin_grace: Duration,
+}
+
+#[derive(Debug, Clone, Args)]
+pub(crate) struct WorkerArgs {
+    /// The control plane to join.
+    #[arg(long, env = "VALET_CONTROL_PLANE", default_value = DEFAULT_CONTROL_PLANE, value_name = "URL")]
+    pub(crate) control_plane: String,
+
+    /// The pool to join.
+    #[arg(
+        long,
+        env = "VALET_POOL",
+        default_value = "counter",
+        value_name = "NAME"
+    )]
+    pub(crate) pool: String,
+
+    /// Address of the hosted actor's app; port 0 picks one.
+    #[arg(
+        long,
+        env = "VALET_WORKER_LISTEN",
+        default_value = "127.0.0.1:0",
+        value_name = "ADDR"
+    )]
+    pub(crate) listen: std::net::SocketAddr,
+
+    /// Directory of actor snapshots; workers sharing it can move actors between them.
+    #[arg(
+        long,
+        env = "VALET_SNAPSHOT_DIR",
+        default_value = "./valet-data/snapshots",
+        value_name = "DIR"
+    )]
+    pub(crate) snapshot_dir: PathBuf,
+
+    /// Extra time each restore takes, to model a real sandbox's restore cost.
+    #[arg(long, env = "VALET_RESTORE_DELAY", default_value = "0s", value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) restore_delay: Duration,
+
+    /// This worker's id (random when unset); keep it to re-attach with the same actor.
+    #[arg(long, env = "VALET_WORKER_ID", value_name = "ID")]
+    pub(crate) worker_id: Option<String>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub(crate) struct CtlArgs {
+    /// The ateapi.Control server.
+    #[arg(long, env = "VALET_CONTROL_PLANE", default_value = DEFAULT_CONTROL_PLANE, value_name = "URL", global = true)]
+    pub(crate) control_plane: String,
+
+    /// Print JSON instead of tables.
+    #[arg(long, env = "VALET_JSON", global = true)]
+    pub(crate) json: bool,
+
+    /// Deadline of each call.
+    #[arg(long, env = "VALET_CTL_TIMEOUT", default_value = "30s", value_parser = parse_duration, value_name = "DURATION", global = true)]
+    pub(crate) timeout: Duration,
+
+    #[command(subcommand)]
+    pub(crate) command: CtlCommand,
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub(crate) enum CtlCommand {
+    /// Atespaces: create, list, delete.
+    #[command(subcommand)]
+    Atespace(AtespaceCommand),
+    /// Actors: create, get, list, suspend, resume, revert, delete.
+    #[command(subcommand)]
+    Actor(ActorCommand),
+    /// Workers and the actors they host.
+    Workers,
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub(crate) enum AtespaceCommand {
+    /// Creates an atespace.
+    Create { name: String },
+    /// Lists atespaces.
+    List,
+    /// Deletes an (empty) atespace.
+    Delete { name: String },
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub(crate) enum ActorCommand {
+    /// Creates an actor (SUSPENDED) from a template.
+    Create {
+        /// `atespace/name`.
+        actor: String,
+        /// The template (and so the pool).
+        #[arg(long, default_value = "counter")]
+        template: String,
+        /// The template's namespace.
+        #[arg(long, default_value = "default")]
+        template_namespace: String,
+    },
+    /// Shows one actor.
+    Get { actor: String },
+    /// Lists actors, all pages.
+    List {
+        /// Only this atespace.
+        #[arg(long)]
+        atespace: Option<String>,
+        /// Actors per page asked of the server.
+        #[arg(long, default_value_t = 100)]
+        page_size: i32,
+    },
+    /// Suspends a running actor (checkpoint, free its worker).
+    Suspend { actor: String },
+    /// Resumes an actor on a free worker of its pool.
+    Resume {
+        actor: String,
+        /// Wait this long for a worker when the pool is full (the extension).
+        #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+        wait_for_capacity: Option<Duration>,
+    },
+    /// Brings a crashed actor back to SUSPENDED from its last good snapshot.
+    Revert { actor: String },
+    /// Deletes a suspended or crashed actor.
+    Delete { actor: String },
 }
 
 /// Prints a command-line error and picks the exit status: 0 for `--help` and
 /// `--version`, 64 (one line naming the flag, the value and the rule) for the rest.
 pub(crate) fn parse_error_exit(e: &clap::Error) -> ExitCode {
     match e.kind() {
-        ErrorKind::DisplayHelp
-        | ErrorKind::DisplayVersion
-        | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
             let _ = e.print();
-            if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
-                ExitCode::from(EXIT_CONFIG)
-            } else {
-                ExitCode::SUCCESS
-            }
+            ExitCode::SUCCESS
+        }
+        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            let _ = e.print();
+            ExitCode::from(EXIT_CONFIG)
         }
         _ => {
             let rendered = e.render().to_string();

@@ -4,6 +4,8 @@
 #![forbid(unsafe_code)]
 
 mod cli;
+mod cmd;
+mod signal;
 
 use std::process::ExitCode;
 
@@ -19,23 +21,35 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return cli::parse_error_exit(&e),
     };
-    match cli.command {
-        Command::Router(args) => {
-            let config = match args.resolve() {
-                Ok(c) => c,
-                Err(e) => {
-                    eprintln!("valet router: {e}");
-                    return ExitCode::from(EXIT_CONFIG);
-                }
-            };
-            println!("valet router: resolved configuration");
-            for (flag, value) in config.effective_flags() {
-                println!("  {flag}={value}");
-            }
-            println!(
-                "valet router: the data planes are not built yet; configuration is valid, exiting"
-            );
-            ExitCode::SUCCESS
+    init_tracing();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("valet: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
         }
-    }
+    };
+    runtime.block_on(async move {
+        match cli.command {
+            Command::Router(args) => cmd::router::run(args).await,
+            Command::ControlPlane(args) => cmd::control_plane::run(args).await,
+            Command::Worker(args) => cmd::worker::run(args).await,
+            Command::Ctl(args) => cmd::ctl::run(args).await,
+        }
+    })
+}
+
+fn init_tracing() {
+    use std::io::IsTerminal;
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("VALET_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
 }

@@ -1,0 +1,260 @@
+//! The gRPC face of the plane: `ateapi.Control`, `valet.worker.Workers` and server
+//! reflection, on one listener.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Request, Response, Status, Streaming};
+use valet_proto::ateapi::{self, control_server};
+use valet_proto::worker::{
+    self as wk, worker_command::Command, worker_event::Event, workers_server,
+};
+
+use crate::link::WorkerLink;
+use crate::model::ActorKey;
+use crate::plane::Plane;
+
+/// Largest gRPC message the control plane accepts.
+pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
+
+/// Serves the plane on `listener` until `shutdown` resolves.
+///
+/// # Errors
+/// When the server fails.
+pub async fn serve(
+    listener: TcpListener,
+    plane: Plane,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), tonic::transport::Error> {
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(valet_proto::ateapi::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .expect("the embedded descriptor set is valid");
+    tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .http2_keepalive_interval(Some(Duration::from_secs(1)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(3)))
+        .add_service(
+            control_server::ControlServer::new(ControlService {
+                plane: plane.clone(),
+            })
+            .max_decoding_message_size(MAX_MESSAGE_BYTES),
+        )
+        .add_service(
+            workers_server::WorkersServer::new(WorkersService { plane })
+                .max_decoding_message_size(MAX_MESSAGE_BYTES),
+        )
+        .add_service(reflection)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await
+}
+
+/// `ateapi.Control` over the plane.
+#[derive(Debug, Clone)]
+pub struct ControlService {
+    plane: Plane,
+}
+
+type Res<T> = Result<Response<T>, Status>;
+
+#[tonic::async_trait]
+impl control_server::Control for ControlService {
+    async fn get_actor(
+        &self,
+        r: Request<ateapi::GetActorRequest>,
+    ) -> Res<ateapi::GetActorResponse> {
+        let key = ActorKey::from_ref(r.get_ref().actor_ref.as_ref())?;
+        let actor = self.plane.get_actor(&key)?;
+        Ok(Response::new(ateapi::GetActorResponse {
+            actor: Some(actor),
+        }))
+    }
+
+    async fn create_actor(
+        &self,
+        r: Request<ateapi::CreateActorRequest>,
+    ) -> Res<ateapi::CreateActorResponse> {
+        let r = r.into_inner();
+        let key = ActorKey::from_ref(r.actor_ref.as_ref())?;
+        if r.actor_template_name.is_empty() {
+            return Err(Status::invalid_argument("actor_template_name is required"));
+        }
+        let mut selector: Vec<(String, String)> = r
+            .worker_selector
+            .map(|s| s.match_labels.into_iter().collect())
+            .unwrap_or_default();
+        selector.sort();
+        if selector.len() > 32
+            || selector
+                .iter()
+                .any(|(k, v)| k.len() > 63 || v.len() > 253 || k.contains('\n') || v.contains('\n'))
+        {
+            return Err(Status::invalid_argument(
+                "worker_selector: at most 32 labels, keys up to 63 and values up to 253 characters, no newlines",
+            ));
+        }
+        let ns = if r.actor_template_namespace.is_empty() {
+            "default"
+        } else {
+            &r.actor_template_namespace
+        };
+        let actor = self
+            .plane
+            .create_actor(key, ns, &r.actor_template_name, selector)
+            .await?;
+        Ok(Response::new(ateapi::CreateActorResponse {
+            actor: Some(actor),
+        }))
+    }
+
+    async fn suspend_actor(
+        &self,
+        r: Request<ateapi::SuspendActorRequest>,
+    ) -> Res<ateapi::SuspendActorResponse> {
+        let key = ActorKey::from_ref(r.get_ref().actor_ref.as_ref())?;
+        let actor = self.plane.suspend_actor(key).await?;
+        Ok(Response::new(ateapi::SuspendActorResponse {
+            actor: Some(actor),
+        }))
+    }
+
+    async fn resume_actor(
+        &self,
+        r: Request<ateapi::ResumeActorRequest>,
+    ) -> Res<ateapi::ResumeActorResponse> {
+        let r = r.into_inner();
+        let key = ActorKey::from_ref(r.actor_ref.as_ref())?;
+        let wait =
+            match r.wait_for_capacity {
+                None => None,
+                Some(d) => Some(Duration::try_from(d).map_err(|_| {
+                    Status::invalid_argument("wait_for_capacity must not be negative")
+                })?),
+            };
+        let (actor, resumed) = self.plane.resume_actor(key, wait).await?;
+        Ok(Response::new(ateapi::ResumeActorResponse {
+            actor: Some(actor),
+            resumed,
+        }))
+    }
+
+    async fn delete_actor(&self, r: Request<ateapi::DeleteActorRequest>) -> Res<()> {
+        let key = ActorKey::from_ref(r.get_ref().actor_ref.as_ref())?;
+        self.plane.delete_actor(key).await?;
+        Ok(Response::new(()))
+    }
+
+    async fn list_workers(&self, _: Request<()>) -> Res<ateapi::ListWorkersResponse> {
+        Ok(Response::new(ateapi::ListWorkersResponse {
+            workers: self.plane.list_workers(),
+        }))
+    }
+
+    async fn list_actors(
+        &self,
+        r: Request<ateapi::ListActorsRequest>,
+    ) -> Res<ateapi::ListActorsResponse> {
+        let r = r.get_ref();
+        let (actors, next_page_token) =
+            self.plane
+                .list_actors(&r.atespace, r.page_size, &r.page_token)?;
+        Ok(Response::new(ateapi::ListActorsResponse {
+            actors,
+            next_page_token,
+        }))
+    }
+
+    async fn create_atespace(
+        &self,
+        r: Request<ateapi::CreateAtespaceRequest>,
+    ) -> Res<ateapi::CreateAtespaceResponse> {
+        let atespace = self.plane.create_atespace(&r.get_ref().name).await?;
+        Ok(Response::new(ateapi::CreateAtespaceResponse {
+            atespace: Some(atespace),
+        }))
+    }
+
+    async fn get_atespace(
+        &self,
+        r: Request<ateapi::GetAtespaceRequest>,
+    ) -> Res<ateapi::GetAtespaceResponse> {
+        let atespace = self.plane.get_atespace(&r.get_ref().name)?;
+        Ok(Response::new(ateapi::GetAtespaceResponse {
+            atespace: Some(atespace),
+        }))
+    }
+
+    async fn list_atespaces(&self, _: Request<()>) -> Res<ateapi::ListAtespacesResponse> {
+        Ok(Response::new(ateapi::ListAtespacesResponse {
+            atespaces: self.plane.list_atespaces(),
+        }))
+    }
+
+    async fn delete_atespace(&self, r: Request<ateapi::DeleteAtespaceRequest>) -> Res<()> {
+        self.plane.delete_atespace(&r.get_ref().name).await?;
+        Ok(Response::new(()))
+    }
+
+    async fn revert_actor(
+        &self,
+        r: Request<ateapi::RevertActorRequest>,
+    ) -> Res<ateapi::RevertActorResponse> {
+        let key = ActorKey::from_ref(r.get_ref().actor_ref.as_ref())?;
+        let actor = self.plane.revert_actor(key).await?;
+        Ok(Response::new(ateapi::RevertActorResponse {
+            actor: Some(actor),
+        }))
+    }
+}
+
+/// `valet.worker.Workers`: the streams reference workers attach with.
+#[derive(Debug, Clone)]
+pub struct WorkersService {
+    plane: Plane,
+}
+
+#[tonic::async_trait]
+impl workers_server::Workers for WorkersService {
+    type AttachStream =
+        Pin<Box<dyn tokio_stream::Stream<Item = Result<wk::WorkerCommand, Status>> + Send>>;
+
+    async fn attach(&self, r: Request<Streaming<wk::WorkerEvent>>) -> Res<Self::AttachStream> {
+        let mut inbound = r.into_inner();
+        let join = match inbound.message().await? {
+            Some(wk::WorkerEvent {
+                event: Some(Event::Join(join)),
+            }) => join,
+            _ => return Err(Status::invalid_argument("the first event must be a Join")),
+        };
+        let (tx, rx) = mpsc::channel(64);
+        let link = Arc::new(WorkerLink::new(tx.clone()));
+        let kept = self.plane.worker_joined(&join, Arc::clone(&link))?;
+        let _ = tx
+            .send(Ok(wk::WorkerCommand {
+                id: 0,
+                command: Some(Command::Welcome(wk::Welcome { hosting_kept: kept })),
+            }))
+            .await;
+        drop(tx);
+        let plane = self.plane.clone();
+        tokio::spawn(async move {
+            loop {
+                match inbound.message().await {
+                    Ok(Some(wk::WorkerEvent {
+                        event: Some(Event::Reply(reply)),
+                    })) => link.deliver(reply),
+                    Ok(Some(_)) => {}
+                    Ok(None) | Err(_) => break,
+                }
+            }
+            link.close();
+            plane.worker_left(&join.worker_id, &link);
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}

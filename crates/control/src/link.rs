@@ -1,0 +1,112 @@
+//! A worker's link: the command half of its `Attach` stream, with replies matched to
+//! commands by id. The link is closed when the stream ends; every call in progress
+//! then fails with [`LinkError::Gone`].
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+use valet_proto::worker::{Reply, WorkerCommand, worker_command};
+
+/// Why a command to a worker did not succeed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum LinkError {
+    /// The worker went away (its stream ended) before answering.
+    #[error("worker went away")]
+    Gone,
+    /// The worker did not answer in time.
+    #[error("worker did not answer within {0:?}")]
+    Timeout(Duration),
+    /// The worker answered that the command failed.
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// What the control plane sends on a worker's stream.
+pub(crate) type Outbound = mpsc::Sender<Result<WorkerCommand, tonic::Status>>;
+
+/// The control plane's end of one worker's stream.
+#[derive(Debug)]
+pub(crate) struct WorkerLink {
+    tx: Outbound,
+    pending: Mutex<Option<HashMap<u64, oneshot::Sender<Reply>>>>,
+    next_id: AtomicU64,
+}
+
+impl WorkerLink {
+    pub(crate) fn new(tx: Outbound) -> Self {
+        Self {
+            tx,
+            pending: Mutex::new(Some(HashMap::new())),
+            next_id: AtomicU64::new(1),
+        }
+    }
+
+    /// Sends `command` and waits up to `timeout` for the worker's reply.
+    pub(crate) async fn call(
+        &self,
+        command: worker_command::Command,
+        timeout: Duration,
+    ) -> Result<(), LinkError> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (reply_tx, reply_rx) = oneshot::channel();
+        match self.lock().as_mut() {
+            Some(pending) => pending.insert(id, reply_tx),
+            None => return Err(LinkError::Gone),
+        };
+        let sent = self
+            .tx
+            .send(Ok(WorkerCommand {
+                id,
+                command: Some(command),
+            }))
+            .await;
+        if sent.is_err() {
+            self.forget(id);
+            return Err(LinkError::Gone);
+        }
+        match tokio::time::timeout(timeout, reply_rx).await {
+            Ok(Ok(reply)) if reply.ok => Ok(()),
+            Ok(Ok(reply)) => Err(LinkError::Failed(reply.error)),
+            Ok(Err(_)) => Err(LinkError::Gone),
+            Err(_) => {
+                self.forget(id);
+                Err(LinkError::Timeout(timeout))
+            }
+        }
+    }
+
+    /// Sends a command without waiting for its reply.
+    pub(crate) fn notify(&self, command: worker_command::Command) {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let _ = self.tx.try_send(Ok(WorkerCommand {
+            id,
+            command: Some(command),
+        }));
+    }
+
+    /// Hands a reply to the call waiting for it.
+    pub(crate) fn deliver(&self, reply: Reply) {
+        let waiter = self.lock().as_mut().and_then(|p| p.remove(&reply.id));
+        if let Some(waiter) = waiter {
+            let _ = waiter.send(reply);
+        }
+    }
+
+    /// The stream ended: every call in progress fails with [`LinkError::Gone`].
+    pub(crate) fn close(&self) {
+        self.lock().take();
+    }
+
+    fn forget(&self, id: u64) {
+        if let Some(p) = self.lock().as_mut() {
+            p.remove(&id);
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<HashMap<u64, oneshot::Sender<Reply>>>> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}

@@ -1,0 +1,190 @@
+//! Names, templates and the protobuf views of the control plane's records.
+
+use std::fmt;
+use std::str::FromStr;
+
+use tonic::Status;
+use tonic_types::{ErrorDetails, StatusExt};
+use valet_proto::ateapi;
+use valet_proto::ateapi::actor::Status as ActorStatus;
+
+/// The `ErrorInfo.reason` of a crashed actor.
+pub const ACTOR_CRASHED: &str = "ACTOR_CRASHED";
+/// The `ErrorInfo.domain` of this control plane's errors.
+pub const ERROR_DOMAIN: &str = "ateapi";
+/// The namespace reported for workers and templates.
+pub const NAMESPACE: &str = "valet";
+
+/// An actor's identity: `(atespace, name)`. Every lock and lookup uses both.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ActorKey {
+    atespace: String,
+    name: String,
+}
+
+impl ActorKey {
+    /// Validates both parts as names.
+    ///
+    /// # Errors
+    /// `InvalidArgument` naming the bad part.
+    pub fn new(atespace: &str, name: &str) -> Result<Self, Status> {
+        check_name("atespace", atespace)?;
+        check_name("name", name)?;
+        Ok(Self {
+            atespace: atespace.to_owned(),
+            name: name.to_owned(),
+        })
+    }
+
+    /// From a request's `actor_ref`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` when missing or invalid.
+    pub fn from_ref(r: Option<&ateapi::ActorRef>) -> Result<Self, Status> {
+        let r = r.ok_or_else(|| Status::invalid_argument("actor_ref is required"))?;
+        Self::new(&r.atespace, &r.name)
+    }
+
+    pub fn atespace(&self) -> &str {
+        &self.atespace
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl fmt::Display for ActorKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.atespace, self.name)
+    }
+}
+
+/// Names of atespaces, actors and pools: DNS labels (1–63 of `a-z0-9-`, no `-` at the
+/// ends), so every actor is addressable by host.
+///
+/// # Errors
+/// `InvalidArgument` naming `what`, the value and the rule.
+pub fn check_name(what: &str, value: &str) -> Result<(), Status> {
+    let rule = "must be 1-63 characters of a-z, 0-9 and '-', not starting or ending with '-'";
+    let ok = !value.is_empty()
+        && value.len() <= 63
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !value.starts_with('-')
+        && !value.ends_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(Status::invalid_argument(format!("{what} {value:?} {rule}")))
+    }
+}
+
+/// An actor template: the pool its actors run in (named like the template) and the
+/// kind of snapshot a suspend takes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Template {
+    name: String,
+    full_snapshot: bool,
+}
+
+impl Template {
+    /// The demo app's template: pool `counter`, data snapshots (the upstream demo's
+    /// default: a suspend keeps the file counter, not the memory count).
+    pub fn counter() -> Self {
+        Self {
+            name: "counter".into(),
+            full_snapshot: false,
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The pool its actors run in.
+    pub fn pool(&self) -> &str {
+        &self.name
+    }
+
+    pub fn full_snapshot(&self) -> bool {
+        self.full_snapshot
+    }
+}
+
+/// `NAME`, `NAME:data` or `NAME:full`.
+impl FromStr for Template {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (name, kind) = s.split_once(':').unwrap_or((s, "data"));
+        check_name("template", name).map_err(|e| e.message().to_owned())?;
+        let full_snapshot = match kind {
+            "data" => false,
+            "full" => true,
+            other => return Err(format!("snapshot kind {other:?} must be data or full")),
+        };
+        Ok(Self {
+            name: name.to_owned(),
+            full_snapshot,
+        })
+    }
+}
+
+pub fn status_name(status: i32) -> &'static str {
+    ActorStatus::try_from(status)
+        .map(|s| s.as_str_name())
+        .unwrap_or("STATUS_UNKNOWN")
+}
+
+pub fn not_found(key: &ActorKey) -> Status {
+    Status::not_found(format!("actor {key} not found"))
+}
+
+pub fn aborted() -> Status {
+    Status::aborted("another operation is in progress for this actor")
+}
+
+pub fn no_room() -> Status {
+    Status::resource_exhausted("no worker has room for the actor")
+}
+
+pub fn crashed() -> Status {
+    Status::with_error_details(
+        tonic::Code::FailedPrecondition,
+        "AssignWorker prerequisite not met (got STATUS_CRASHED, want SUSPENDED or PAUSED)",
+        ErrorDetails::with_error_info(ACTOR_CRASHED, ERROR_DOMAIN, []),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert!(ActorKey::new("demo", "p1").is_ok());
+        for (a, n) in [
+            ("", "p1"),
+            ("demo", ""),
+            ("Demo", "p1"),
+            ("demo", "p_1"),
+            ("-d", "p"),
+        ] {
+            let e = ActorKey::new(a, n).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{a}/{n}");
+        }
+        assert!(ActorKey::new(&"a".repeat(64), "p").is_err());
+    }
+
+    #[test]
+    fn templates() {
+        assert_eq!("counter".parse::<Template>().unwrap(), Template::counter());
+        let t: Template = "big:full".parse().unwrap();
+        assert!(t.full_snapshot());
+        assert_eq!(t.pool(), "big");
+        assert!("big:half".parse::<Template>().is_err());
+        assert!("Big".parse::<Template>().is_err());
+    }
+}

@@ -1,0 +1,6 @@
+//! One module per subcommand.
+
+pub(crate) mod control_plane;
+pub(crate) mod ctl;
+pub(crate) mod router;
+pub(crate) mod worker;

@@ -1,0 +1,427 @@
+//! valet's reference worker: hosts one actor at a time and runs the `counter` app for
+//! it on its own address.
+//!
+//! ```text
+//! control plane ◀── Attach stream (agent: Join, then Restore / Checkpoint / Evict) ──▶ worker
+//! router ── HTTP ──▶ app (counter) on the worker's own address
+//! ```
+//!
+//! Snapshots are files under `--snapshot-dir`, per actor in `<atespace>/<name>/<uid>/`:
+//! `data/counter` (the data directory, always kept), `memory` (the memory count, kept
+//! by full snapshots only) and `good/counter` (the data at the last checkpoint, for
+//! reverts).
+
+#![forbid(unsafe_code)]
+
+mod app;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use valet_proto::worker::{
+    self as wk, worker_command::Command, worker_event::Event, workers_client::WorkersClient,
+};
+
+pub use app::ACTOR_REF_HEADER;
+use app::{Hosted, Slot, read_counter, write_atomically};
+
+/// How a worker runs.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// The control plane to attach to (`http://host:port`).
+    pub control_plane: String,
+    /// The pool to join.
+    pub pool: String,
+    /// Where the app listens (port 0 picks one).
+    pub listen: SocketAddr,
+    /// Where snapshots live; workers that share it can move actors between them.
+    pub snapshot_dir: PathBuf,
+    /// Extra time each restore takes (the restore cost of a real sandbox).
+    pub restore_delay: Duration,
+    /// This worker's id; random when `None`.
+    pub worker_id: Option<String>,
+}
+
+/// A running worker.
+#[derive(Debug)]
+pub struct Worker {
+    id: String,
+    app_addr: SocketAddr,
+    slot: Slot,
+    stop: CancellationToken,
+    tasks: TaskTracker,
+}
+
+/// An error starting a worker.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("snapshot dir {path}: {source}")]
+    SnapshotDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid control plane address {0:?}")]
+    ControlPlane(String),
+}
+
+impl Worker {
+    /// Binds the app's listener and starts the app and the agent. The agent attaches
+    /// to the control plane and re-attaches whenever the stream breaks.
+    ///
+    /// # Errors
+    /// When the listener or the snapshot dir cannot be set up.
+    pub async fn spawn(config: WorkerConfig) -> Result<Self, WorkerError> {
+        std::fs::create_dir_all(&config.snapshot_dir).map_err(|source| {
+            WorkerError::SnapshotDir {
+                path: config.snapshot_dir.clone(),
+                source,
+            }
+        })?;
+        let endpoint = tonic::transport::Endpoint::from_shared(config.control_plane.clone())
+            .map_err(|_| WorkerError::ControlPlane(config.control_plane.clone()))?
+            .connect_timeout(Duration::from_secs(2))
+            .http2_keep_alive_interval(Duration::from_secs(1))
+            .keep_alive_timeout(Duration::from_secs(3));
+        let listener =
+            TcpListener::bind(config.listen)
+                .await
+                .map_err(|source| WorkerError::Listen {
+                    addr: config.listen,
+                    source,
+                })?;
+        let app_addr = listener
+            .local_addr()
+            .map_err(|source| WorkerError::Listen {
+                addr: config.listen,
+                source,
+            })?;
+        let id = config
+            .worker_id
+            .clone()
+            .unwrap_or_else(|| format!("w-{:08x}", rand::random::<u32>()));
+        let slot: Slot = Arc::new(Mutex::new(None));
+        let stop = CancellationToken::new();
+        let tasks = TaskTracker::new();
+        tasks.spawn(serve_app(listener, Arc::clone(&slot), stop.clone()));
+        let agent = Agent {
+            id: id.clone(),
+            config,
+            app_addr,
+            slot: Arc::clone(&slot),
+        };
+        tasks.spawn(agent.run(endpoint, stop.clone()));
+        Ok(Self {
+            id,
+            app_addr,
+            slot,
+            stop,
+            tasks,
+        })
+    }
+
+    /// The worker's id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Where its app answers.
+    pub fn app_addr(&self) -> SocketAddr {
+        self.app_addr
+    }
+
+    /// The actor hosted now (`atespace/name`).
+    pub fn hosting(&self) -> Option<String> {
+        lock(&self.slot).as_ref().map(|h| h.actor.clone())
+    }
+
+    /// Stops the app and the agent (the control plane sees the worker leave) and waits
+    /// for both.
+    pub async fn shutdown(self) {
+        self.stop.cancel();
+        self.tasks.close();
+        self.tasks.wait().await;
+    }
+}
+
+fn lock(slot: &Slot) -> std::sync::MutexGuard<'_, Option<Arc<Hosted>>> {
+    slot.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+async fn serve_app(listener: TcpListener, slot: Slot, stop: CancellationToken) {
+    let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    let connections = TaskTracker::new();
+    loop {
+        let (stream, _) = tokio::select! {
+            () = stop.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let slot = Arc::clone(&slot);
+        let builder = builder.clone();
+        let stop = stop.clone();
+        connections.spawn(async move {
+            let service =
+                hyper::service::service_fn(move |req| app::handle(req, Arc::clone(&slot)));
+            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+            tokio::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                () = stop.cancelled() => conn.as_mut().graceful_shutdown(),
+            }
+        });
+    }
+    connections.close();
+    let _ = tokio::time::timeout(Duration::from_secs(5), connections.wait()).await;
+}
+
+struct Agent {
+    id: String,
+    config: WorkerConfig,
+    app_addr: SocketAddr,
+    slot: Slot,
+}
+
+impl Agent {
+    async fn run(self, endpoint: tonic::transport::Endpoint, stop: CancellationToken) {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let attached = tokio::select! {
+                () = stop.cancelled() => return,
+                r = self.attach_once(&endpoint, &stop) => r,
+            };
+            match attached {
+                Ok(()) => backoff = Duration::from_millis(100),
+                Err(e) => {
+                    tracing::warn!(worker = %self.id, error = %e, "control plane unreachable; retrying")
+                }
+            }
+            if stop.is_cancelled() {
+                return;
+            }
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        }
+    }
+
+    /// One attachment: join, then serve commands until the stream ends.
+    async fn attach_once(
+        &self,
+        endpoint: &tonic::transport::Endpoint,
+        stop: &CancellationToken,
+    ) -> Result<(), tonic::Status> {
+        let channel = endpoint
+            .connect()
+            .await
+            .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+        let mut client = WorkersClient::new(channel);
+        let (tx, rx) = mpsc::channel(16);
+        let hosting = lock(&self.slot).as_ref().map(|h| {
+            let (atespace, name) = h.actor.split_once('/').unwrap_or_default();
+            wk::ActorSlot {
+                atespace: atespace.to_owned(),
+                name: name.to_owned(),
+                snapshot_key: h.snapshot_key.clone(),
+            }
+        });
+        let join = wk::Join {
+            worker_id: self.id.clone(),
+            pool: self.config.pool.clone(),
+            app_address: self.app_addr.to_string(),
+            hosting,
+        };
+        tx.send(wk::WorkerEvent {
+            event: Some(Event::Join(join)),
+        })
+        .await
+        .map_err(|_| tonic::Status::internal("event channel closed"))?;
+        let mut inbound = client.attach(ReceiverStream::new(rx)).await?.into_inner();
+        tracing::info!(worker = %self.id, pool = %self.config.pool, "attached to the control plane");
+        loop {
+            let cmd = tokio::select! {
+                () = stop.cancelled() => return Ok(()),
+                m = inbound.message() => m?,
+            };
+            let Some(cmd) = cmd else {
+                return Err(tonic::Status::unavailable(
+                    "control plane closed the stream",
+                ));
+            };
+            let Some(command) = cmd.command else { continue };
+            let result = match command {
+                Command::Welcome(w) => {
+                    if !w.hosting_kept && lock(&self.slot).is_some() {
+                        tracing::warn!(worker = %self.id, "control plane did not keep our actor; evicting");
+                        lock(&self.slot).take();
+                    }
+                    continue;
+                }
+                Command::Restore(r) => self.restore(r).await,
+                Command::Checkpoint(c) => self.checkpoint(c).await,
+                Command::Evict(e) => {
+                    self.evict(e);
+                    continue;
+                }
+            };
+            let reply = match result {
+                Ok(()) => wk::Reply {
+                    id: cmd.id,
+                    ok: true,
+                    error: String::new(),
+                },
+                Err(error) => wk::Reply {
+                    id: cmd.id,
+                    ok: false,
+                    error,
+                },
+            };
+            if tx
+                .send(wk::WorkerEvent {
+                    event: Some(Event::Reply(reply)),
+                })
+                .await
+                .is_err()
+            {
+                return Err(tonic::Status::unavailable("control plane stream closed"));
+            }
+        }
+    }
+
+    fn actor_dir(&self, slot: &wk::ActorSlot) -> Result<PathBuf, String> {
+        let key = Path::new(&slot.snapshot_key);
+        let safe = key
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)));
+        if !safe || slot.snapshot_key.is_empty() {
+            return Err(format!("invalid snapshot key {:?}", slot.snapshot_key));
+        }
+        Ok(self.config.snapshot_dir.join(key))
+    }
+
+    async fn restore(&self, r: wk::Restore) -> Result<(), String> {
+        let slot = r.actor.ok_or("restore without an actor")?;
+        let actor = format!("{}/{}", slot.atespace, slot.name);
+        if let Some(h) = lock(&self.slot).as_ref() {
+            if h.actor == actor {
+                return Ok(());
+            }
+            return Err(format!("worker already hosts {}", h.actor));
+        }
+        let dir = self.actor_dir(&slot)?;
+        let revert = r.revert;
+        let memory = tokio::task::spawn_blocking({
+            let dir = dir.clone();
+            move || prepare_restore(&dir, revert)
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("restore of {actor} failed: {e}"))?;
+        tokio::time::sleep(self.config.restore_delay).await;
+        let hosted = Hosted::new(
+            actor.clone(),
+            slot.snapshot_key.clone(),
+            memory,
+            dir.join("data").join("counter"),
+        );
+        *lock(&self.slot) = Some(Arc::new(hosted));
+        tracing::info!(worker = %self.id, %actor, "restored");
+        Ok(())
+    }
+
+    async fn checkpoint(&self, c: wk::Checkpoint) -> Result<(), String> {
+        let slot = c.actor.ok_or("checkpoint without an actor")?;
+        let actor = format!("{}/{}", slot.atespace, slot.name);
+        let hosted = lock(&self.slot).clone();
+        let Some(hosted) = hosted.filter(|h| h.actor == actor) else {
+            return Err(format!("worker does not host {actor}"));
+        };
+        let dir = self.actor_dir(&slot)?;
+        let memory = hosted.memory();
+        let full = c.full;
+        tokio::task::spawn_blocking(move || take_snapshot(&dir, full, memory))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("checkpoint of {actor} failed: {e}"))?;
+        lock(&self.slot).take();
+        tracing::info!(worker = %self.id, %actor, full, "checkpointed");
+        Ok(())
+    }
+
+    fn evict(&self, e: wk::Evict) {
+        let Some(slot) = e.actor else { return };
+        let actor = format!("{}/{}", slot.atespace, slot.name);
+        let mut hosted = lock(&self.slot);
+        if hosted.as_ref().is_some_and(|h| h.actor == actor) {
+            hosted.take();
+            tracing::info!(worker = %self.id, %actor, "evicted");
+        }
+    }
+}
+
+/// Readies an actor's directory for a restore and returns its memory count.
+fn prepare_restore(dir: &Path, revert: bool) -> std::io::Result<u64> {
+    let data = dir.join("data");
+    std::fs::create_dir_all(&data)?;
+    let counter = data.join("counter");
+    if revert {
+        match read_counter(&dir.join("good").join("counter")) {
+            Ok(Some(n)) => write_atomically(&counter, n.to_string().as_bytes())?,
+            Ok(None) | Err(_) => match std::fs::remove_file(&counter) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            },
+        }
+    }
+    // The app refuses to start on a corrupt data directory.
+    read_counter(&counter)?;
+    let memory = match std::fs::read_to_string(dir.join("memory")) {
+        Ok(s) => s.trim().parse().unwrap_or(0),
+        Err(_) => 0,
+    };
+    Ok(memory)
+}
+
+/// Writes a snapshot: the memory count for a full one (dropped for a data one), and
+/// the data directory's counter as the last good snapshot.
+fn take_snapshot(dir: &Path, full: bool, memory: u64) -> std::io::Result<()> {
+    let memory_file = dir.join("memory");
+    if full {
+        write_atomically(&memory_file, memory.to_string().as_bytes())?;
+    } else {
+        match std::fs::remove_file(&memory_file) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let good = dir.join("good");
+    std::fs::create_dir_all(&good)?;
+    match read_counter(&dir.join("data").join("counter"))? {
+        Some(n) => write_atomically(&good.join("counter"), n.to_string().as_bytes()),
+        None => Ok(()),
+    }
+}
