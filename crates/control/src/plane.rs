@@ -64,6 +64,7 @@ pub struct Stats {
     resume_calls: AtomicU64,
     activations: AtomicU64,
     handoffs: AtomicU64,
+    queued: AtomicU64,
     per_actor: Mutex<HashMap<String, u64>>,
 }
 
@@ -76,6 +77,8 @@ pub struct StatsSnapshot {
     pub activations: u64,
     /// Workers handed to a capacity waiter the moment they freed.
     pub handoffs: u64,
+    /// Resumes that waited in a capacity queue.
+    pub queued: u64,
 }
 
 type Outcome = Result<(ateapi::Actor, bool), Status>;
@@ -125,6 +128,8 @@ pub struct Plane {
 #[derive(Debug)]
 struct Inner {
     state: Mutex<State>,
+    /// Bumped whenever the state changes, so observers wait without polling.
+    changed: watch::Sender<u64>,
     store: Store,
     config: PlaneConfig,
     templates: HashMap<String, Template>,
@@ -278,6 +283,7 @@ impl Plane {
         let plane = Self {
             inner: Arc::new(Inner {
                 state: Mutex::new(state),
+                changed: watch::Sender::new(0),
                 store,
                 config,
                 templates,
@@ -289,8 +295,36 @@ impl Plane {
         Ok(plane)
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> StateGuard<'_> {
+        StateGuard {
+            guard: Some(self.inner.state.lock().unwrap_or_else(|e| e.into_inner())),
+            dirty: false,
+            changed: &self.inner.changed,
+        }
+    }
+
+    /// Waits until `cond` holds, re-checking whenever the state changes; false if
+    /// `timeout` passes first.
+    pub async fn wait_until(&self, timeout: Duration, cond: impl Fn(&Plane) -> bool) -> bool {
+        let mut changes = self.inner.changed.subscribe();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            changes.mark_unchanged();
+            if cond(self) {
+                return true;
+            }
+            match tokio::time::timeout_at(deadline, changes.changed()).await {
+                Ok(Ok(())) => {}
+                _ => return cond(self),
+            }
+        }
+    }
+
+    /// The status of an actor now, if it exists.
+    pub fn status_of(&self, atespace: &str, name: &str) -> Option<S> {
+        let key = ActorKey::new(atespace, name).ok()?;
+        let st = self.lock();
+        st.actors.get(&key).and_then(|r| S::try_from(r.status).ok())
     }
 
     /// Counters of the plane's own work.
@@ -300,6 +334,7 @@ impl Plane {
             resume_calls: s.resume_calls.load(Ordering::Relaxed),
             activations: s.activations.load(Ordering::Relaxed),
             handoffs: s.handoffs.load(Ordering::Relaxed),
+            queued: s.queued.load(Ordering::Relaxed),
         }
     }
 
@@ -527,6 +562,7 @@ impl Plane {
             .unwrap_or_else(|e| e.into_inner())
             .entry(key.to_string())
             .or_default() += 1;
+        self.inner.changed.send_modify(|v| *v += 1);
         let wait = wait_for_capacity.filter(|d| !d.is_zero() && self.inner.config.capacity_wait);
 
         let mut outcome = {
@@ -573,6 +609,7 @@ impl Plane {
                             handoff,
                         });
                         st.ops.insert(key.clone(), Op::Waiting(Arc::clone(&tx)));
+                        self.inner.stats.queued.fetch_add(1, Ordering::Relaxed);
                         Start::Queued {
                             id,
                             rx: handoff_rx,
@@ -1114,6 +1151,38 @@ impl Plane {
                 st.ops.remove(&key);
             }
         });
+    }
+}
+
+/// The state lock; on release after a mutation it tells [`Plane::wait_until`]
+/// observers. No `.await` while it is held.
+struct StateGuard<'a> {
+    guard: Option<MutexGuard<'a, State>>,
+    dirty: bool,
+    changed: &'a watch::Sender<u64>,
+}
+
+impl std::ops::Deref for StateGuard<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        self.guard.as_ref().expect("held until drop")
+    }
+}
+
+impl std::ops::DerefMut for StateGuard<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        self.dirty = true;
+        self.guard.as_mut().expect("held until drop")
+    }
+}
+
+impl Drop for StateGuard<'_> {
+    fn drop(&mut self) {
+        // Release the state first, then wake observers.
+        drop(self.guard.take());
+        if self.dirty {
+            self.changed.send_modify(|v| *v += 1);
+        }
     }
 }
 

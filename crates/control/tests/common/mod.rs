@@ -1,0 +1,247 @@
+//! A real control plane (gRPC on 127.0.0.1:0, SQLite in a temp dir) with real worker
+//! tasks attached over gRPC.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+use valet_control::{Plane, PlaneConfig, Store};
+use valet_proto::ateapi::{self, control_client::ControlClient};
+use valet_worker::{Worker, WorkerConfig};
+
+pub const WAIT: Duration = Duration::from_secs(10);
+
+pub struct System {
+    pub plane: Plane,
+    pub addr: SocketAddr,
+    pub client: ControlClient<Channel>,
+    pub workers: Vec<Worker>,
+    pub dir: tempfile::TempDir,
+    stop: CancellationToken,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for System {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("System").field("addr", &self.addr).finish()
+    }
+}
+
+pub async fn system(workers: usize, config: PlaneConfig) -> System {
+    system_with(workers, config, Duration::ZERO).await
+}
+
+pub async fn system_with(workers: usize, config: PlaneConfig, restore_delay: Duration) -> System {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("data")).unwrap();
+    let plane = Plane::open(store, config).await.unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    let server = {
+        let plane = plane.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            valet_control::serve(listener, plane, async move { stop.cancelled().await })
+                .await
+                .unwrap();
+        })
+    };
+    let client = ControlClient::new(
+        tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect_lazy(),
+    );
+    let mut sys = System {
+        plane,
+        addr,
+        client,
+        workers: Vec::new(),
+        dir,
+        stop,
+        server,
+    };
+    for _ in 0..workers {
+        sys.add_worker("counter", restore_delay).await;
+    }
+    let n = sys.workers.len();
+    assert!(
+        sys.plane
+            .wait_until(WAIT, |p| p.pool("counter") == (n, n))
+            .await,
+        "{n} workers attach"
+    );
+    sys
+}
+
+impl System {
+    pub async fn add_worker(&mut self, pool: &str, restore_delay: Duration) {
+        let w = Worker::spawn(WorkerConfig {
+            control_plane: format!("http://{}", self.addr),
+            pool: pool.to_owned(),
+            listen: "127.0.0.1:0".parse().unwrap(),
+            snapshot_dir: self.dir.path().join("snapshots"),
+            restore_delay,
+            worker_id: None,
+        })
+        .await
+        .unwrap();
+        self.workers.push(w);
+    }
+
+    pub async fn atespace(&self, name: &str) {
+        self.client
+            .clone()
+            .create_atespace(ateapi::CreateAtespaceRequest { name: name.into() })
+            .await
+            .unwrap();
+    }
+
+    pub async fn create(&self, actor: &str) -> Result<ateapi::Actor, tonic::Status> {
+        self.create_from(actor, "counter").await
+    }
+
+    pub async fn create_from(
+        &self,
+        actor: &str,
+        template: &str,
+    ) -> Result<ateapi::Actor, tonic::Status> {
+        let r = self
+            .client
+            .clone()
+            .create_actor(ateapi::CreateActorRequest {
+                actor_ref: Some(aref(actor)),
+                actor_template_namespace: "default".into(),
+                actor_template_name: template.into(),
+                worker_selector: None,
+            })
+            .await?;
+        Ok(r.into_inner().actor.unwrap())
+    }
+
+    pub async fn resume(&self, actor: &str) -> Result<(ateapi::Actor, bool), tonic::Status> {
+        self.resume_waiting(actor, None).await
+    }
+
+    pub async fn resume_waiting(
+        &self,
+        actor: &str,
+        wait: Option<Duration>,
+    ) -> Result<(ateapi::Actor, bool), tonic::Status> {
+        let r = self
+            .client
+            .clone()
+            .resume_actor(ateapi::ResumeActorRequest {
+                actor_ref: Some(aref(actor)),
+                boot: false,
+                wait_for_capacity: wait.map(|d| d.try_into().unwrap()),
+            })
+            .await?
+            .into_inner();
+        Ok((r.actor.unwrap(), r.resumed))
+    }
+
+    pub async fn suspend(&self, actor: &str) -> Result<ateapi::Actor, tonic::Status> {
+        let r = self
+            .client
+            .clone()
+            .suspend_actor(ateapi::SuspendActorRequest {
+                actor_ref: Some(aref(actor)),
+            })
+            .await?;
+        Ok(r.into_inner().actor.unwrap())
+    }
+
+    pub async fn get(&self, actor: &str) -> Result<ateapi::Actor, tonic::Status> {
+        let r = self
+            .client
+            .clone()
+            .get_actor(ateapi::GetActorRequest {
+                actor_ref: Some(aref(actor)),
+            })
+            .await?;
+        Ok(r.into_inner().actor.unwrap())
+    }
+
+    pub async fn revert(&self, actor: &str) -> Result<ateapi::Actor, tonic::Status> {
+        let r = self
+            .client
+            .clone()
+            .revert_actor(ateapi::RevertActorRequest {
+                actor_ref: Some(aref(actor)),
+            })
+            .await?;
+        Ok(r.into_inner().actor.unwrap())
+    }
+
+    pub async fn delete(&self, actor: &str) -> Result<(), tonic::Status> {
+        self.client
+            .clone()
+            .delete_actor(ateapi::DeleteActorRequest {
+                actor_ref: Some(aref(actor)),
+            })
+            .await
+            .map(drop)
+    }
+
+    pub async fn workers(&self) -> Vec<ateapi::Worker> {
+        self.client
+            .clone()
+            .list_workers(())
+            .await
+            .unwrap()
+            .into_inner()
+            .workers
+    }
+
+    pub async fn shutdown(self) {
+        for w in self.workers {
+            w.shutdown().await;
+        }
+        self.stop.cancel();
+        let _ = self.server.await;
+    }
+}
+
+pub fn aref(actor: &str) -> ateapi::ActorRef {
+    let (atespace, name) = actor.split_once('/').unwrap_or(("", actor));
+    ateapi::ActorRef {
+        atespace: atespace.into(),
+        name: name.into(),
+    }
+}
+
+pub fn addr_of(a: &ateapi::Actor) -> SocketAddr {
+    format!("{}:{}", a.ateom_pod_ip, a.worker_port)
+        .parse()
+        .unwrap()
+}
+
+pub fn status(a: &ateapi::Actor) -> ateapi::actor::Status {
+    ateapi::actor::Status::try_from(a.status).unwrap()
+}
+
+/// One HTTP/1.1 request over a fresh connection; returns status and body.
+pub async fn http_get(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let mut req = format!("GET {path} HTTP/1.1\r\nHost: actor\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).await.unwrap();
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let status = text[9..12].parse().unwrap();
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
