@@ -1,0 +1,207 @@
+//! Real `valet` processes on 127.0.0.1:0: started, their `listening <part> <addr>`
+//! line read, killed on drop.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tonic::transport::Channel;
+use valet_proto::ateapi::{self, control_client::ControlClient};
+
+/// A `valet` child process, killed when dropped.
+#[derive(Debug)]
+pub struct Proc {
+    pub child: Child,
+    pub addr: SocketAddr,
+}
+
+impl Proc {
+    /// Starts `valet <args>` and waits (bounded) for its `listening <part> <addr>` line.
+    pub async fn start(part: &str, args: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_valet"))
+            .args(args)
+            .env("VALET_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("valet starts");
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = BufReader::new(stdout).lines();
+        let prefix = format!("listening {part} ");
+        let addr = tokio::time::timeout(Duration::from_secs(30), async {
+            while let Some(line) = lines.next_line().await.unwrap() {
+                if let Some(a) = line.strip_prefix(&prefix) {
+                    return a.parse::<SocketAddr>().unwrap();
+                }
+            }
+            panic!("valet {part} exited before listening");
+        })
+        .await
+        .expect("valet prints its address");
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Self { child, addr }
+    }
+
+    /// SIGKILL, and reap.
+    pub async fn kill(mut self) {
+        self.child.kill().await.unwrap();
+    }
+}
+
+pub async fn control_plane(data_dir: &Path, listen: &str, extra: &[&str]) -> Proc {
+    let mut args = vec![
+        "control-plane",
+        "--listen",
+        listen,
+        "--data-dir",
+        data_dir.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    Proc::start("control-plane", &args).await
+}
+
+pub async fn worker(cp: SocketAddr, snapshots: &Path, id: &str) -> Proc {
+    let url = format!("http://{cp}");
+    Proc::start(
+        "worker",
+        &[
+            "worker",
+            "--control-plane",
+            &url,
+            "--snapshot-dir",
+            snapshots.to_str().unwrap(),
+            "--worker-id",
+            id,
+        ],
+    )
+    .await
+}
+
+pub fn client(cp: SocketAddr) -> ControlClient<Channel> {
+    ControlClient::new(
+        tonic::transport::Endpoint::from_shared(format!("http://{cp}"))
+            .unwrap()
+            .timeout(Duration::from_secs(20))
+            .connect_lazy(),
+    )
+}
+
+pub fn aref(actor: &str) -> Option<ateapi::ActorRef> {
+    let (atespace, name) = actor.split_once('/').unwrap();
+    Some(ateapi::ActorRef {
+        atespace: atespace.into(),
+        name: name.into(),
+    })
+}
+
+pub async fn get(c: &ControlClient<Channel>, actor: &str) -> Result<ateapi::Actor, tonic::Status> {
+    Ok(c.clone()
+        .get_actor(ateapi::GetActorRequest {
+            actor_ref: aref(actor),
+        })
+        .await?
+        .into_inner()
+        .actor
+        .unwrap())
+}
+
+pub async fn resume(
+    c: &ControlClient<Channel>,
+    actor: &str,
+) -> Result<ateapi::Actor, tonic::Status> {
+    Ok(c.clone()
+        .resume_actor(ateapi::ResumeActorRequest {
+            actor_ref: aref(actor),
+            ..Default::default()
+        })
+        .await?
+        .into_inner()
+        .actor
+        .unwrap())
+}
+
+pub async fn suspend(
+    c: &ControlClient<Channel>,
+    actor: &str,
+) -> Result<ateapi::Actor, tonic::Status> {
+    Ok(c.clone()
+        .suspend_actor(ateapi::SuspendActorRequest {
+            actor_ref: aref(actor),
+        })
+        .await?
+        .into_inner()
+        .actor
+        .unwrap())
+}
+
+pub async fn create(
+    c: &ControlClient<Channel>,
+    actor: &str,
+) -> Result<ateapi::Actor, tonic::Status> {
+    Ok(c.clone()
+        .create_actor(ateapi::CreateActorRequest {
+            actor_ref: aref(actor),
+            actor_template_namespace: "default".into(),
+            actor_template_name: "counter".into(),
+            worker_selector: None,
+        })
+        .await?
+        .into_inner()
+        .actor
+        .unwrap())
+}
+
+/// Polls `check` until it returns `Some`, at most `within`: for conditions in another
+/// process, which cannot notify this one.
+pub async fn eventually<T, F, Fut>(what: &str, within: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    let mut tick = tokio::time::interval(Duration::from_millis(25));
+    loop {
+        tick.tick().await;
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never happened: {what}"
+        );
+    }
+}
+
+pub fn status(a: &ateapi::Actor) -> ateapi::actor::Status {
+    ateapi::actor::Status::try_from(a.status).unwrap()
+}
+
+/// One HTTP/1.1 GET over a fresh connection; returns status and body.
+pub async fn http_get(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut req = format!("GET {path} HTTP/1.1\r\nConnection: close\r\n");
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+        req.push_str("Host: actor\r\n");
+    }
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).await.unwrap();
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let status = text[9..12].parse().unwrap();
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}

@@ -1,0 +1,216 @@
+//! The router's gRPC client against the real reference control plane and a real
+//! worker: wire compatibility of ResumeActor, its extension, and its errors.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use valet_control::{Plane, PlaneConfig, Store};
+use valet_proto::ateapi::{self, control_client::ControlClient};
+use valet_router::{Decision, GrpcControlPlane, Metrics, Router, RouterArgs};
+use valet_worker::{Worker, WorkerConfig};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+struct Setup {
+    plane: Plane,
+    router: Router,
+    client: ControlClient<tonic::transport::Channel>,
+    worker: Worker,
+    _dir: tempfile::TempDir,
+    stop: CancellationToken,
+}
+
+async fn setup(router_flags: &[&str]) -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    let plane = Plane::open(
+        Store::open(&dir.path().join("data")).unwrap(),
+        PlaneConfig::default(),
+    )
+    .await
+    .unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    {
+        let (plane, stop) = (plane.clone(), stop.clone());
+        tokio::spawn(async move {
+            valet_control::serve(listener, plane, async move { stop.cancelled().await }).await
+        });
+    }
+    let worker = Worker::spawn(WorkerConfig {
+        control_plane: format!("http://{addr}"),
+        pool: "counter".into(),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        snapshot_dir: dir.path().join("snapshots"),
+        restore_delay: Duration::ZERO,
+        worker_id: None,
+    })
+    .await
+    .unwrap();
+    assert!(
+        plane
+            .wait_until(WAIT, |p| p.pool("counter") == (1, 1))
+            .await
+    );
+    let url = format!("http://{addr}");
+    let mut flags = vec!["--control-plane", &url];
+    flags.extend_from_slice(router_flags);
+    let config = RouterArgs::try_parse_flags(flags)
+        .unwrap()
+        .resolve()
+        .unwrap();
+    let cp = GrpcControlPlane::connect_lazy(config.control_plane()).unwrap();
+    let router = Router::new(Arc::new(config), Arc::new(cp), Arc::new(Metrics::new()));
+    let client = ControlClient::new(
+        tonic::transport::Endpoint::from_shared(url)
+            .unwrap()
+            .connect_lazy(),
+    );
+    let mut c = client.clone();
+    c.create_atespace(ateapi::CreateAtespaceRequest {
+        name: "demo".into(),
+    })
+    .await
+    .unwrap();
+    for a in ["p1", "p2", "p3"] {
+        c.create_actor(ateapi::CreateActorRequest {
+            actor_ref: Some(ateapi::ActorRef {
+                atespace: "demo".into(),
+                name: a.into(),
+            }),
+            actor_template_namespace: "default".into(),
+            actor_template_name: "counter".into(),
+            worker_selector: None,
+        })
+        .await
+        .unwrap();
+    }
+    Setup {
+        plane,
+        router,
+        client,
+        worker,
+        _dir: dir,
+        stop,
+    }
+}
+
+fn host(name: &str) -> String {
+    format!("{name}.demo.actors.resources.substrate.ate.dev")
+}
+
+fn deadline() -> Instant {
+    Instant::now() + Duration::from_secs(30)
+}
+
+#[tokio::test]
+async fn routes_parks_and_is_handed_a_freed_worker() {
+    let s = setup(&[]).await;
+    let d = s.router.decide(&host("p1"), deadline()).await;
+    match &d {
+        Decision::Route(r) => assert_eq!(r.addr, s.worker.app_addr()),
+        other => panic!("{other:?}"),
+    }
+
+    let parked = {
+        let router = s.router.clone();
+        tokio::spawn(async move { router.decide(&host("p2"), deadline()).await })
+    };
+    assert!(
+        s.plane
+            .wait_until(WAIT, |p| p.waiters("counter") == 1)
+            .await,
+        "the router's second attempt waits for capacity at the control plane"
+    );
+    assert_eq!(s.router.lot().active(), 1);
+    s.client
+        .clone()
+        .suspend_actor(ateapi::SuspendActorRequest {
+            actor_ref: Some(ateapi::ActorRef {
+                atespace: "demo".into(),
+                name: "p1".into(),
+            }),
+        })
+        .await
+        .unwrap();
+    let d = parked.await.unwrap();
+    assert!(
+        matches!(d, Decision::Route(ref r) if r.addr == s.worker.app_addr()),
+        "{d:?}"
+    );
+    assert_eq!(
+        s.plane.resume_calls_for("demo", "p2"),
+        2,
+        "one quick attempt, then one call that waited: no polling"
+    );
+    assert_eq!(s.plane.stats().handoffs, 1);
+    assert_eq!(s.router.lot().active(), 0);
+    assert_eq!(
+        s.router.metrics().sample(
+            "atenet_router_parking_wait_duration_seconds_count",
+            &[("outcome", "served")]
+        ),
+        1.0
+    );
+    s.stop.cancel();
+}
+
+#[tokio::test]
+async fn budget_exhausted_and_not_found_bodies_come_from_the_control_plane() {
+    let s = setup(&["--parked-request-budget", "300ms"]).await;
+    assert!(matches!(
+        s.router.decide(&host("p1"), deadline()).await,
+        Decision::Route(_)
+    ));
+    let d = s.router.decide(&host("p2"), deadline()).await;
+    assert_eq!(d.status(), 503);
+    let Decision::Deny(_, v) = &d else {
+        unreachable!()
+    };
+    assert_eq!(
+        v.body(),
+        "actor demo/p2 unavailable: no worker has room for the actor"
+    );
+    assert_eq!(v.retry_after_secs(), Some(1));
+
+    let d = s.router.decide(&host("nope"), deadline()).await;
+    let Decision::Deny(_, v) = &d else {
+        panic!("{d:?}")
+    };
+    assert_eq!((v.status(), v.body()), (404, "actor demo/nope not found"));
+    s.stop.cancel();
+}
+
+#[tokio::test]
+async fn unreachable_control_plane_is_unavailable_after_the_budget() {
+    // A port nothing listens on.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("http://127.0.0.1:{port}");
+    let config =
+        RouterArgs::try_parse_flags(["--control-plane", &url, "--parked-request-budget", "300ms"])
+            .unwrap()
+            .resolve()
+            .unwrap();
+    let cp = GrpcControlPlane::connect_lazy(config.control_plane()).unwrap();
+    let router = Router::new(Arc::new(config), Arc::new(cp), Arc::new(Metrics::new()));
+    let d = router.decide(&host("p1"), deadline()).await;
+    let Decision::Deny(_, v) = &d else {
+        panic!("{d:?}")
+    };
+    assert_eq!((v.status(), v.body()), (503, "actor demo/p1 unavailable"));
+    assert!(
+        router.metrics().sample(
+            "atenet_router_resume_attempts_total",
+            &[("code", "UNAVAILABLE")]
+        ) >= 2.0,
+        "parked and retried"
+    );
+}
