@@ -1,0 +1,132 @@
+//! `ResumeActor` latency over loopback gRPC against the reference control plane with
+//! in-process workers: the router's per-request fast path (a RUNNING actor), and a
+//! SUSPENDED actor restored with no restore delay.
+//!
+//! `cargo bench -p valet-control --bench resume`
+
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use tokio::net::TcpListener;
+use valet_control::{Plane, PlaneConfig, Store};
+use valet_proto::ateapi::{self, control_client::ControlClient};
+use valet_worker::{Worker, WorkerConfig};
+
+const FAST_PATH_CALLS: usize = 20_000;
+const RESTORES: usize = 2_000;
+
+fn main() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(run());
+}
+
+fn aref(name: &str) -> Option<ateapi::ActorRef> {
+    Some(ateapi::ActorRef {
+        atespace: "bench".into(),
+        name: name.into(),
+    })
+}
+
+fn report(what: &str, h: &Histogram<u64>) {
+    let us = |q: f64| h.value_at_quantile(q) as f64 / 1000.0;
+    println!(
+        "{what:<34} n={:<6} median {:>8.1} us   p99 {:>8.1} us   max {:>8.1} us",
+        h.len(),
+        us(0.5),
+        us(0.99),
+        h.max() as f64 / 1000.0
+    );
+}
+
+async fn run() {
+    let dir = tempfile::tempdir().unwrap();
+    let plane = Plane::open(
+        Store::open(&dir.path().join("data")).unwrap(),
+        PlaneConfig::default(),
+    )
+    .await
+    .unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(valet_control::serve(
+        listener,
+        plane.clone(),
+        std::future::pending(),
+    ));
+    let worker = Worker::spawn(WorkerConfig {
+        control_plane: format!("http://{addr}"),
+        pool: "counter".into(),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        snapshot_dir: dir.path().join("snapshots"),
+        restore_delay: Duration::ZERO,
+        worker_id: None,
+    })
+    .await
+    .unwrap();
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(10), |p| p.pool("counter") == (1, 1))
+            .await
+    );
+
+    let mut c = ControlClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    c.create_atespace(ateapi::CreateAtespaceRequest {
+        name: "bench".into(),
+    })
+    .await
+    .unwrap();
+    for name in ["running", "cold"] {
+        c.create_actor(ateapi::CreateActorRequest {
+            actor_ref: aref(name),
+            actor_template_namespace: "default".into(),
+            actor_template_name: "counter".into(),
+            worker_selector: None,
+        })
+        .await
+        .unwrap();
+    }
+
+    // Fast path.
+    let resume = |name: &'static str| ateapi::ResumeActorRequest {
+        actor_ref: aref(name),
+        ..Default::default()
+    };
+    c.resume_actor(resume("running")).await.unwrap();
+    let mut fast = Histogram::<u64>::new(3).unwrap();
+    for _ in 0..1000 {
+        c.resume_actor(resume("running")).await.unwrap();
+    }
+    for _ in 0..FAST_PATH_CALLS {
+        let t = Instant::now();
+        c.resume_actor(resume("running")).await.unwrap();
+        fast.record(t.elapsed().as_nanos() as u64).unwrap();
+    }
+    report("ResumeActor, RUNNING actor", &fast);
+    c.suspend_actor(ateapi::SuspendActorRequest {
+        actor_ref: aref("running"),
+    })
+    .await
+    .unwrap();
+
+    // Restore path: resume a suspended actor, then suspend it again (not timed).
+    let mut cold = Histogram::<u64>::new(3).unwrap();
+    for _ in 0..RESTORES {
+        let t = Instant::now();
+        let r = c.resume_actor(resume("cold")).await.unwrap().into_inner();
+        cold.record(t.elapsed().as_nanos() as u64).unwrap();
+        assert!(r.resumed);
+        c.suspend_actor(ateapi::SuspendActorRequest {
+            actor_ref: aref("cold"),
+        })
+        .await
+        .unwrap();
+    }
+    report("ResumeActor, SUSPENDED, delay 0", &cold);
+    worker.shutdown().await;
+}
