@@ -87,7 +87,11 @@ pub fn check_name(what: &str, value: &str) -> Result<(), Status> {
 pub struct Template {
     name: String,
     full_snapshot: bool,
+    app: String,
 }
+
+/// The apps a reference worker can run.
+pub const APPS: &[&str] = &["counter", "echo"];
 
 impl Template {
     /// The demo app's template: pool `counter`, data snapshots (the upstream demo's
@@ -96,7 +100,23 @@ impl Template {
         Self {
             name: "counter".into(),
             full_snapshot: false,
+            app: "counter".into(),
         }
+    }
+
+    /// A template whose app streams request bodies back and echoes WebSocket messages
+    /// (pool `echo`), for data-plane tests.
+    pub fn echo() -> Self {
+        Self {
+            name: "echo".into(),
+            full_snapshot: false,
+            app: "echo".into(),
+        }
+    }
+
+    /// The app its actors run.
+    pub fn app(&self) -> &str {
+        &self.app
     }
 
     pub fn name(&self) -> &str {
@@ -113,21 +133,31 @@ impl Template {
     }
 }
 
-/// `NAME`, `NAME:data` or `NAME:full`.
+/// `NAME[:data|full[:APP]]`: the snapshot a suspend takes (data) and the app (counter).
 impl FromStr for Template {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let (name, kind) = s.split_once(':').unwrap_or((s, "data"));
+        let mut parts = s.split(':');
+        let name = parts.next().unwrap_or_default();
+        let kind = parts.next().unwrap_or("data");
+        let app = parts.next().unwrap_or("counter");
+        if parts.next().is_some() {
+            return Err(format!("template {s:?}: want NAME[:data|full[:APP]]"));
+        }
         check_name("template", name).map_err(|e| e.message().to_owned())?;
         let full_snapshot = match kind {
             "data" => false,
             "full" => true,
             other => return Err(format!("snapshot kind {other:?} must be data or full")),
         };
+        if !APPS.contains(&app) {
+            return Err(format!("app {app:?} must be one of {}", APPS.join(", ")));
+        }
         Ok(Self {
             name: name.to_owned(),
             full_snapshot,
+            app: app.to_owned(),
         })
     }
 }
@@ -186,5 +216,8 @@ mod tests {
         assert_eq!(t.pool(), "big");
         assert!("big:half".parse::<Template>().is_err());
         assert!("Big".parse::<Template>().is_err());
+        let e: Template = "e2:data:echo".parse().unwrap();
+        assert_eq!(e.app(), "echo");
+        assert!("e3:data:nope".parse::<Template>().is_err());
     }
 }

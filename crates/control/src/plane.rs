@@ -255,9 +255,11 @@ impl Plane {
             .iter()
             .map(|t| (t.name().to_owned(), t.clone()))
             .collect();
-        templates
-            .entry("counter".into())
-            .or_insert_with(Template::counter);
+        for builtin in [Template::counter(), Template::echo()] {
+            templates
+                .entry(builtin.name().to_owned())
+                .or_insert(builtin);
+        }
 
         let mut recovered = Vec::new();
         let mut state = State {
@@ -700,9 +702,16 @@ impl Plane {
         }
         let result = match link {
             Some(link) => {
+                let app = self
+                    .inner
+                    .templates
+                    .get(&row.template)
+                    .map_or("counter", Template::app)
+                    .to_owned();
                 let cmd = Command::Restore(wk::Restore {
                     actor: Some(slot(key, &row)),
                     revert: row.revert_pending,
+                    app,
                 });
                 link.call(cmd, self.inner.config.restore_timeout).await
             }
@@ -1050,10 +1059,57 @@ impl Plane {
             workers = st.pool_size(&join.pool),
             "worker joined pool"
         );
+        // Actors the records place on this worker that it no longer hosts (it
+        // restarted) go back to SUSPENDED from their last snapshot.
+        let stale: Vec<ActorRow> = st
+            .actors
+            .iter()
+            .filter(|(k, r)| {
+                r.status == S::Running as i32
+                    && r.worker.as_deref() == Some(join.worker_id.as_str())
+                    && kept.as_ref() != Some(*k)
+                    && !st.ops.contains_key(*k)
+            })
+            .map(|(_, r)| r.clone())
+            .collect();
+        for row in &stale {
+            st.ops.insert(key_of(row), Op::Busy("releasing"));
+        }
         if kept.is_none() {
             st.release(&join.worker_id, &self.inner.stats);
         }
+        drop(st);
+        if !stale.is_empty() {
+            self.spawn_release(stale);
+        }
         Ok(kept.is_some())
+    }
+
+    /// Persists `rows` as SUSPENDED (worker released), then applies them and drops
+    /// their operation locks.
+    fn spawn_release(&self, rows: Vec<ActorRow>) {
+        let rows: Vec<ActorRow> = rows
+            .into_iter()
+            .map(|mut r| {
+                r.status = S::Suspended as i32;
+                r.worker = None;
+                r.version += 1;
+                r
+            })
+            .collect();
+        let plane = self.clone();
+        self.inner.tasks.spawn(async move {
+            if let Err(e) = plane.inner.store.put_actors(rows.clone()).await {
+                db_error(&e);
+            }
+            let mut st = plane.lock();
+            for row in rows {
+                let key = key_of(&row);
+                tracing::warn!(actor = %key, "actor back to SUSPENDED from its last snapshot");
+                st.actors.insert(key.clone(), row);
+                st.ops.remove(&key);
+            }
+        });
     }
 
     /// A worker's stream ended: the pool shrinks and its actor goes back to SUSPENDED
@@ -1076,34 +1132,21 @@ impl Plane {
                 && let Some(row) = st.actors.get(&key)
                 && row.status == S::Running as i32
             {
-                let mut back = row.clone();
-                back.status = S::Suspended as i32;
-                back.worker = None;
-                back.version += 1;
-                st.ops.insert(key.clone(), Op::Busy("releasing"));
-                released = Some((key, back));
+                let row = row.clone();
+                st.ops.insert(key, Op::Busy("releasing"));
+                released = Some(row);
             }
             tracing::warn!(
                 worker,
                 pool = %rec.pool,
                 workers_left = left,
-                actor = ?released.as_ref().map(|(k, _)| k.to_string()),
+                actor = ?released.as_ref().map(|r| key_of(r).to_string()),
                 "worker left its pool"
             );
             released
         };
-        if let Some((key, back)) = released {
-            let plane = self.clone();
-            self.inner.tasks.spawn(async move {
-                let result = plane.inner.store.put_actor(back.clone()).await;
-                if let Err(e) = &result {
-                    db_error(e);
-                }
-                let mut st = plane.lock();
-                st.actors.insert(key.clone(), back);
-                st.ops.remove(&key);
-                tracing::warn!(actor = %key, "actor back to SUSPENDED from its last snapshot");
-            });
+        if let Some(row) = released {
+            self.spawn_release(vec![row]);
         }
     }
 

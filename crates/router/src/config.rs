@@ -32,6 +32,9 @@ pub const DECISION_MARGIN: Duration = Duration::from_secs(5);
 /// The budget of a flight when parking is disabled: only `Aborted` is retried.
 pub const DISABLED_ABORTED_BUDGET: Duration = Duration::from_secs(15);
 
+/// Default `--parked-request-max-body` (1 MiB).
+pub const DEFAULT_PARKED_BODY_LIMIT: u64 = 1 << 20;
+
 /// Default `--listen` of the router's built-in HTTP data plane.
 pub const DEFAULT_LISTEN: &str = "0.0.0.0:8080";
 /// Default `--extproc-listen`.
@@ -116,6 +119,12 @@ pub struct ParkingArgs {
     #[arg(long, env = "VALET_RESUME_ATTEMPT_TIMEOUT", default_value = DEFAULT_RESUME_ATTEMPT_TIMEOUT, value_parser = parse_duration, value_name = "DURATION")]
     pub resume_attempt_timeout: Duration,
 
+    /// Largest declared request body (Content-Length) a request may park with; a larger
+    /// one that would have to wait gets 413 instead. Bodies are never buffered: a parked
+    /// request's body stays with its client until the request is routed.
+    #[arg(long, env = "VALET_PARKED_REQUEST_MAX_BODY", default_value_t = DEFAULT_PARKED_BODY_LIMIT, value_name = "BYTES")]
+    pub parked_request_max_body: u64,
+
     /// On SIGTERM, how long readiness reports not-ready before the router stops accepting.
     #[arg(long, env = "VALET_DRAIN_DELAY", default_value = "0s", value_parser = parse_duration, value_name = "DURATION")]
     pub drain_delay: Duration,
@@ -161,6 +170,7 @@ pub struct RouterConfig {
     parking: ParkingConfig,
     extproc_max_requests: u32,
     extproc_max_requests_derived: bool,
+    parked_body_limit: u64,
     drain_delay: Duration,
     drain_timeout: Duration,
 }
@@ -201,6 +211,10 @@ impl RouterConfig {
     /// Whether [`Self::extproc_max_requests`] was derived rather than given.
     pub fn extproc_max_requests_derived(&self) -> bool {
         self.extproc_max_requests_derived
+    }
+    /// The largest declared body a request may park with.
+    pub fn parked_body_limit(&self) -> u64 {
+        self.parked_body_limit
     }
     /// How long readiness fails before the router stops accepting.
     pub fn drain_delay(&self) -> Duration {
@@ -461,6 +475,7 @@ impl RouterArgs {
             parking,
             extproc_max_requests,
             extproc_max_requests_derived,
+            parked_body_limit: p.parked_request_max_body,
             drain_delay: p.drain_delay,
             drain_timeout,
         })

@@ -23,6 +23,7 @@ pub mod lot;
 pub mod metrics;
 mod pipeline;
 mod retry;
+pub mod status;
 pub mod verdict;
 
 #[cfg(any(test, feature = "testing"))]

@@ -19,6 +19,7 @@ pub struct ParkingLot {
     permits: Arc<Semaphore>,
     capacity: usize,
     admitted: AtomicU64,
+    rejected: AtomicU64,
     metrics: Arc<Metrics>,
 }
 
@@ -29,6 +30,7 @@ impl ParkingLot {
             permits: Arc::new(Semaphore::new(capacity.min(Semaphore::MAX_PERMITS))),
             capacity,
             admitted: AtomicU64::new(0),
+            rejected: AtomicU64::new(0),
             metrics,
         }
     }
@@ -48,6 +50,11 @@ impl ParkingLot {
         self.admitted.load(Ordering::Relaxed)
     }
 
+    /// Requests ever shed because the lot was full.
+    pub fn rejected_total(&self) -> u64 {
+        self.rejected.load(Ordering::Relaxed)
+    }
+
     /// Takes a slot, or counts a rejection when the lot is full.
     pub(crate) fn try_park(&self) -> Option<Slot> {
         match Arc::clone(&self.permits).try_acquire_owned() {
@@ -62,6 +69,7 @@ impl ParkingLot {
                 })
             }
             Err(_) => {
+                self.rejected.fetch_add(1, Ordering::Relaxed);
                 self.metrics.rejected();
                 None
             }

@@ -68,6 +68,21 @@ pub struct Metrics {
     resume_attempts: Counter<u64>,
     flights_active: UpDownCounter<i64>,
     decision_duration: Histogram<f64>,
+    recent_waits: std::sync::Mutex<std::collections::VecDeque<f64>>,
+}
+
+/// How many recent parked waits the status page's percentiles cover.
+pub const RECENT_WAITS: usize = 1000;
+
+/// Percentiles (seconds) of the recent parked waits.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WaitPercentiles {
+    /// How many waits they cover.
+    pub count: usize,
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+    pub max: f64,
 }
 
 impl fmt::Debug for Metrics {
@@ -129,6 +144,9 @@ impl Metrics {
                 .build(),
             registry,
             _provider: provider,
+            recent_waits: std::sync::Mutex::new(std::collections::VecDeque::with_capacity(
+                RECENT_WAITS,
+            )),
         }
     }
 
@@ -137,6 +155,13 @@ impl Metrics {
     }
 
     pub(crate) fn wait_ended(&self, waited: Duration, outcome: ParkOutcome) {
+        {
+            let mut recent = self.recent_waits.lock().unwrap_or_else(|e| e.into_inner());
+            if recent.len() == RECENT_WAITS {
+                recent.pop_front();
+            }
+            recent.push_back(waited.as_secs_f64());
+        }
         self.parking_wait.record(
             waited.as_secs_f64(),
             &[KeyValue::new("outcome", outcome.as_str())],
@@ -168,6 +193,26 @@ impl Metrics {
 
     pub(crate) fn flight_ended(&self) {
         self.flights_active.add(-1, &[]);
+    }
+
+    /// Percentiles of the last [`RECENT_WAITS`] parked waits, if any.
+    pub fn recent_wait_percentiles(&self) -> Option<WaitPercentiles> {
+        let mut waits: Vec<f64> = {
+            let recent = self.recent_waits.lock().unwrap_or_else(|e| e.into_inner());
+            recent.iter().copied().collect()
+        };
+        if waits.is_empty() {
+            return None;
+        }
+        waits.sort_by(f64::total_cmp);
+        let at = |q: f64| waits[((waits.len() - 1) as f64 * q).round() as usize];
+        Some(WaitPercentiles {
+            count: waits.len(),
+            p50: at(0.5),
+            p90: at(0.9),
+            p99: at(0.99),
+            max: waits[waits.len() - 1],
+        })
     }
 
     /// Every metric as Prometheus text exposition (format 0.0.4).

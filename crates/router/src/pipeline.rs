@@ -14,6 +14,7 @@ use crate::flight::{FlightState, FlightWatch, Registry};
 use crate::lot::{ParkingLot, Slot};
 use crate::metrics::{Metrics, ParkOutcome};
 use crate::retry;
+use crate::status::{RecentRequests, RouteRecord};
 use crate::verdict::{Denial, Verdict};
 
 /// Where to send a request.
@@ -60,6 +61,7 @@ struct Inner {
     metrics: Arc<Metrics>,
     tasks: TaskTracker,
     cutoff: CancellationToken,
+    recent: RecentRequests,
 }
 
 impl std::fmt::Debug for dyn ControlPlane {
@@ -84,6 +86,7 @@ impl Router {
                 metrics,
                 tasks: TaskTracker::new(),
                 cutoff: CancellationToken::new(),
+                recent: RecentRequests::default(),
             }),
         }
     }
@@ -103,6 +106,16 @@ impl Router {
         &self.inner.lot
     }
 
+    /// Keeps a decided request for the status page.
+    pub fn record(&self, record: RouteRecord) {
+        self.inner.recent.push(record);
+    }
+
+    /// The last routed requests, newest first.
+    pub fn recent_requests(&self) -> Vec<RouteRecord> {
+        self.inner.recent.newest_first()
+    }
+
     /// Resume flights in progress.
     pub fn flights_in_progress(&self) -> usize {
         self.inner.flights.len()
@@ -112,6 +125,17 @@ impl Router {
     /// deadline). Dropping the future means the caller went away: its parking slot is
     /// freed at once and `canceled` recorded; the flight goes on for the others.
     pub async fn decide(&self, host: &str, deadline: Instant) -> Decision {
+        self.decide_request(host, deadline, None).await
+    }
+
+    /// [`Self::decide`] for a request that declares a body of `body_len` bytes: if it
+    /// would have to park with a body over `--parked-request-max-body`, it gets 413.
+    pub async fn decide_request(
+        &self,
+        host: &str,
+        deadline: Instant,
+        body_len: Option<u64>,
+    ) -> Decision {
         let mut record = Recording {
             metrics: &self.inner.metrics,
             started: Instant::now(),
@@ -119,7 +143,7 @@ impl Router {
         };
         let decision = match parse_host(host, self.inner.config.actor_domain()) {
             Err(e) => deny(Denial::InvalidHost(e)),
-            Ok(actor) => match self.resolve(&actor, deadline).await {
+            Ok(actor) => match self.resolve(&actor, deadline, body_len).await {
                 Ok(addr) => Decision::Route(Route { actor, addr }),
                 Err(denial) => deny(denial),
             },
@@ -140,16 +164,23 @@ impl Router {
         self.inner.tasks.wait().await;
     }
 
-    async fn resolve(&self, actor: &ActorRef, deadline: Instant) -> Result<SocketAddr, Denial> {
+    async fn resolve(
+        &self,
+        actor: &ActorRef,
+        deadline: Instant,
+        body_len: Option<u64>,
+    ) -> Result<SocketAddr, Denial> {
         let budget = self.inner.config.parking().flight_budget();
         let (watch, flight) = self.inner.flights.join(actor, budget);
         if let Some(flight) = flight {
             self.spawn_flight(flight);
         }
+        let limit = self.inner.config.parked_body_limit();
         let mut wait = Wait {
             actor,
             watch,
             slot: None,
+            too_large: body_len.filter(|n| *n > limit).map(|_| limit),
         };
         tokio::select! {
             biased;
@@ -181,6 +212,8 @@ struct Wait<'a> {
     actor: &'a ActorRef,
     watch: FlightWatch,
     slot: Option<Slot>,
+    /// `Some(limit)` when the request's body is too large to park.
+    too_large: Option<u64>,
 }
 
 impl Wait<'_> {
@@ -190,6 +223,9 @@ impl Wait<'_> {
             match state {
                 FlightState::Resolving => {}
                 FlightState::Parked => {
+                    if let Some(limit) = self.too_large {
+                        return Err(Denial::BodyTooLargeToPark(self.actor.clone(), limit));
+                    }
                     if self.slot.is_none() {
                         match lot.try_park() {
                             Some(slot) => self.slot = Some(slot),

@@ -28,6 +28,8 @@ pub enum Denial {
     CallerGone(ActorRef),
     /// The router's drain timeout ended while the request waited.
     ShuttingDown(ActorRef),
+    /// The request would have to park, but its declared body is over the limit.
+    BodyTooLargeToPark(ActorRef, u64),
 }
 
 impl Denial {
@@ -35,7 +37,10 @@ impl Denial {
     pub(crate) fn park_outcome(&self) -> ParkOutcome {
         match self {
             Denial::Flight(_, FlightError::BudgetExhausted(_)) => ParkOutcome::BudgetExhausted,
-            Denial::Flight(..) | Denial::InvalidHost(_) | Denial::LotFull(_) => ParkOutcome::Error,
+            Denial::Flight(..)
+            | Denial::InvalidHost(_)
+            | Denial::LotFull(_)
+            | Denial::BodyTooLargeToPark(..) => ParkOutcome::Error,
             Denial::CallerGone(_) => ParkOutcome::Canceled,
             Denial::CallerDeadline(_) | Denial::ShuttingDown(_) => ParkOutcome::Timeout,
         }
@@ -94,6 +99,13 @@ impl Verdict {
             .retry_after(),
             Denial::CallerDeadline(actor) => timed_out(actor),
             Denial::CallerGone(_) => Self::new(408, String::new(), "canceled"),
+            Denial::BodyTooLargeToPark(actor, limit) => Self::new(
+                413,
+                format!(
+                    "actor {actor} unavailable: request body too large to park (limit {limit} bytes)"
+                ),
+                "body_too_large",
+            ),
             Denial::ShuttingDown(actor) => Self::new(
                 503,
                 format!("actor {actor} unavailable: router shutting down"),
@@ -318,6 +330,12 @@ mod tests {
             false,
         );
         check(&Verdict::of(&Denial::CallerGone(actor())), 408, "", false);
+        check(
+            &Verdict::of(&Denial::BodyTooLargeToPark(actor(), 1024)),
+            413,
+            "actor demo/p3 unavailable: request body too large to park (limit 1024 bytes)",
+            false,
+        );
         check(
             &Verdict::of(&Denial::ShuttingDown(actor())),
             503,

@@ -282,3 +282,51 @@ async fn not_found_fails_fast_with_exact_body() {
     assert_eq!(status(&d), 404);
     assert_eq!(body(&d), "actor demo/nope not found");
 }
+
+/// A request that must park with a declared body over the limit gets 413 at the park
+/// transition, without a slot; one within the limit parks; one to a running actor is
+/// never affected.
+#[tokio::test(start_paused = true)]
+async fn large_bodies_do_not_park() {
+    let mut h = harness(&[
+        "--parked-request-max-body",
+        "1000",
+        "--parked-request-retry-jitter",
+        "0",
+    ]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let router = h.router.clone();
+    let big = tokio::spawn(async move {
+        router
+            .decide_request(&common::host("demo/p3"), deadline, Some(1001))
+            .await
+    });
+    let router = h.router.clone();
+    let small = tokio::spawn(async move {
+        router
+            .decide_request(&common::host("demo/p3"), deadline, Some(1000))
+            .await
+    });
+    settle_until("both joined", || h.router.flights_in_progress() == 1).await;
+    h.calls.next().await.no_room();
+    let d = big.await.unwrap();
+    assert_eq!(status(&d), 413);
+    assert_eq!(
+        body(&d),
+        "actor demo/p3 unavailable: request body too large to park (limit 1000 bytes)"
+    );
+    settle_until("small parked", || h.parked() == 1).await;
+    h.assert_lot(1, 0, &[]);
+    h.calls.next().await.running(9000);
+    assert_eq!(status(&small.await.unwrap()), 200);
+
+    let router = h.router.clone();
+    let running = tokio::spawn(async move {
+        router
+            .decide_request(&common::host("demo/p1"), deadline, Some(1 << 30))
+            .await
+    });
+    h.calls.next().await.running(9001);
+    assert_eq!(status(&running.await.unwrap()), 200);
+    h.assert_lot(0, 0, &[("served", 1)]);
+}

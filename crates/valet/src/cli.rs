@@ -29,6 +29,50 @@ pub(crate) enum Command {
     Worker(WorkerArgs),
     /// A client of any ateapi.Control server.
     Ctl(CtlArgs),
+    /// The whole system on loopback: control plane, workers and router.
+    Up(UpArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub(crate) struct UpArgs {
+    /// Every router flag; the router's --control-plane is the embedded one. Listeners
+    /// left at their defaults bind 127.0.0.1 instead of 0.0.0.0.
+    #[command(flatten)]
+    pub(crate) router: RouterArgs,
+
+    /// Workers in pool `counter`.
+    #[arg(long, env = "VALET_WORKERS", default_value_t = 2, value_name = "N")]
+    pub(crate) workers: usize,
+
+    /// Extra time each restore takes (the seed measured about 230ms).
+    #[arg(long, env = "VALET_RESTORE_DELAY", default_value = "0s", value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) restore_delay: Duration,
+
+    /// Directory of the database and the snapshots.
+    #[arg(long, env = "VALET_DATA_DIR", default_value = DEFAULT_DATA_DIR, value_name = "DIR")]
+    pub(crate) data_dir: PathBuf,
+
+    /// gRPC address of the embedded control plane; port 0 picks one.
+    #[arg(long, env = "VALET_CONTROL_PLANE_LISTEN", default_value = DEFAULT_CONTROL_PLANE_LISTEN, value_name = "ADDR")]
+    pub(crate) control_plane_listen: std::net::SocketAddr,
+
+    /// Actors to create (if missing) at start, as atespace/name,...; empty for none.
+    #[arg(
+        long,
+        env = "VALET_DEMO_ACTORS",
+        default_value = "demo/p1,demo/p2,demo/p3,demo/p4",
+        value_name = "LIST"
+    )]
+    pub(crate) demo_actors: String,
+
+    /// Whether the embedded control plane honours wait_for_capacity.
+    #[arg(
+        long,
+        env = "VALET_CAPACITY_WAIT",
+        default_value = "on",
+        value_name = "ON|OFF"
+    )]
+    pub(crate) capacity_wait: OnOff,
 }
 
 /// Default `--listen` of the control plane.

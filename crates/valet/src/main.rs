@@ -3,13 +3,16 @@
 
 #![forbid(unsafe_code)]
 
+mod admin;
 mod cli;
 mod cmd;
+mod serve;
 mod signal;
 
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches};
 
 use cli::{Cli, Command};
 
@@ -17,10 +20,26 @@ use cli::{Cli, Command};
 const EXIT_CONFIG: u8 = 64;
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let matches = match Cli::command().try_get_matches() {
+        Ok(m) => m,
+        Err(e) => return cli::parse_error_exit(&e),
+    };
+    let mut cli = match Cli::from_arg_matches(&matches) {
         Ok(cli) => cli,
         Err(e) => return cli::parse_error_exit(&e),
     };
+    // `valet up` runs on loopback: listeners left at their 0.0.0.0 defaults bind
+    // 127.0.0.1.
+    if let (Command::Up(up), Some(m)) = (&mut cli.command, matches.subcommand_matches("up")) {
+        for (id, value) in [
+            ("listen", &mut up.router.listen),
+            ("extproc_listen", &mut up.router.extproc_listen),
+        ] {
+            if m.value_source(id) == Some(ValueSource::DefaultValue) {
+                *value = value.replace("0.0.0.0", "127.0.0.1");
+            }
+        }
+    }
     init_tracing();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -38,6 +57,7 @@ fn main() -> ExitCode {
             Command::ControlPlane(args) => cmd::control_plane::run(args).await,
             Command::Worker(args) => cmd::worker::run(args).await,
             Command::Ctl(args) => cmd::ctl::run(args).await,
+            Command::Up(args) => cmd::up::run(args).await,
         }
     })
 }

@@ -4,6 +4,9 @@
 //! `hello from: <atespace>/<name> | preserved memory count: <N> | preserved file counter: <M>`
 //! and counts the request twice: in memory (kept only by full snapshots) and in a file
 //! in the actor's data directory (always kept).
+//!
+//! The `echo` app, for data-plane tests, streams each request body back, serves
+//! `/bytes/<n>` as `n` streamed bytes, and echoes WebSocket messages.
 
 use std::convert::Infallible;
 use std::path::{Path, PathBuf};
@@ -11,17 +14,42 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use futures_util::{SinkExt, StreamExt};
 use http::{Request, Response, StatusCode};
-use http_body_util::Full;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper_util::rt::TokioIo;
 
 /// The header the router sets on every routed request.
 pub const ACTOR_REF_HEADER: &str = "x-actor-ref";
+
+/// Which app a hosted actor runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum App {
+    Counter,
+    Echo,
+}
+
+impl App {
+    pub(crate) fn from_name(name: &str) -> Result<Self, String> {
+        match name {
+            "" | "counter" => Ok(App::Counter),
+            "echo" => Ok(App::Echo),
+            other => Err(format!("unknown app {other:?}")),
+        }
+    }
+}
+
+/// Largest `/bytes/<n>` the echo app serves.
+pub(crate) const MAX_ECHO_BYTES: u64 = 4 << 30;
 
 /// The actor a worker hosts.
 #[derive(Debug)]
 pub(crate) struct Hosted {
     /// `atespace/name`.
     pub(crate) actor: String,
+    pub(crate) app: App,
     pub(crate) snapshot_key: String,
     memory: AtomicU64,
     data_file: PathBuf,
@@ -32,12 +60,14 @@ pub(crate) struct Hosted {
 impl Hosted {
     pub(crate) fn new(
         actor: String,
+        app: App,
         snapshot_key: String,
         memory: u64,
         data_file: PathBuf,
     ) -> Self {
         Self {
             actor,
+            app,
             snapshot_key,
             memory: AtomicU64::new(memory),
             data_file,
@@ -86,19 +116,26 @@ pub(crate) fn write_atomically(path: &Path, content: &[u8]) -> std::io::Result<(
 /// The slot the app reads its hosted actor from.
 pub(crate) type Slot = Arc<Mutex<Option<Arc<Hosted>>>>;
 
-fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+/// The body of every app response.
+pub(crate) type Body = BoxBody<Bytes, hyper::Error>;
+
+fn text(status: StatusCode, body: String) -> Response<Body> {
     Response::builder()
         .status(status)
         .header(http::header::CONTENT_TYPE, "text/plain; charset=utf-8")
-        .body(Full::new(Bytes::from(body)))
+        .body(
+            Full::new(Bytes::from(body))
+                .map_err(|never| match never {})
+                .boxed(),
+        )
         .expect("static parts are valid")
 }
 
 /// Answers one request for the hosted actor.
-pub(crate) async fn handle<B>(
-    req: Request<B>,
+pub(crate) async fn handle(
+    req: Request<Incoming>,
     slot: Slot,
-) -> Result<Response<Full<Bytes>>, Infallible> {
+) -> Result<Response<Body>, Infallible> {
     let hosted = slot.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let named = req
         .headers()
@@ -122,6 +159,7 @@ pub(crate) async fn handle<B>(
     match path {
         "/readyz" => Ok(text(StatusCode::OK, "ok\n".into())),
         "/whoami" => Ok(text(StatusCode::OK, format!("{}\n", hosted.actor))),
+        _ if hosted.app == App::Echo => Ok(echo(req)),
         _ => {
             let counted = {
                 let hosted = Arc::clone(&hosted);
@@ -153,4 +191,95 @@ pub(crate) async fn handle<B>(
             }
         }
     }
+}
+
+fn echo(req: Request<Incoming>) -> Response<Body> {
+    let is_websocket = req
+        .headers()
+        .get(http::header::UPGRADE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.eq_ignore_ascii_case("websocket"));
+    if is_websocket {
+        return websocket_echo(req);
+    }
+    if let Some(n) = req.uri().path().strip_prefix("/bytes/") {
+        let Ok(n) = n.parse::<u64>() else {
+            return text(StatusCode::BAD_REQUEST, "want /bytes/<n>\n".into());
+        };
+        if n > MAX_ECHO_BYTES {
+            return text(
+                StatusCode::BAD_REQUEST,
+                format!("at most {MAX_ECHO_BYTES} bytes\n"),
+            );
+        }
+        return Response::builder()
+            .header(http::header::CONTENT_TYPE, "application/octet-stream")
+            .header(http::header::CONTENT_LENGTH, n)
+            .body(pattern_body(n))
+            .expect("static parts are valid");
+    }
+    let mut builder = Response::builder().header("x-echo-method", req.method().as_str());
+    if let Some(len) = req.headers().get(http::header::CONTENT_LENGTH) {
+        builder = builder.header(http::header::CONTENT_LENGTH, len.clone());
+    }
+    builder
+        .body(req.into_body().boxed())
+        .expect("static parts are valid")
+}
+
+/// `n` bytes of the repeating pattern `0, 1, ..., 250`, streamed in 64 KiB frames.
+pub fn pattern(offset: u64, len: usize) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| ((offset + i) % 251) as u8)
+        .collect()
+}
+
+fn pattern_body(n: u64) -> Body {
+    const CHUNK: u64 = 64 * 1024;
+    let frames = (0..n.div_ceil(CHUNK)).map(move |i| {
+        let len = CHUNK.min(n - i * CHUNK) as usize;
+        Ok::<_, hyper::Error>(Frame::data(Bytes::from(pattern(i * CHUNK, len))))
+    });
+    BodyExt::boxed(StreamBody::new(futures_util::stream::iter(frames)))
+}
+
+fn websocket_echo(req: Request<Incoming>) -> Response<Body> {
+    let Some(key) = req.headers().get("sec-websocket-key").cloned() else {
+        return text(
+            StatusCode::BAD_REQUEST,
+            "missing sec-websocket-key\n".into(),
+        );
+    };
+    let accept = tokio_tungstenite::tungstenite::handshake::derive_accept_key(key.as_bytes());
+    tokio::spawn(async move {
+        let upgraded = match hyper::upgrade::on(req).await {
+            Ok(u) => u,
+            Err(e) => {
+                tracing::debug!(error = %e, "websocket upgrade failed");
+                return;
+            }
+        };
+        let mut ws = tokio_tungstenite::WebSocketStream::from_raw_socket(
+            TokioIo::new(upgraded),
+            tokio_tungstenite::tungstenite::protocol::Role::Server,
+            None,
+        )
+        .await;
+        while let Some(Ok(msg)) = ws.next().await {
+            if (msg.is_text() || msg.is_binary()) && ws.send(msg).await.is_err() {
+                break;
+            }
+        }
+    });
+    Response::builder()
+        .status(StatusCode::SWITCHING_PROTOCOLS)
+        .header(http::header::CONNECTION, "upgrade")
+        .header(http::header::UPGRADE, "websocket")
+        .header("sec-websocket-accept", accept)
+        .body(
+            Full::new(Bytes::new())
+                .map_err(|never| match never {})
+                .boxed(),
+        )
+        .expect("static parts are valid")
 }

@@ -30,8 +30,8 @@ use valet_proto::worker::{
     self as wk, worker_command::Command, worker_event::Event, workers_client::WorkersClient,
 };
 
-pub use app::ACTOR_REF_HEADER;
-use app::{Hosted, Slot, read_counter, write_atomically};
+pub use app::{ACTOR_REF_HEADER, pattern};
+use app::{App, Hosted, Slot, read_counter, write_atomically};
 
 /// How a worker runs.
 #[derive(Debug, Clone)]
@@ -323,6 +323,7 @@ impl Agent {
 
     async fn restore(&self, r: wk::Restore) -> Result<(), String> {
         let slot = r.actor.ok_or("restore without an actor")?;
+        let app = App::from_name(&r.app)?;
         let actor = format!("{}/{}", slot.atespace, slot.name);
         if let Some(h) = lock(&self.slot).as_ref() {
             if h.actor == actor {
@@ -342,6 +343,7 @@ impl Agent {
         tokio::time::sleep(self.config.restore_delay).await;
         let hosted = Hosted::new(
             actor.clone(),
+            app,
             slot.snapshot_key.clone(),
             memory,
             dir.join("data").join("counter"),

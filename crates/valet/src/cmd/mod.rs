@@ -3,4 +3,5 @@
 pub(crate) mod control_plane;
 pub(crate) mod ctl;
 pub(crate) mod router;
+pub(crate) mod up;
 pub(crate) mod worker;

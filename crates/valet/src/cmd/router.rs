@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use valet_router::RouterArgs;
 
 use crate::EXIT_CONFIG;
+use crate::serve::RunningRouter;
 
 pub(crate) async fn run(args: RouterArgs) -> ExitCode {
     let config = match args.resolve() {
@@ -14,10 +15,14 @@ pub(crate) async fn run(args: RouterArgs) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    println!("valet router: resolved configuration");
-    for (flag, value) in config.effective_flags() {
-        println!("  {flag}={value}");
-    }
-    println!("valet router: the data planes are not built yet; configuration is valid, exiting");
+    let running = match RunningRouter::start(config).await {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("valet router: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    crate::signal::terminated().await;
+    running.drain().await;
     ExitCode::SUCCESS
 }
