@@ -257,6 +257,10 @@ impl RouterConfig {
                 "--resume-attempt-timeout",
                 fmt_duration(p.resume_attempt_timeout),
             ),
+            (
+                "--parked-request-max-body",
+                self.parked_body_limit.to_string(),
+            ),
             ("--drain-delay", fmt_duration(self.drain_delay)),
             ("--drain-timeout", fmt_duration(self.drain_timeout)),
         ]

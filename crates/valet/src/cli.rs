@@ -22,7 +22,7 @@ pub(crate) struct Cli {
 #[derive(Debug, Subcommand)]
 pub(crate) enum Command {
     /// The router alone: parks requests for actors whose pool is full.
-    Router(RouterArgs),
+    Router(RouterCmd),
     /// The reference control plane (ateapi.Control) with its embedded database.
     ControlPlane(ControlPlaneArgs),
     /// One reference worker: joins a pool of a running control plane.
@@ -31,6 +31,16 @@ pub(crate) enum Command {
     Ctl(CtlArgs),
     /// The whole system on loopback: control plane, workers and router.
     Up(UpArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub(crate) struct RouterCmd {
+    #[command(flatten)]
+    pub(crate) args: RouterArgs,
+
+    /// Validate the configuration, print the effective flags and exit.
+    #[arg(long)]
+    pub(crate) check: bool,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -43,6 +53,16 @@ pub(crate) struct UpArgs {
     /// Workers in pool `counter`.
     #[arg(long, env = "VALET_WORKERS", default_value_t = 2, value_name = "N")]
     pub(crate) workers: usize,
+
+    /// Workers in pool `echo`, whose app streams request bodies back and echoes
+    /// WebSocket messages (for trying data planes); actors of template `echo` run there.
+    #[arg(
+        long,
+        env = "VALET_ECHO_WORKERS",
+        default_value_t = 0,
+        value_name = "N"
+    )]
+    pub(crate) echo_workers: usize,
 
     /// Extra time each restore takes (the seed measured about 230ms).
     #[arg(long, env = "VALET_RESTORE_DELAY", default_value = "0s", value_parser = parse_duration, value_name = "DURATION")]

@@ -70,7 +70,7 @@ fn environment_variables_configure_the_router() {
     assert!(stderr_lines(&o)[0].contains("--parked-request-budget=0s: must be > 0"));
 
     let o = valet(
-        &["router"],
+        &["router", "--check"],
         &[
             ("VALET_PARKED_REQUEST_MAX", "3000"),
             ("VALET_DRAIN_DELAY", "2s"),
@@ -108,6 +108,7 @@ fn help_lists_every_flag_with_default_and_variable() {
         ("--parked-request-retry-jitter", "0.1"),
         ("--extproc-max-requests", "0"),
         ("--resume-attempt-timeout", "30s"),
+        ("--parked-request-max-body", "1048576"),
         ("--drain-delay", "0s"),
         ("--drain-timeout", "0s"),
     ] {

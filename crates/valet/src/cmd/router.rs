@@ -2,19 +2,24 @@
 
 use std::process::ExitCode;
 
-use valet_router::RouterArgs;
-
 use crate::EXIT_CONFIG;
+use crate::cli::RouterCmd;
 use crate::serve::RunningRouter;
 
-pub(crate) async fn run(args: RouterArgs) -> ExitCode {
-    let config = match args.resolve() {
+pub(crate) async fn run(cmd: RouterCmd) -> ExitCode {
+    let config = match cmd.args.resolve() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("valet router: {e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
+    if cmd.check {
+        for (flag, value) in config.effective_flags() {
+            println!("{flag}={value}");
+        }
+        return ExitCode::SUCCESS;
+    }
     let running = match RunningRouter::start(config).await {
         Ok(r) => r,
         Err(e) => {

@@ -101,25 +101,33 @@ async fn up(mut args: UpArgs) -> Result<(), UpError> {
     };
 
     let mut workers = Vec::new();
-    for i in 1..=args.workers {
-        let w = Worker::spawn(WorkerConfig {
-            control_plane: format!("http://{cp_addr}"),
-            pool: "counter".into(),
-            listen: "127.0.0.1:0".parse().expect("valid"),
-            snapshot_dir: args.data_dir.join("snapshots"),
-            restore_delay: args.restore_delay,
-            worker_id: Some(format!("up-worker-{i}")),
+    let pools = [
+        ("counter", args.workers, "up-worker"),
+        ("echo", args.echo_workers, "up-echo"),
+    ];
+    for (pool, count, prefix) in pools {
+        for i in 1..=count {
+            let w = Worker::spawn(WorkerConfig {
+                control_plane: format!("http://{cp_addr}"),
+                pool: pool.into(),
+                listen: "127.0.0.1:0".parse().expect("valid"),
+                snapshot_dir: args.data_dir.join("snapshots"),
+                restore_delay: args.restore_delay,
+                worker_id: Some(format!("{prefix}-{i}")),
+            })
+            .await
+            .map_err(|e| UpError::Start(e.to_string()))?;
+            workers.push(w);
+        }
+    }
+    let (n, e) = (args.workers, args.echo_workers);
+    if !plane
+        .wait_until(Duration::from_secs(10), |p| {
+            p.pool("counter").0 == n && p.pool("echo").0 == e
         })
         .await
-        .map_err(|e| UpError::Start(e.to_string()))?;
-        workers.push(w);
-    }
-    let n = workers.len();
-    if !plane
-        .wait_until(Duration::from_secs(10), |p| p.pool("counter").0 == n)
-        .await
     {
-        return Err(UpError::Start("workers did not join the pool".into()));
+        return Err(UpError::Start("workers did not join their pools".into()));
     }
 
     for key in &actors {

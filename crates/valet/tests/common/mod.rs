@@ -205,3 +205,153 @@ pub async fn http_get(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) ->
         .unwrap_or_default();
     (status, body)
 }
+
+/// A `valet up` process with every listener on 127.0.0.1:0 and its data in a temp dir.
+#[derive(Debug)]
+pub struct Up {
+    pub child: Child,
+    pub control_plane: SocketAddr,
+    pub router: SocketAddr,
+    pub admin: SocketAddr,
+    pub extproc: Option<SocketAddr>,
+    pub dir: tempfile::TempDir,
+}
+
+pub const DOMAIN: &str = "actors.resources.substrate.ate.dev";
+
+impl Up {
+    /// Starts `valet up <extra>` with its data in a new temp dir and reads its
+    /// listening lines (bounded).
+    pub async fn start(extra: &[&str]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        Self::start_in(dir, &data, extra).await
+    }
+
+    /// [`Self::start`] with the data in `data`.
+    pub async fn start_in(dir: tempfile::TempDir, data: &Path, extra: &[&str]) -> Self {
+        let mut args = vec![
+            "up",
+            "--control-plane-listen",
+            "127.0.0.1:0",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--extproc-listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            data.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let mut child = Command::new(env!("CARGO_BIN_EXE_valet"))
+            .args(&args)
+            .env("VALET_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("valet up starts");
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = BufReader::new(stdout).lines();
+        let mut found: std::collections::HashMap<String, SocketAddr> = Default::default();
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while let Some(line) = lines.next_line().await.unwrap() {
+                if let Some(rest) = line.strip_prefix("listening ") {
+                    let (part, addr) = rest.split_once(' ').unwrap();
+                    found.insert(part.to_owned(), addr.parse().unwrap());
+                }
+                if line.starts_with("press Ctrl-C") {
+                    return;
+                }
+            }
+            panic!("valet up exited before it was ready");
+        })
+        .await
+        .expect("valet up gets ready");
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Self {
+            child,
+            control_plane: found["control-plane"],
+            router: found["router"],
+            admin: found["admin"],
+            extproc: found.get("extproc").copied(),
+            dir,
+        }
+    }
+
+    pub fn client(&self) -> ControlClient<Channel> {
+        client(self.control_plane)
+    }
+
+    pub fn host(name: &str) -> String {
+        format!("{name}.demo.{DOMAIN}")
+    }
+
+    /// The router's metrics text.
+    pub async fn metrics(&self) -> String {
+        http_get(self.admin, "/metrics", &[]).await.1
+    }
+
+    pub async fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        valet_router::metrics::sample_of(&self.metrics().await, name, labels)
+    }
+
+    /// Waits (bounded, polling the admin server) until `n` requests are parked.
+    pub async fn until_parked(&self, n: f64) {
+        eventually(&format!("{n} parked"), Duration::from_secs(20), || async {
+            (self.metric("atenet_router_parking_active", &[]).await == n).then_some(())
+        })
+        .await;
+    }
+
+    /// Sends SIGTERM.
+    pub fn terminate(&self) {
+        let pid = self.child.id().expect("running").to_string();
+        let ok = std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill -TERM {pid}");
+    }
+}
+
+/// A request through the router: status, headers and body.
+pub async fn request(
+    router: SocketAddr,
+    method: &str,
+    host: &str,
+    path: &str,
+    body: Vec<u8>,
+) -> (u16, http::HeaderMap, Vec<u8>) {
+    use http_body_util::{BodyExt, Full};
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Full<bytes::Bytes>>();
+    let req = http::Request::builder()
+        .method(method)
+        .uri(format!("http://{router}{path}"))
+        .header("host", host)
+        .body(Full::new(bytes::Bytes::from(body)))
+        .unwrap();
+    let resp = client.request(req).await.expect("router answers");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .expect("whole body")
+        .to_bytes()
+        .to_vec();
+    (status, headers, body)
+}
+
+pub async fn get_text(
+    router: SocketAddr,
+    actor: &str,
+    path: &str,
+) -> (u16, http::HeaderMap, String) {
+    let (s, h, b) = request(router, "GET", &Up::host(actor), path, Vec::new()).await;
+    (s, h, String::from_utf8_lossy(&b).into_owned())
+}
