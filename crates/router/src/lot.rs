@@ -21,6 +21,8 @@ pub struct ParkingLot {
     admitted: AtomicU64,
     rejected: AtomicU64,
     metrics: Arc<Metrics>,
+    /// The active count, for observers that wait on it.
+    active_tx: Arc<tokio::sync::watch::Sender<usize>>,
 }
 
 impl ParkingLot {
@@ -32,6 +34,7 @@ impl ParkingLot {
             admitted: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
             metrics,
+            active_tx: Arc::new(tokio::sync::watch::Sender::new(0)),
         }
     }
 
@@ -43,6 +46,14 @@ impl ParkingLot {
     /// Requests parked now.
     pub fn active(&self) -> usize {
         self.capacity - self.permits.available_permits()
+    }
+
+    /// Waits until exactly `n` requests are parked; false if `timeout` passes first.
+    pub async fn wait_for_active(&self, n: usize, timeout: std::time::Duration) -> bool {
+        let mut rx = self.active_tx.subscribe();
+        tokio::time::timeout(timeout, rx.wait_for(|_| self.active() == n))
+            .await
+            .is_ok_and(|r| r.is_ok())
     }
 
     /// Requests ever parked (slots ever taken).
@@ -61,11 +72,13 @@ impl ParkingLot {
             Ok(permit) => {
                 self.admitted.fetch_add(1, Ordering::Relaxed);
                 self.metrics.parked(1);
+                self.active_tx.send_modify(|n| *n += 1);
                 Some(Slot {
-                    _permit: permit,
+                    permit: Some(permit),
                     since: Instant::now(),
                     metrics: Arc::clone(&self.metrics),
                     finished: false,
+                    active_tx: Arc::clone(&self.active_tx),
                 })
             }
             Err(_) => {
@@ -80,10 +93,11 @@ impl ParkingLot {
 /// One parked request's place in the lot.
 #[derive(Debug)]
 pub(crate) struct Slot {
-    _permit: OwnedSemaphorePermit,
+    permit: Option<OwnedSemaphorePermit>,
     since: Instant,
     metrics: Arc<Metrics>,
     finished: bool,
+    active_tx: Arc<tokio::sync::watch::Sender<usize>>,
 }
 
 impl Slot {
@@ -99,6 +113,9 @@ impl Slot {
         self.finished = true;
         self.metrics.wait_ended(self.since.elapsed(), outcome);
         self.metrics.parked(-1);
+        // Release the slot before telling observers.
+        drop(self.permit.take());
+        self.active_tx.send_modify(|n| *n = n.saturating_sub(1));
     }
 }
 

@@ -31,6 +31,33 @@ pub(crate) enum Command {
     Ctl(CtlArgs),
     /// The whole system on loopback: control plane, workers and router.
     Up(UpArgs),
+    /// Prints an Envoy bootstrap (YAML) wired to this router's ext_proc server.
+    EnvoyBootstrap(EnvoyBootstrapArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub(crate) struct EnvoyBootstrapArgs {
+    /// The router's flags: the bootstrap is derived from the same configuration.
+    #[command(flatten)]
+    pub(crate) router: RouterArgs,
+
+    /// Envoy's HTTP listener.
+    #[arg(
+        long,
+        env = "VALET_ENVOY_LISTEN",
+        default_value = "0.0.0.0:10000",
+        value_name = "ADDR"
+    )]
+    pub(crate) envoy_listen: std::net::SocketAddr,
+
+    /// Envoy's admin interface.
+    #[arg(
+        long,
+        env = "VALET_ENVOY_ADMIN",
+        default_value = "127.0.0.1:9901",
+        value_name = "ADDR"
+    )]
+    pub(crate) envoy_admin: std::net::SocketAddr,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -58,6 +58,7 @@ fn main() -> ExitCode {
             Command::Worker(args) => cmd::worker::run(args).await,
             Command::Ctl(args) => cmd::ctl::run(args).await,
             Command::Up(args) => cmd::up::run(args).await,
+            Command::EnvoyBootstrap(args) => cmd::envoy_bootstrap::run(&args),
         }
     })
 }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use valet_extproc::ExtProcServer;
 use valet_proxy::{HttpServer, Limits};
 use valet_router::{GrpcControlPlane, Metrics, Router, RouterConfig};
 
@@ -15,6 +16,7 @@ use crate::admin::{self, Health};
 pub(crate) struct RunningRouter {
     router: Router,
     http: Option<HttpServer>,
+    extproc: Option<ExtProcServer>,
     admin: Option<tokio::task::JoinHandle<()>>,
     health: Arc<Health>,
     stop_admin: CancellationToken,
@@ -46,6 +48,16 @@ impl RunningRouter {
                 let server = HttpServer::spawn(l, router.clone(), Limits::default())
                     .map_err(|e| format!("--listen={addr}: {e}"))?;
                 listeners.push(("router", server.local_addr()));
+                Some(server)
+            }
+            None => None,
+        };
+        let extproc = match config.extproc_listen() {
+            Some(addr) => {
+                let l = bind("--extproc-listen", addr).await?;
+                let server = ExtProcServer::spawn(l, router.clone())
+                    .map_err(|e| format!("--extproc-listen={addr}: {e}"))?;
+                listeners.push(("extproc", server.local_addr()));
                 Some(server)
             }
             None => None,
@@ -85,6 +97,7 @@ impl RunningRouter {
         Ok(Self {
             router,
             http,
+            extproc,
             admin,
             health,
             stop_admin,
@@ -103,13 +116,16 @@ impl RunningRouter {
     /// The shutdown of `parking.md`: readiness fails, `--drain-delay`, stop accepting,
     /// requests already received keep their budget until `--drain-timeout`, whatever
     /// still waits then gets `router shutting down`, and every request gets an answer.
-    pub(crate) async fn drain(self) {
+    pub(crate) async fn drain(mut self) {
         let config = self.router.config().clone();
         self.health.set_draining();
         tracing::info!(delay = ?config.drain_delay(), "draining: readiness fails");
         tokio::time::sleep(config.drain_delay()).await;
         if let Some(http) = &self.http {
             http.stop_accepting();
+        }
+        if let Some(extproc) = &self.extproc {
+            extproc.stop_accepting();
         }
         tracing::info!(timeout = ?config.drain_timeout(), "stopped accepting; waiting for requests in progress");
         let drained = async {
@@ -126,9 +142,13 @@ impl RunningRouter {
                 "drain timeout: answering what still waits with 'router shutting down'"
             );
             self.router.cut_off_waiting();
+            let (http, extproc) = (&self.http, &mut self.extproc);
             let answered = async {
-                if let Some(http) = &self.http {
+                if let Some(http) = http {
                     http.drained().await;
+                }
+                if let Some(extproc) = extproc {
+                    extproc.drained().await;
                 }
             };
             if tokio::time::timeout(std::time::Duration::from_secs(5), answered)

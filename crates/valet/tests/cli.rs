@@ -153,3 +153,29 @@ fn no_subcommand_is_a_usage_error() {
     let o = valet(&[], &[]);
     assert_eq!(o.status.code(), Some(64));
 }
+
+#[test]
+fn envoy_bootstrap_refuses_a_breaker_below_the_lot() {
+    let o = valet(
+        &[
+            "envoy-bootstrap",
+            "--parked-request-max",
+            "2000",
+            "--extproc-max-requests",
+            "1500",
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(64));
+    assert_eq!(
+        stderr_lines(&o),
+        vec![
+            "valet envoy-bootstrap: invalid configuration: --extproc-max-requests=1500: must be >= --parked-request-max (2000), or 0 to derive it"
+        ]
+    );
+    let o = valet(&["envoy-bootstrap", "--parked-request-max", "2000"], &[]);
+    assert_eq!(o.status.code(), Some(0));
+    let yaml = String::from_utf8(o.stdout).unwrap();
+    assert!(yaml.contains("max_requests: 4000"), "{yaml}");
+    assert!(yaml.contains("message_timeout: 10s"), "{yaml}");
+}

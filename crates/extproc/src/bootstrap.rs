@@ -1,0 +1,218 @@
+//! `valet envoy-bootstrap`: an Envoy (v1.30+) bootstrap wired to the router's ext_proc
+//! server, derived from the same resolved configuration as the router, so Envoy's
+//! timeouts and circuit breaker always agree with the parking budget and lot.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use valet_router::RouterConfig;
+
+use crate::yaml::to_yaml;
+
+/// Name of the ext_proc cluster (as upstream).
+pub const EXTPROC_CLUSTER: &str = "ate-cluster";
+/// Name of the dynamic forward proxy cluster.
+pub const DFP_CLUSTER: &str = "dynamic_forward_proxy_cluster";
+/// Shortest stream and route idle timeout.
+const MIN_IDLE: Duration = Duration::from_secs(300);
+
+/// Where Envoy listens, besides what the router's configuration says.
+#[derive(Debug, Clone, Copy)]
+pub struct EnvoyListeners {
+    /// Envoy's HTTP listener.
+    pub http: SocketAddr,
+    /// Envoy's admin interface.
+    pub admin: SocketAddr,
+}
+
+/// Why no bootstrap can be made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BootstrapError(pub String);
+
+impl std::fmt::Display for BootstrapError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn secs(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms % 1000 == 0 {
+        format!("{}s", ms / 1000)
+    } else {
+        format!("{}.{:03}s", ms / 1000, ms % 1000)
+    }
+}
+
+fn socket(addr: SocketAddr) -> Value {
+    json!({ "socket_address": { "address": addr.ip().to_string(), "port_value": addr.port() } })
+}
+
+/// The bootstrap as a structured value.
+///
+/// # Errors
+/// When the router has no ext_proc listener Envoy could reach.
+pub fn bootstrap(config: &RouterConfig, envoy: EnvoyListeners) -> Result<Value, BootstrapError> {
+    let mut extproc = config.extproc_listen().ok_or_else(|| {
+        BootstrapError("invalid configuration: --extproc-listen is empty: Envoy needs the router's ext_proc server".into())
+    })?;
+    if extproc.port() == 0 {
+        return Err(BootstrapError(format!(
+            "invalid configuration: --extproc-listen={extproc}: Envoy needs a fixed port"
+        )));
+    }
+    if extproc.ip().is_unspecified() {
+        extproc.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+    }
+    let decision = config.decision_timeout();
+    let idle = MIN_IDLE.max(decision * 2);
+    let dns_cache = json!({
+        "name": "dynamic_forward_proxy_cache_config",
+        "dns_lookup_family": "V4_ONLY",
+        "typed_dns_resolver_config": {
+            "name": "envoy.network.dns_resolver.getaddrinfo",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.network.dns_resolver.getaddrinfo.v3.GetAddrInfoDnsResolverConfig"
+            }
+        }
+    });
+    let max_requests = config.extproc_max_requests();
+    Ok(json!({
+        "admin": { "address": socket(envoy.admin) },
+        "static_resources": {
+            "listeners": [{
+                "name": "ingress_http_listener",
+                "address": socket(envoy.http),
+                "filter_chains": [{
+                    "filters": [{
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                            "stat_prefix": "ingress_http",
+                            "generate_request_id": true,
+                            "stream_idle_timeout": secs(idle),
+                            "upgrade_configs": [{ "upgrade_type": "websocket" }],
+                            "route_config": {
+                                "name": "substrate_routes",
+                                "virtual_hosts": [{
+                                    "name": "local_service",
+                                    "domains": ["*"],
+                                    "routes": [{
+                                        "match": { "prefix": "/" },
+                                        "route": {
+                                            "cluster": DFP_CLUSTER,
+                                            // The decision is bounded by message_timeout; the
+                                            // actor's answer (streams, WebSockets) is not.
+                                            "timeout": "0s",
+                                            "idle_timeout": secs(idle),
+                                        }
+                                    }]
+                                }]
+                            },
+                            "http_filters": [
+                                {
+                                    "name": "envoy.filters.http.ext_proc",
+                                    "typed_config": {
+                                        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                                        "grpc_service": {
+                                            "envoy_grpc": { "cluster_name": EXTPROC_CLUSTER },
+                                            "timeout": secs(decision),
+                                        },
+                                        "failure_mode_allow": false,
+                                        "message_timeout": secs(decision),
+                                        "processing_mode": {
+                                            "request_header_mode": "SEND",
+                                            "response_header_mode": "SKIP",
+                                            "request_body_mode": "NONE",
+                                            "response_body_mode": "NONE",
+                                            "request_trailer_mode": "SKIP",
+                                            "response_trailer_mode": "SKIP",
+                                        },
+                                        "mutation_rules": { "allow_all_routing": true },
+                                    }
+                                },
+                                {
+                                    "name": "envoy.filters.http.dynamic_forward_proxy",
+                                    "typed_config": {
+                                        "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_forward_proxy.v3.FilterConfig",
+                                        "dns_cache_config": dns_cache.clone(),
+                                    }
+                                },
+                                {
+                                    "name": "envoy.filters.http.router",
+                                    "typed_config": {
+                                        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                                    }
+                                }
+                            ]
+                        }
+                    }]
+                }]
+            }],
+            "clusters": [
+                {
+                    "name": EXTPROC_CLUSTER,
+                    "type": "STATIC",
+                    "connect_timeout": "0.25s",
+                    "lb_policy": "ROUND_ROBIN",
+                    "typed_extension_protocol_options": {
+                        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                            "explicit_http_config": { "http2_protocol_options": {} }
+                        }
+                    },
+                    // Every parked request holds one ext_proc stream: the breaker fits the
+                    // lot with an equal share left for requests to running actors.
+                    "circuit_breakers": {
+                        "thresholds": [{
+                            "priority": "DEFAULT",
+                            "max_requests": max_requests,
+                            "max_pending_requests": max_requests,
+                        }]
+                    },
+                    "load_assignment": {
+                        "cluster_name": EXTPROC_CLUSTER,
+                        "endpoints": [{ "lb_endpoints": [{ "endpoint": { "address": socket(extproc) } }] }]
+                    }
+                },
+                {
+                    "name": DFP_CLUSTER,
+                    "lb_policy": "CLUSTER_PROVIDED",
+                    "cluster_type": {
+                        "name": "envoy.clusters.dynamic_forward_proxy",
+                        "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.clusters.dynamic_forward_proxy.v3.ClusterConfig",
+                            "dns_cache_config": dns_cache,
+                        }
+                    }
+                }
+            ]
+        }
+    }))
+}
+
+/// The bootstrap as YAML, with a header saying what it was derived from.
+///
+/// # Errors
+/// As [`bootstrap`].
+pub fn bootstrap_yaml(
+    config: &RouterConfig,
+    envoy: EnvoyListeners,
+) -> Result<String, BootstrapError> {
+    let doc = bootstrap(config, envoy)?;
+    Ok(format!(
+        "# Envoy bootstrap generated by valet envoy-bootstrap (Envoy v1.30 or later).\n\
+         # budget {}, lot {}, ext_proc message_timeout {}, ext_proc max_requests {}{}\n{}",
+        secs(config.parking().budget()),
+        config.parking().max_parked(),
+        secs(config.decision_timeout()),
+        config.extproc_max_requests(),
+        if config.extproc_max_requests_derived() {
+            " (derived)"
+        } else {
+            ""
+        },
+        to_yaml(&doc)
+    ))
+}

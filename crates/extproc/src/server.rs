@@ -1,0 +1,298 @@
+//! The ext_proc server: one stream per HTTP request, answered with the pipeline's
+//! decision rendered as Envoy messages.
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+
+use envoy_types::pb::envoy::config::core::v3::{
+    HeaderValue, HeaderValueOption, header_value_option::HeaderAppendAction,
+};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpHeaders, ImmediateResponse,
+    ProcessingRequest, ProcessingResponse, TrailersResponse,
+    external_processor_server::{ExternalProcessor, ExternalProcessorServer},
+    processing_request::Request as In,
+    processing_response::Response as Out,
+};
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status, Streaming};
+use valet_router::status::RouteRecord;
+use valet_router::{Decision, Router, Verdict};
+
+/// The request headers that name the actor; whichever comes last wins (as upstream).
+pub const HOST_HEADERS: [&str; 2] = [":authority", "host"];
+
+/// Largest ext_proc message accepted (Envoy sends headers only).
+const MAX_MESSAGE_BYTES: usize = 1 << 20;
+
+/// The running ext_proc server.
+#[derive(Debug)]
+pub struct ExtProcServer {
+    addr: SocketAddr,
+    stop: CancellationToken,
+    done: tokio::task::JoinHandle<()>,
+}
+
+impl ExtProcServer {
+    /// Serves ext_proc for `router` on `listener`.
+    pub fn spawn(listener: TcpListener, router: Router) -> std::io::Result<Self> {
+        let addr = listener.local_addr()?;
+        let stop = CancellationToken::new();
+        let service = ExternalProcessorServer::new(Processor { router })
+            .max_decoding_message_size(MAX_MESSAGE_BYTES);
+        let shutdown = stop.clone();
+        let done = tokio::spawn(async move {
+            let served = tonic::transport::Server::builder()
+                .tcp_nodelay(true)
+                .add_service(service)
+                .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+                    shutdown.cancelled().await;
+                })
+                .await;
+            if let Err(e) = served {
+                tracing::error!(error = %e, "ext_proc server failed");
+            }
+        });
+        Ok(Self { addr, stop, done })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops accepting; streams in progress (parked requests included) go on.
+    pub fn stop_accepting(&self) {
+        self.stop.cancel();
+    }
+
+    /// Waits until every stream has ended (after [`Self::stop_accepting`]).
+    pub async fn drained(&mut self) {
+        let _ = (&mut self.done).await;
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Processor {
+    router: Router,
+}
+
+type OutStream =
+    Pin<Box<dyn tokio_stream::Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl ExternalProcessor for Processor {
+    type ProcessStream = OutStream;
+
+    async fn process(
+        &self,
+        req: Request<Streaming<ProcessingRequest>>,
+    ) -> Result<Response<OutStream>, Status> {
+        let inbound = req.into_inner();
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(run_stream(self.router.clone(), inbound, tx));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+/// Answers each message of one stream in order.
+async fn run_stream(
+    router: Router,
+    mut inbound: Streaming<ProcessingRequest>,
+    tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
+) {
+    let mut queued: Option<ProcessingRequest> = None;
+    loop {
+        let msg = match queued.take() {
+            Some(m) => m,
+            None => match inbound.message().await {
+                Ok(Some(m)) => m,
+                Ok(None) | Err(_) => return,
+            },
+        };
+        let response = match msg.request {
+            Some(In::RequestHeaders(headers)) => {
+                let started = Instant::now();
+                let (host, path) = host_and_path(&headers);
+                let deadline = started + router.config().decision_timeout();
+                // Decide, but notice a stream that ends meanwhile: the caller went away,
+                // and dropping the decision frees its parking slot.
+                let decide = router.decide(&host, deadline);
+                tokio::pin!(decide);
+                let decision = loop {
+                    tokio::select! {
+                        d = &mut decide => break d,
+                        next = inbound.message(), if queued.is_none() => match next {
+                            // Envoy sends nothing else before this answer; keep it for after.
+                            Ok(Some(m)) => queued = Some(m),
+                            Ok(None) | Err(_) => return,
+                        },
+                    }
+                };
+                let (out, target, verdict) = render(&decision);
+                router.record(RouteRecord::new(
+                    "extproc",
+                    &host,
+                    &path,
+                    decision.status(),
+                    verdict,
+                    target,
+                    started.elapsed(),
+                ));
+                out
+            }
+            // Any other message gets the response of its own type, changing nothing.
+            Some(In::ResponseHeaders(_)) => Out::ResponseHeaders(HeadersResponse::default()),
+            Some(In::RequestBody(_)) => Out::RequestBody(BodyResponse::default()),
+            Some(In::ResponseBody(_)) => Out::ResponseBody(BodyResponse::default()),
+            Some(In::RequestTrailers(_)) => Out::RequestTrailers(TrailersResponse::default()),
+            Some(In::ResponseTrailers(_)) => Out::ResponseTrailers(TrailersResponse::default()),
+            None => {
+                let _ = tx
+                    .send(Err(Status::invalid_argument(
+                        "ProcessingRequest without a request",
+                    )))
+                    .await;
+                return;
+            }
+        };
+        let reply = ProcessingResponse {
+            response: Some(response),
+            ..Default::default()
+        };
+        if tx.send(Ok(reply)).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// The host (from `:authority` or `host`, whichever comes last) and the path.
+fn host_and_path(headers: &HttpHeaders) -> (String, String) {
+    let mut host = String::new();
+    let mut path = String::new();
+    for h in headers.headers.iter().flat_map(|m| m.headers.iter()) {
+        let value = || {
+            if h.raw_value.is_empty() {
+                h.value.clone()
+            } else {
+                String::from_utf8_lossy(&h.raw_value).into_owned()
+            }
+        };
+        let key = h.key.to_ascii_lowercase();
+        if HOST_HEADERS.contains(&key.as_str()) {
+            host = value();
+        } else if key == ":path" {
+            path = value();
+        }
+    }
+    (host, path)
+}
+
+fn set(key: &str, value: &str) -> HeaderValueOption {
+    HeaderValueOption {
+        header: Some(HeaderValue {
+            key: key.to_owned(),
+            // Envoy drops `value` in ext_proc mutations and refuses both: raw_value only.
+            raw_value: value.as_bytes().to_vec(),
+            ..Default::default()
+        }),
+        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+        ..Default::default()
+    }
+}
+
+/// The decision as an ext_proc response, with what the status page records.
+fn render(decision: &Decision) -> (Out, Option<SocketAddr>, &'static str) {
+    match decision {
+        Decision::Route(route) => {
+            let mutation = HeaderMutation {
+                set_headers: vec![
+                    set(":authority", &route.addr.to_string()),
+                    set("x-actor-ref", &route.actor.to_string()),
+                ],
+                ..Default::default()
+            };
+            let out = Out::RequestHeaders(HeadersResponse {
+                response: Some(CommonResponse {
+                    header_mutation: Some(mutation),
+                    ..Default::default()
+                }),
+            });
+            (out, Some(route.addr), "routed")
+        }
+        Decision::Deny(_, v) => (Out::ImmediateResponse(immediate(v)), None, v.reason()),
+    }
+}
+
+fn immediate(v: &Verdict) -> ImmediateResponse {
+    let mut headers = vec![set("content-type", v.content_type())];
+    if let Some(secs) = v.retry_after_secs() {
+        headers.push(set("retry-after", &secs.to_string()));
+    }
+    ImmediateResponse {
+        status: Some(HttpStatus {
+            code: i32::from(v.status()),
+        }),
+        headers: Some(HeaderMutation {
+            set_headers: headers,
+            ..Default::default()
+        }),
+        body: v.body().as_bytes().to_vec(),
+        details: format!("valet_{}", v.reason()),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use envoy_types::pb::envoy::config::core::v3::HeaderMap;
+
+    fn hv(key: &str, value: &str, raw: bool) -> HeaderValue {
+        HeaderValue {
+            key: key.into(),
+            value: if raw { String::new() } else { value.into() },
+            raw_value: if raw {
+                value.as_bytes().to_vec()
+            } else {
+                Vec::new()
+            },
+        }
+    }
+
+    #[test]
+    fn host_comes_from_the_last_of_authority_and_host() {
+        let headers = |hs: Vec<HeaderValue>| HttpHeaders {
+            headers: Some(HeaderMap { headers: hs }),
+            ..Default::default()
+        };
+        let h = headers(vec![
+            hv(":authority", "a.example", true),
+            hv(":path", "/x?y", true),
+        ]);
+        assert_eq!(host_and_path(&h), ("a.example".into(), "/x?y".into()));
+        let h = headers(vec![
+            hv(":authority", "a.example", false),
+            hv("host", "b.example", true),
+        ]);
+        assert_eq!(host_and_path(&h).0, "b.example");
+        let h = headers(vec![
+            hv("host", "b.example", true),
+            hv(":authority", "a.example", false),
+        ]);
+        assert_eq!(host_and_path(&h).0, "a.example");
+    }
+
+    #[test]
+    fn mutations_use_raw_value_only() {
+        let o = set(":authority", "127.0.0.1:9000");
+        let h = o.header.unwrap();
+        assert!(h.value.is_empty());
+        assert_eq!(h.raw_value, b"127.0.0.1:9000");
+    }
+}

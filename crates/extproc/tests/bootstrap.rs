@@ -1,0 +1,173 @@
+//! The Envoy bootstrap: valid YAML whose derived values are right for several flag sets.
+
+use valet_extproc::bootstrap::{EnvoyListeners, bootstrap_yaml};
+use valet_router::RouterArgs;
+use yaml_rust2::{Yaml, YamlLoader};
+
+fn doc(flags: &[&str]) -> Yaml {
+    let config = RouterArgs::try_parse_flags(flags)
+        .unwrap()
+        .resolve()
+        .unwrap();
+    let listeners = EnvoyListeners {
+        http: "0.0.0.0:10000".parse().unwrap(),
+        admin: "127.0.0.1:9901".parse().unwrap(),
+    };
+    let text = bootstrap_yaml(&config, listeners).unwrap();
+    let mut docs =
+        YamlLoader::load_from_str(&text).unwrap_or_else(|e| panic!("invalid YAML: {e}\n{text}"));
+    assert_eq!(docs.len(), 1);
+    docs.remove(0)
+}
+
+fn extproc_cluster(d: &Yaml) -> &Yaml {
+    d["static_resources"]["clusters"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"].as_str() == Some("ate-cluster"))
+        .unwrap()
+}
+
+fn http_filter<'a>(d: &'a Yaml, name: &str) -> &'a Yaml {
+    let hcm =
+        &d["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    hcm["http_filters"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .find(|f| f["name"].as_str() == Some(name))
+        .unwrap_or_else(|| panic!("filter {name} missing"))
+}
+
+fn max_requests(d: &Yaml) -> i64 {
+    extproc_cluster(d)["circuit_breakers"]["thresholds"][0]["max_requests"]
+        .as_i64()
+        .unwrap()
+}
+
+#[test]
+fn derived_values_for_flag_sets() {
+    let cases: &[(&[&str], i64, &str)] = &[
+        (&[], 2048, "10s"),
+        (&["--parked-request-max", "100"], 1024, "10s"),
+        (&["--parked-request-max", "0"], 1024, "10s"),
+        (
+            &[
+                "--parked-request-max",
+                "3000",
+                "--parked-request-budget",
+                "30s",
+            ],
+            6000,
+            "35s",
+        ),
+        (
+            &[
+                "--parked-request-max",
+                "100",
+                "--extproc-max-requests",
+                "100",
+            ],
+            100,
+            "10s",
+        ),
+        (
+            &[
+                "--extproc-max-requests",
+                "5000",
+                "--parked-request-budget",
+                "1500ms",
+            ],
+            5000,
+            "6.500s",
+        ),
+    ];
+    for (flags, breaker, timeout) in cases {
+        let d = doc(flags);
+        assert_eq!(max_requests(&d), *breaker, "{flags:?}");
+        let ext = &http_filter(&d, "envoy.filters.http.ext_proc")["typed_config"];
+        assert_eq!(ext["message_timeout"].as_str(), Some(*timeout), "{flags:?}");
+        assert_eq!(ext["grpc_service"]["timeout"].as_str(), Some(*timeout));
+        assert_eq!(ext["failure_mode_allow"].as_bool(), Some(false));
+        assert_eq!(
+            ext["mutation_rules"]["allow_all_routing"].as_bool(),
+            Some(true)
+        );
+        let mode = &ext["processing_mode"];
+        assert_eq!(mode["request_header_mode"].as_str(), Some("SEND"));
+        assert_eq!(mode["response_header_mode"].as_str(), Some("SKIP"));
+        assert_eq!(mode["request_body_mode"].as_str(), Some("NONE"));
+    }
+}
+
+#[test]
+fn wiring() {
+    let d = doc(&["--extproc-listen", "0.0.0.0:6000"]);
+    let c = extproc_cluster(&d);
+    let addr = &c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"];
+    assert_eq!(addr["address"].as_str(), Some("127.0.0.1"));
+    assert_eq!(addr["port_value"].as_i64(), Some(6000));
+    assert!(!c["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["explicit_http_config"]["http2_protocol_options"].is_badvalue());
+    // Filter order: ext_proc, then the dynamic forward proxy, then the router.
+    let hcm =
+        &d["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    let names: Vec<&str> = hcm["http_filters"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .map(|f| f["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "envoy.filters.http.ext_proc",
+            "envoy.filters.http.dynamic_forward_proxy",
+            "envoy.filters.http.router"
+        ]
+    );
+    let route = &hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"];
+    assert_eq!(
+        route["cluster"].as_str(),
+        Some("dynamic_forward_proxy_cluster")
+    );
+    assert_eq!(
+        route["timeout"].as_str(),
+        Some("0s"),
+        "the actor's answer is not bounded"
+    );
+    assert_eq!(route["idle_timeout"].as_str(), Some("300s"));
+    let dfp = d["static_resources"]["clusters"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"].as_str() == Some("dynamic_forward_proxy_cluster"))
+        .unwrap();
+    assert_eq!(
+        dfp["cluster_type"]["name"].as_str(),
+        Some("envoy.clusters.dynamic_forward_proxy")
+    );
+    assert_eq!(dfp["lb_policy"].as_str(), Some("CLUSTER_PROVIDED"));
+}
+
+#[test]
+fn needs_a_fixed_extproc_port() {
+    let listeners = EnvoyListeners {
+        http: "0.0.0.0:10000".parse().unwrap(),
+        admin: "127.0.0.1:9901".parse().unwrap(),
+    };
+    for flags in [
+        ["--extproc-listen", ""],
+        ["--extproc-listen", "127.0.0.1:0"],
+    ] {
+        let config = RouterArgs::try_parse_flags(flags)
+            .unwrap()
+            .resolve()
+            .unwrap();
+        let e = bootstrap_yaml(&config, listeners).unwrap_err();
+        assert!(
+            e.0.starts_with("invalid configuration: --extproc-listen"),
+            "{e}"
+        );
+    }
+}
