@@ -33,6 +33,137 @@ pub(crate) enum Command {
     Up(UpArgs),
     /// Prints an Envoy bootstrap (YAML) wired to this router's ext_proc server.
     EnvoyBootstrap(EnvoyBootstrapArgs),
+    /// Load generator and the seed's experiments as scenarios.
+    #[command(subcommand)]
+    Load(LoadCommand),
+    /// Showcases.
+    #[command(subcommand)]
+    Demo(DemoCommand),
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub(crate) enum DemoCommand {
+    /// The seed's parking demo: the timeline (fig. 4.7) and the 30 s load run, with
+    /// charts.
+    Parking(DemoArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub(crate) struct DemoArgs {
+    #[command(flatten)]
+    pub(crate) target: TargetArgs,
+    /// Length of the load run.
+    #[arg(long, default_value = "30s", value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) duration: Duration,
+    /// Where the CSV and SVG files go.
+    #[arg(long, default_value = "./valet-results", value_name = "DIR")]
+    pub(crate) out: PathBuf,
+}
+
+/// Where scenarios run: embedded parts by default, or a running system.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct TargetArgs {
+    /// A running router's HTTP address (ip:port); with --control-plane. Embedded parts
+    /// when unset.
+    #[arg(long, value_name = "ADDR", requires = "control_plane")]
+    pub(crate) router: Option<std::net::SocketAddr>,
+    /// The running system's control plane (http://host:port).
+    #[arg(long, value_name = "URL", requires = "router")]
+    pub(crate) control_plane: Option<String>,
+    /// The parking budget of the embedded router.
+    #[arg(long, default_value = "5s", value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) budget: Duration,
+    /// Each restore's extra time on embedded workers (the seed measured 230ms).
+    #[arg(long, default_value = "230ms", value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) restore_delay: Duration,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Scenario {
+    /// Fig. 4.7: full-pool 503s at the budget, then a parked request served.
+    Timeline,
+    /// The demo's load script: 4 actors on 2 workers, suspend after each answer.
+    Steady,
+    /// Fig. 4.8: 1, 2, 4, 8, 16 resumes at the same instant, five rounds each.
+    Bursts,
+    /// 32 at once into 14 free places; again with 16 freed 1.5 s into the wait.
+    Overflow,
+    /// 10,000 requests parked on one router: memory and verdict accuracy.
+    ParkedScale,
+    /// A running actor through the router against the worker directly.
+    FastPath,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum CapacityWait {
+    On,
+    Off,
+    Both,
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub(crate) enum LoadCommand {
+    /// Sends HTTP load to actors through a router.
+    Run(LoadRunArgs),
+    /// Runs one of the seed's experiments (or ours) and reports it.
+    Scenario(ScenarioArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub(crate) struct LoadRunArgs {
+    /// The router's HTTP address (ip:port).
+    #[arg(long, value_name = "ADDR")]
+    pub(crate) router: std::net::SocketAddr,
+    /// Actors to address in turn, atespace/name,...
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "demo/p1",
+        value_name = "LIST"
+    )]
+    pub(crate) actors: Vec<String>,
+    /// Open loop: requests per second, sent on schedule whatever the answers.
+    #[arg(long, conflicts_with = "concurrency", value_name = "PER_SECOND")]
+    pub(crate) rate: Option<f64>,
+    /// Closed loop: clients, each sending when its last request is answered.
+    #[arg(long, value_name = "N")]
+    pub(crate) concurrency: Option<usize>,
+    /// How long to send.
+    #[arg(long, default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) duration: Duration,
+    /// The path to request.
+    #[arg(long, default_value = "/")]
+    pub(crate) path: String,
+    /// The actor domain.
+    #[arg(long, default_value = valet_router::config::DEFAULT_ACTOR_DOMAIN)]
+    pub(crate) actor_domain: String,
+    /// Write one CSV row per request here.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) csv: Option<PathBuf>,
+    /// Write an SVG chart here.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) svg: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub(crate) struct ScenarioArgs {
+    /// Which experiment.
+    #[arg(value_enum)]
+    pub(crate) scenario: Scenario,
+    #[command(flatten)]
+    pub(crate) target: TargetArgs,
+    /// Run with the control plane's capacity wait on, off, or both (embedded only).
+    #[arg(long, value_enum, default_value = "both")]
+    pub(crate) capacity_wait: CapacityWait,
+    /// Length of timed runs (steady: 30s; fast-path: 10s per side).
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) duration: Option<Duration>,
+    /// Requests of the parked-scale scenario.
+    #[arg(long, default_value_t = 10_000)]
+    pub(crate) requests: usize,
+    /// Where the CSV and SVG files go.
+    #[arg(long, default_value = "./valet-results", value_name = "DIR")]
+    pub(crate) out: PathBuf,
 }
 
 #[derive(Debug, Clone, Args)]

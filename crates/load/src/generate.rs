@@ -1,0 +1,273 @@
+//! The load generator. Open loop: requests leave on schedule whatever the answers, so
+//! queueing delay is never hidden. Closed loop: a fixed number of clients, each sending
+//! its next request when the last is answered.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use crate::record::Record;
+
+/// Runs longer than this print a progress line every second.
+pub const PROGRESS_AFTER: Duration = Duration::from_secs(3);
+
+/// An HTTP/1.1 client that addresses actors by `Host`.
+#[derive(Debug, Clone)]
+pub struct HttpClient {
+    client: Client<HttpConnector, Full<Bytes>>,
+    domain: String,
+}
+
+impl HttpClient {
+    /// A client for actors under `domain`.
+    pub fn new(domain: &str) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(1024)
+            .build(connector);
+        Self {
+            client,
+            domain: domain.to_owned(),
+        }
+    }
+
+    /// GET `path` from `actor` (`atespace/name`) through the router at `addr`; status 0
+    /// and the error text when no answer came.
+    pub async fn get(&self, addr: SocketAddr, actor: &str, path: &str) -> (u16, String) {
+        let host = match actor.split_once('/') {
+            Some((atespace, name)) => format!("{name}.{atespace}.{}", self.domain),
+            None => actor.to_owned(),
+        };
+        self.get_host(addr, &host, path).await
+    }
+
+    /// GET with an explicit `Host`.
+    pub async fn get_host(&self, addr: SocketAddr, host: &str, path: &str) -> (u16, String) {
+        let req = match http::Request::get(format!("http://{addr}{path}"))
+            .header(http::header::HOST, host)
+            .body(Full::new(Bytes::new()))
+        {
+            Ok(r) => r,
+            Err(e) => return (0, e.to_string()),
+        };
+        match self.client.request(req).await {
+            Ok(resp) => {
+                let status = resp.status().as_u16();
+                match resp.into_body().collect().await {
+                    Ok(b) => (status, String::from_utf8_lossy(&b.to_bytes()).into_owned()),
+                    Err(e) => (0, format!("body: {e}")),
+                }
+            }
+            Err(e) => (0, format!("request: {e}")),
+        }
+    }
+}
+
+/// The send times of an open-loop run: `rate` per second for `duration`.
+pub fn schedule(rate: f64, duration: Duration) -> Vec<Duration> {
+    if rate <= 0.0 {
+        return Vec::new();
+    }
+    let n = (rate * duration.as_secs_f64()).floor() as usize;
+    (0..n)
+        .map(|i| Duration::from_secs_f64(i as f64 / rate))
+        .collect()
+}
+
+/// Sends one request per entry of `at` (offsets from now), to `actors` in turn, each at
+/// its time whether or not earlier ones were answered.
+pub async fn open_loop<F, Fut>(
+    label: &str,
+    at: &[Duration],
+    actors: &[String],
+    send: F,
+) -> Vec<Record>
+where
+    F: Fn(String) -> Fut,
+    Fut: Future<Output = (u16, String)> + Send + 'static,
+{
+    let start = Instant::now();
+    let total = at.last().copied().unwrap_or_default();
+    let progress = Progress::spawn(label, total, start);
+    let mut tasks = JoinSet::new();
+    for (i, offset) in at.iter().enumerate() {
+        tokio::time::sleep_until(start + *offset).await;
+        let actor = actors[i % actors.len()].clone();
+        let fut = send(actor.clone());
+        let label = label.to_owned();
+        let counters = Arc::clone(&progress.counters);
+        counters.0.fetch_add(1, Ordering::Relaxed);
+        tasks.spawn(async move {
+            let sent = start.elapsed();
+            let (status, body) = fut.await;
+            counters.1.fetch_add(1, Ordering::Relaxed);
+            Record {
+                label,
+                actor,
+                start: sent,
+                end: start.elapsed(),
+                status,
+                body: Record::prefix(&body),
+            }
+        });
+    }
+    let mut records: Vec<Record> = tasks.join_all().await;
+    progress.stop();
+    records.sort_by_key(|r| r.start);
+    records
+}
+
+/// `concurrency` clients, each sending to `actors` in turn until `duration` has passed.
+pub async fn closed_loop<F, Fut>(
+    label: &str,
+    concurrency: usize,
+    duration: Duration,
+    actors: &[String],
+    send: F,
+) -> Vec<Record>
+where
+    F: Fn(String) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = (u16, String)> + Send + 'static,
+{
+    let start = Instant::now();
+    let progress = Progress::spawn(label, duration, start);
+    let mut tasks = JoinSet::new();
+    for c in 0..concurrency {
+        let send = send.clone();
+        let actors = actors.to_vec();
+        let label = label.to_owned();
+        let counters = Arc::clone(&progress.counters);
+        tasks.spawn(async move {
+            let mut out = Vec::new();
+            let mut i = c;
+            while start.elapsed() < duration {
+                let actor = actors[i % actors.len()].clone();
+                i += concurrency;
+                counters.0.fetch_add(1, Ordering::Relaxed);
+                let sent = start.elapsed();
+                let (status, body) = send(actor.clone()).await;
+                counters.1.fetch_add(1, Ordering::Relaxed);
+                out.push(Record {
+                    label: label.clone(),
+                    actor,
+                    start: sent,
+                    end: start.elapsed(),
+                    status,
+                    body: Record::prefix(&body),
+                });
+            }
+            out
+        });
+    }
+    let mut records: Vec<Record> = tasks.join_all().await.into_iter().flatten().collect();
+    progress.stop();
+    records.sort_by_key(|r| r.start);
+    records
+}
+
+/// A progress line on stderr every second, for runs longer than [`PROGRESS_AFTER`].
+struct Progress {
+    counters: Arc<(AtomicUsize, AtomicUsize)>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Progress {
+    fn spawn(label: &str, total: Duration, start: Instant) -> Self {
+        let counters = Arc::new((AtomicUsize::new(0), AtomicUsize::new(0)));
+        let task = (total > PROGRESS_AFTER).then(|| {
+            let counters = Arc::clone(&counters);
+            let label = label.to_owned();
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval_at(
+                    start + Duration::from_secs(1),
+                    Duration::from_secs(1),
+                );
+                loop {
+                    tick.tick().await;
+                    let (sent, done) = (
+                        counters.0.load(Ordering::Relaxed),
+                        counters.1.load(Ordering::Relaxed),
+                    );
+                    eprintln!(
+                        "{label}: {:>4.0}s/{:.0}s  sent {sent}  answered {done}  in flight {}",
+                        start.elapsed().as_secs_f64(),
+                        total.as_secs_f64(),
+                        sent - done
+                    );
+                }
+            })
+        });
+        Self { counters, task }
+    }
+
+    fn stop(self) {
+        if let Some(t) = self.task {
+            t.abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedule_is_evenly_spaced() {
+        let s = schedule(4.0, Duration::from_secs(2));
+        assert_eq!(s.len(), 8);
+        assert_eq!(s[0], Duration::ZERO);
+        assert_eq!(s[1], Duration::from_millis(250));
+        assert_eq!(s[7], Duration::from_millis(1750));
+        assert!(schedule(0.0, Duration::from_secs(1)).is_empty());
+    }
+
+    /// A server that takes 10 s per answer does not slow the open loop down: every
+    /// request leaves at its scheduled time.
+    #[tokio::test(start_paused = true)]
+    async fn open_loop_is_open() {
+        let at = schedule(10.0, Duration::from_secs(2));
+        let actors = vec!["demo/a".to_owned(), "demo/b".to_owned()];
+        let records = open_loop("t", &at, &actors, |_| async {
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            (200, "ok".to_owned())
+        })
+        .await;
+        assert_eq!(records.len(), 20);
+        for (r, want) in records.iter().zip(&at) {
+            assert_eq!(r.start, *want, "left on schedule");
+            assert_eq!(r.latency(), Duration::from_secs(10));
+        }
+        assert_eq!(records[0].actor, "demo/a");
+        assert_eq!(records[1].actor, "demo/b");
+    }
+
+    /// The closed loop sends the next request only after the last answer.
+    #[tokio::test(start_paused = true)]
+    async fn closed_loop_waits_for_answers() {
+        let actors = vec!["demo/a".to_owned()];
+        let records = closed_loop("t", 2, Duration::from_secs(1), &actors, |_| async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            (503, "busy".to_owned())
+        })
+        .await;
+        // Two clients, each 4 requests (0, 0.3, 0.6, 0.9 s).
+        assert_eq!(records.len(), 8);
+        assert!(
+            records
+                .iter()
+                .all(|r| r.latency() == Duration::from_millis(300))
+        );
+        assert_eq!(records.last().unwrap().start, Duration::from_millis(900));
+    }
+}

@@ -1,0 +1,19 @@
+//! valet's load tool: an HTTP load generator (open and closed loop), per-request
+//! records, summaries, CSV and SVG charts, and the seed's experiments as scenarios.
+//!
+//! ```text
+//! gen (schedule → requests) ─▶ Record per request ─▶ stats (summaries) ─▶ CSV, chart (SVG)
+//! scenario: system (embedded control plane + workers + router, or given URLs) + gen
+//! ```
+
+#![forbid(unsafe_code)]
+
+pub mod chart;
+pub mod generate;
+pub mod record;
+pub mod scenario;
+pub mod stats;
+pub mod system;
+
+pub use record::Record;
+pub use stats::Summary;

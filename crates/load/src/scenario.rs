@@ -1,0 +1,498 @@
+//! The seed's experiments (`seeds/002_…`, fig. 4.7 and 4.8, the load run, the overflow
+//! bursts) and two of our own (parked scale, fast path), as scenarios.
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Barrier;
+use tokio::time::Instant;
+
+use crate::generate::{HttpClient, closed_loop};
+use crate::record::Record;
+use crate::stats::{Latencies, Summary};
+use crate::system::{DOMAIN, System};
+
+/// What a scenario produced.
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    /// Its name.
+    pub name: String,
+    /// The human-readable result.
+    pub text: String,
+    /// Every request.
+    pub records: Vec<Record>,
+    /// The parking budget, for charts (seconds).
+    pub budget_s: Option<f64>,
+}
+
+fn secs(d: Duration) -> String {
+    format!("{:.3}s", d.as_secs_f64())
+}
+
+async fn one(client: &HttpClient, sys: &System, t0: Instant, label: &str, actor: &str) -> Record {
+    let start = t0.elapsed();
+    let (status, body) = client.get(sys.router, actor, "/").await;
+    Record {
+        label: label.to_owned(),
+        actor: actor.to_owned(),
+        start,
+        end: t0.elapsed(),
+        status,
+        body: Record::prefix(&body),
+    }
+}
+
+fn row(out: &mut String, r: &Record) {
+    let _ = writeln!(
+        out,
+        "{:<24} {:<10} {:>3} {:>9.6}  {}",
+        r.label,
+        r.actor,
+        r.status,
+        r.latency().as_secs_f64(),
+        r.body
+    );
+}
+
+/// Fig. 4.7: two workers, p1 and p2 running; requests to p3 while the pool is full get
+/// 503 at the budget; then a request to p3 while p1 is suspended `free_at` into its
+/// wait gets 200.
+pub async fn timeline(
+    sys: &System,
+    budget: Duration,
+    full_requests: usize,
+    free_at: Duration,
+) -> Result<Report, String> {
+    let client = HttpClient::new(DOMAIN);
+    for a in ["demo/p1", "demo/p2", "demo/p3"] {
+        sys.fresh(a).await?;
+    }
+    let t0 = Instant::now();
+    let mut records = Vec::new();
+    for a in ["demo/p1", "demo/p2"] {
+        records.push(one(&client, sys, t0, "free-worker", a).await);
+    }
+    for _ in 0..full_requests {
+        records.push(one(&client, sys, t0, "p3-no-free-worker", "demo/p3").await);
+    }
+    let calls_before = sys.resume_calls_for("demo/p3");
+    let parked = {
+        let client = client.clone();
+        let router = sys.router;
+        tokio::spawn(async move {
+            let start = t0.elapsed();
+            let (status, body) = client.get(router, "demo/p3", "/").await;
+            (start, t0.elapsed(), status, body)
+        })
+    };
+    tokio::time::sleep(free_at).await;
+    sys.suspend("demo/p1").await?;
+    let freed = t0.elapsed();
+    let (start, end, status, body) = parked.await.map_err(|e| e.to_string())?;
+    let served = Record {
+        label: "p3-served-after-park".into(),
+        actor: "demo/p3".into(),
+        start,
+        end,
+        status,
+        body: Record::prefix(&body),
+    };
+    let calls = match (calls_before, sys.resume_calls_for("demo/p3")) {
+        (Some(b), Some(a)) => format!("{}", a - b),
+        _ => "n/a (remote control plane)".into(),
+    };
+    let mut text = String::new();
+    let _ = writeln!(
+        text,
+        "{:<24} {:<10} {:>3} {:>9}  body",
+        "event", "actor", "HTTP", "seconds"
+    );
+    for r in &records {
+        row(&mut text, r);
+    }
+    row(&mut text, &served);
+    let full = Summary::of(records.iter().filter(|r| r.label == "p3-no-free-worker"));
+    if let Some(l) = &full.all {
+        let _ = writeln!(
+            text,
+            "full pool: {} requests, {} x 503, in {} to {} (budget {})",
+            full.total,
+            full.count(503),
+            secs(l.min),
+            secs(l.max),
+            secs(budget)
+        );
+    }
+    let _ = writeln!(
+        text,
+        "freed a worker {} into the wait; p3 answered {} after the suspend returned ({} total); ResumeActor calls for that wait: {calls}",
+        secs(freed - start),
+        if end >= freed {
+            secs(end - freed)
+        } else {
+            format!("-{}", secs(freed - end))
+        },
+        secs(end - start),
+    );
+    records.push(served);
+    Ok(Report {
+        name: "timeline".into(),
+        text,
+        records,
+        budget_s: Some(budget.as_secs_f64()),
+    })
+}
+
+/// The demo's load script: four actors on two workers for `duration`, each answer
+/// followed by a suspend of its actor.
+pub async fn steady(sys: &System, duration: Duration) -> Result<Report, String> {
+    let actors = ["demo/p1", "demo/p2", "demo/p3", "demo/p4"];
+    for a in actors {
+        sys.fresh(a).await?;
+    }
+    let client = HttpClient::new(DOMAIN);
+    let sys_ref = &*sys;
+    let t0 = Instant::now();
+    let loops = actors.iter().map(|actor| {
+        let client = client.clone();
+        async move {
+            let mut out = Vec::new();
+            while t0.elapsed() < duration {
+                let r = one(&client, sys_ref, t0, "load", actor).await;
+                let ok = r.status == 200;
+                out.push(r);
+                if ok {
+                    sys_ref.suspend(actor).await?;
+                }
+            }
+            Ok::<_, String>(out)
+        }
+    });
+    let mut records = Vec::new();
+    for r in futures_util::future::join_all(loops).await {
+        records.extend(r?);
+    }
+    records.sort_by_key(|r| r.start);
+    let s = Summary::of(&records);
+    Ok(Report {
+        name: "steady".into(),
+        text: s.seed_block(),
+        records,
+        budget_s: None,
+    })
+}
+
+/// Fires one request to each of `actors` at the same instant.
+async fn burst(
+    client: &HttpClient,
+    sys: &System,
+    t0: Instant,
+    label: &str,
+    actors: &[String],
+) -> Vec<Record> {
+    let barrier = Arc::new(Barrier::new(actors.len()));
+    let mut tasks = tokio::task::JoinSet::new();
+    for a in actors {
+        let (client, barrier, router, a, label) = (
+            client.clone(),
+            Arc::clone(&barrier),
+            sys.router,
+            a.clone(),
+            label.to_owned(),
+        );
+        tasks.spawn(async move {
+            barrier.wait().await;
+            let start = t0.elapsed();
+            let (status, body) = client.get(router, &a, "/").await;
+            Record {
+                label,
+                actor: a,
+                start,
+                end: t0.elapsed(),
+                status,
+                body: Record::prefix(&body),
+            }
+        });
+    }
+    let mut out = tasks.join_all().await;
+    out.sort_by_key(|r| r.start);
+    out
+}
+
+/// Fig. 4.8: `n` suspended actors requested at the same instant, for each `n` of
+/// `levels`, `rounds` times each, on a pool with room for all of them.
+pub async fn bursts(sys: &System, levels: &[usize], rounds: usize) -> Result<Report, String> {
+    let client = HttpClient::new(DOMAIN);
+    let max = levels.iter().copied().max().unwrap_or(0);
+    let actors: Vec<String> = (1..=max).map(|i| format!("demo/b{i}")).collect();
+    for a in &actors {
+        sys.fresh(a).await?;
+    }
+    let t0 = Instant::now();
+    let mut records = Vec::new();
+    let mut text = format!(
+        "{:>6} {:>9} {:>9} {:>9} {:>9}\n",
+        "at once", "requests", "200", "median", "slowest"
+    );
+    for &n in levels {
+        let mut level = Vec::new();
+        for _ in 0..rounds {
+            let batch = burst(&client, sys, t0, &format!("burst-{n}"), &actors[..n]).await;
+            for a in &actors[..n] {
+                sys.suspend(a).await?;
+            }
+            level.extend(batch);
+        }
+        let s = Summary::of(&level);
+        let l = s.all.ok_or("no requests")?;
+        let _ = writeln!(
+            text,
+            "{n:>6} {:>9} {:>9} {:>9} {:>9}",
+            s.total,
+            s.count(200),
+            secs(l.median),
+            secs(l.max)
+        );
+        records.extend(level);
+    }
+    Ok(Report {
+        name: "bursts".into(),
+        text,
+        records,
+        budget_s: None,
+    })
+}
+
+/// The overflow bursts: 32 actors at once into a pool with 14 free places; then again
+/// with 16 actors suspended `free_at` into the wait.
+pub async fn overflow(sys: &System, budget: Duration, free_at: Duration) -> Result<Report, String> {
+    let client = HttpClient::new(DOMAIN);
+    let holders = ["demo/r1", "demo/r2"];
+    let actors: Vec<String> = (1..=32).map(|i| format!("demo/o{i}")).collect();
+    for a in holders
+        .iter()
+        .map(|s| (*s).to_owned())
+        .chain(actors.iter().cloned())
+    {
+        sys.fresh(&a).await?;
+    }
+    let t0 = Instant::now();
+    let mut text = String::new();
+    let mut records = Vec::new();
+    for (round, relief) in [("burst-32", false), ("burst-32-relief", true)] {
+        for h in holders {
+            let r = one(&client, sys, t0, "holder", h).await;
+            if r.status != 200 {
+                return Err(format!("holder {h} not served: {} {}", r.status, r.body));
+            }
+        }
+        let calls_before: u64 = actors.iter().filter_map(|a| sys.resume_calls_for(a)).sum();
+        let started = t0.elapsed();
+        let fire = burst(&client, sys, t0, round, &actors);
+        let batch = if relief {
+            let relieve = async {
+                tokio::time::sleep(free_at).await;
+                let mut running = Vec::new();
+                for a in holders
+                    .iter()
+                    .map(|s| (*s).to_owned())
+                    .chain(actors.iter().cloned())
+                {
+                    if running.len() < 16 && sys.running(&a).await {
+                        running.push(a);
+                    }
+                }
+                for a in &running {
+                    sys.suspend(a).await?;
+                }
+                Ok::<_, String>((running.len(), t0.elapsed()))
+            };
+            let (batch, freed) = tokio::join!(fire, relieve);
+            let (n, at) = freed?;
+            let _ = writeln!(
+                text,
+                "{round}: suspended {n} actors {} into the wait",
+                secs(at - started)
+            );
+            batch
+        } else {
+            fire.await
+        };
+        let calls_after: u64 = actors.iter().filter_map(|a| sys.resume_calls_for(a)).sum();
+        let s = Summary::of(&batch);
+        let ok =
+            s.ok.map(|l| format!("median {}, slowest {}", secs(l.median), secs(l.max)))
+                .unwrap_or_default();
+        let failed = Latencies::of(
+            batch
+                .iter()
+                .filter(|r| r.status != 200)
+                .map(Record::latency)
+                .collect(),
+        );
+        let _ = writeln!(
+            text,
+            "{round}: {} of {} returned 200 ({ok}); {} returned 503{}",
+            s.count(200),
+            s.total,
+            s.count(503),
+            failed
+                .map(|l| format!(" after {} to {}", secs(l.min), secs(l.max)))
+                .unwrap_or_default()
+        );
+        if sys.resume_calls_for("demo/o1").is_some() {
+            let _ = writeln!(
+                text,
+                "{round}: ResumeActor calls for the 32 actors: {}",
+                calls_after - calls_before
+            );
+        }
+        records.extend(batch);
+        for a in holders
+            .iter()
+            .map(|s| (*s).to_owned())
+            .chain(actors.iter().cloned())
+        {
+            sys.suspend(&a).await?;
+        }
+    }
+    Ok(Report {
+        name: "overflow".into(),
+        text,
+        records,
+        budget_s: Some(budget.as_secs_f64()),
+    })
+}
+
+/// `requests` requests parked at once on one router (spread over `actors` actors of a
+/// full pool): the router's peak memory and how close to the budget each verdict comes.
+pub async fn parked_scale(
+    sys: &System,
+    budget: Duration,
+    requests: usize,
+    actors: usize,
+) -> Result<Report, String> {
+    let client = HttpClient::new(DOMAIN);
+    sys.fresh("demo/holder").await?;
+    let names: Vec<String> = (1..=actors).map(|i| format!("demo/s{i}")).collect();
+    for a in &names {
+        sys.fresh(a).await?;
+    }
+    let t0 = Instant::now();
+    let h = one(&client, sys, t0, "holder", "demo/holder").await;
+    if h.status != 200 {
+        return Err(format!("holder not served: {}", h.body));
+    }
+    let targets: Vec<String> = (0..requests)
+        .map(|i| names[i % names.len()].clone())
+        .collect();
+    let records = burst(&client, sys, t0, "parked", &targets).await;
+    let s = Summary::of(&records);
+    let late = Latencies::of(
+        records
+            .iter()
+            .filter(|r| r.status == 503)
+            .map(|r| r.latency().saturating_sub(budget))
+            .collect(),
+    );
+    let mut text = format!("{s}\n");
+    if let Some(l) = late {
+        let _ = writeln!(
+            text,
+            "503 verdicts after the {} budget: +{} min, +{} median, +{} p99, +{} max",
+            secs(budget),
+            secs(l.min),
+            secs(l.median),
+            secs(l.p99),
+            secs(l.max)
+        );
+    }
+    match sys.router_peak_rss_kib() {
+        Some(kib) => {
+            let _ = writeln!(
+                text,
+                "router process peak memory (VmHWM): {:.1} MiB",
+                kib as f64 / 1024.0
+            );
+        }
+        None => {
+            let _ = writeln!(
+                text,
+                "router process peak memory: n/a (router in this process)"
+            );
+        }
+    }
+    sys.suspend("demo/holder").await?;
+    Ok(Report {
+        name: "parked-scale".into(),
+        text,
+        records,
+        budget_s: Some(budget.as_secs_f64()),
+    })
+}
+
+/// A running actor through the router against its worker directly, closed loop with
+/// `concurrency` clients for `duration` each.
+pub async fn fast_path(
+    sys: &System,
+    concurrency: usize,
+    duration: Duration,
+) -> Result<Report, String> {
+    let client = HttpClient::new(DOMAIN);
+    sys.fresh("demo/fast").await?;
+    let t0 = Instant::now();
+    let first = one(&client, sys, t0, "warm", "demo/fast").await;
+    if first.status != 200 {
+        return Err(format!("demo/fast not served: {}", first.body));
+    }
+    let worker = sys
+        .worker_of("demo/fast")
+        .await
+        .ok_or("no worker address")?;
+    let actors = vec!["demo/fast".to_owned()];
+    let via = {
+        let (client, router) = (client.clone(), sys.router);
+        closed_loop("router", concurrency, duration, &actors, move |a| {
+            let client = client.clone();
+            async move { client.get(router, &a, "/").await }
+        })
+        .await
+    };
+    let direct = {
+        let client = client.clone();
+        closed_loop("worker", concurrency, duration, &actors, move |_| {
+            let client = client.clone();
+            async move { client.get_host(worker, "worker", "/").await }
+        })
+        .await
+    };
+    let mut text = format!(
+        "{:<8} {:>10} {:>10} {:>10} {:>10} {:>10}\n",
+        "path", "req/s", "median", "p90", "p99", "max"
+    );
+    for (name, recs) in [("router", &via), ("worker", &direct)] {
+        let s = Summary::of(recs.iter());
+        let l = s.all.ok_or("no requests")?;
+        let ms = |d: Duration| format!("{:.3}ms", d.as_secs_f64() * 1000.0);
+        let _ = writeln!(
+            text,
+            "{name:<8} {:>10.0} {:>10} {:>10} {:>10} {:>10}   ({} x 200 of {})",
+            s.total as f64 / duration.as_secs_f64(),
+            ms(l.median),
+            ms(l.p90),
+            ms(l.p99),
+            ms(l.max),
+            s.count(200),
+            s.total
+        );
+    }
+    let mut records = via;
+    records.extend(direct);
+    Ok(Report {
+        name: "fast-path".into(),
+        text,
+        records,
+        budget_s: None,
+    })
+}

@@ -1,0 +1,327 @@
+//! The system a scenario runs against: embedded parts (a reference control plane,
+//! workers and a router, on loopback) or a running system given by its addresses.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+use valet_control::{ActorKey, Plane, PlaneConfig, Store};
+use valet_proto::ateapi::{self, control_client::ControlClient};
+use valet_proxy::{HttpServer, Limits};
+use valet_router::{GrpcControlPlane, Metrics, Router, RouterArgs};
+use valet_worker::{Worker, WorkerConfig};
+
+/// The default actor domain.
+pub const DOMAIN: &str = "actors.resources.substrate.ate.dev";
+
+/// How to build an embedded system.
+#[derive(Debug, Clone)]
+pub struct SystemOpts {
+    /// Workers in pool `counter`.
+    pub workers: usize,
+    /// Each restore's extra time (the seed measured 230 ms).
+    pub restore_delay: Duration,
+    /// Whether the control plane honours `wait_for_capacity`.
+    pub capacity_wait: bool,
+    /// Extra router flags (`--parked-request-budget 5s`, ...).
+    pub router_flags: Vec<String>,
+    /// Run the router as this `valet` binary in its own process (to measure its
+    /// memory); in this process when `None`.
+    pub router_exe: Option<PathBuf>,
+}
+
+impl Default for SystemOpts {
+    fn default() -> Self {
+        Self {
+            workers: 2,
+            restore_delay: Duration::from_millis(230),
+            capacity_wait: true,
+            router_flags: Vec::new(),
+            router_exe: None,
+        }
+    }
+}
+
+/// A system under load.
+pub struct System {
+    /// The router's HTTP data plane.
+    pub router: SocketAddr,
+    ctl: ControlClient<Channel>,
+    plane: Option<Plane>,
+    workers: Vec<Worker>,
+    _dir: Option<tempfile::TempDir>,
+    child: Option<tokio::process::Child>,
+    in_process: Option<(Router, HttpServer)>,
+    stop: CancellationToken,
+}
+
+impl std::fmt::Debug for System {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("System")
+            .field("router", &self.router)
+            .finish_non_exhaustive()
+    }
+}
+
+fn ctl_client(url: &str) -> Result<ControlClient<Channel>, String> {
+    let endpoint = tonic::transport::Endpoint::from_shared(url.to_owned())
+        .map_err(|e| format!("control plane {url}: {e}"))?
+        .timeout(Duration::from_secs(60));
+    Ok(ControlClient::new(endpoint.connect_lazy()))
+}
+
+fn aref(actor: &str) -> Option<ateapi::ActorRef> {
+    let (atespace, name) = actor.split_once('/').unwrap_or(("demo", actor));
+    Some(ateapi::ActorRef {
+        atespace: atespace.into(),
+        name: name.into(),
+    })
+}
+
+impl System {
+    /// Starts a control plane, `opts.workers` workers and a router, all on loopback.
+    ///
+    /// # Errors
+    /// When a part cannot start.
+    pub async fn embedded(opts: &SystemOpts) -> Result<Self, String> {
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let store = Store::open(&dir.path().join("data")).map_err(|e| e.to_string())?;
+        let plane = Plane::open(
+            store,
+            PlaneConfig {
+                capacity_wait: opts.capacity_wait,
+                ..PlaneConfig::default()
+            },
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|e| e.to_string())?;
+        let cp_addr = listener.local_addr().map_err(|e| e.to_string())?;
+        let stop = CancellationToken::new();
+        {
+            let (plane, stop) = (plane.clone(), stop.clone());
+            tokio::spawn(async move {
+                let _ =
+                    valet_control::serve(listener, plane, async move { stop.cancelled().await })
+                        .await;
+            });
+        }
+        let cp_url = format!("http://{cp_addr}");
+        let mut workers = Vec::new();
+        for i in 0..opts.workers {
+            workers.push(
+                Worker::spawn(WorkerConfig {
+                    control_plane: cp_url.clone(),
+                    pool: "counter".into(),
+                    listen: "127.0.0.1:0".parse().expect("valid"),
+                    snapshot_dir: dir.path().join("snapshots"),
+                    restore_delay: opts.restore_delay,
+                    worker_id: Some(format!("load-w{i}")),
+                })
+                .await
+                .map_err(|e| e.to_string())?,
+            );
+        }
+        let n = opts.workers;
+        if !plane
+            .wait_until(Duration::from_secs(20), |p| p.pool("counter").0 == n)
+            .await
+        {
+            return Err("workers did not join".into());
+        }
+        plane
+            .create_atespace("demo")
+            .await
+            .map_err(|e| e.message().to_owned())?;
+
+        let mut flags = vec![
+            "--listen".to_owned(),
+            "127.0.0.1:0".into(),
+            "--extproc-listen".into(),
+            String::new(),
+            "--admin-listen".into(),
+            String::new(),
+            "--control-plane".into(),
+            cp_url.clone(),
+        ];
+        flags.extend(opts.router_flags.iter().cloned());
+        let (router, child, in_process) = match &opts.router_exe {
+            Some(exe) => {
+                let mut child = tokio::process::Command::new(exe)
+                    .arg("router")
+                    .args(&flags)
+                    .env("VALET_LOG", "warn")
+                    .stdout(Stdio::piped())
+                    .kill_on_drop(true)
+                    .spawn()
+                    .map_err(|e| format!("{}: {e}", exe.display()))?;
+                let mut lines = BufReader::new(child.stdout.take().expect("piped")).lines();
+                let addr = tokio::time::timeout(Duration::from_secs(20), async {
+                    while let Ok(Some(line)) = lines.next_line().await {
+                        if let Some(a) = line.strip_prefix("listening router ") {
+                            return a.parse::<SocketAddr>().ok();
+                        }
+                    }
+                    None
+                })
+                .await
+                .ok()
+                .flatten()
+                .ok_or("the router process did not start")?;
+                tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+                (addr, Some(child), None)
+            }
+            None => {
+                let config = RouterArgs::try_parse_flags(&flags)
+                    .map_err(|e| e.to_string())?
+                    .resolve()
+                    .map_err(|e| e.to_string())?;
+                let cp = GrpcControlPlane::connect_lazy(&cp_url).map_err(|e| e.to_string())?;
+                let router = Router::new(Arc::new(config), Arc::new(cp), Arc::new(Metrics::new()));
+                let l = TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let server = HttpServer::spawn(l, router.clone(), Limits::default())
+                    .map_err(|e| e.to_string())?;
+                (server.local_addr(), None, Some((router, server)))
+            }
+        };
+        Ok(Self {
+            router,
+            ctl: ctl_client(&cp_url)?,
+            plane: Some(plane),
+            workers,
+            _dir: Some(dir),
+            child,
+            in_process,
+            stop,
+        })
+    }
+
+    /// A running system: its router's HTTP address and its control plane's URL.
+    ///
+    /// # Errors
+    /// When the control plane URL is invalid.
+    pub fn remote(router: SocketAddr, control_plane: &str) -> Result<Self, String> {
+        Ok(Self {
+            router,
+            ctl: ctl_client(control_plane)?,
+            plane: None,
+            workers: Vec::new(),
+            _dir: None,
+            child: None,
+            in_process: None,
+            stop: CancellationToken::new(),
+        })
+    }
+
+    /// Creates `actor` (template `counter`) unless it exists, and makes sure it is
+    /// suspended.
+    pub async fn fresh(&self, actor: &str) -> Result<(), String> {
+        let mut c = self.ctl.clone();
+        let created = c
+            .create_actor(ateapi::CreateActorRequest {
+                actor_ref: aref(actor),
+                actor_template_namespace: "default".into(),
+                actor_template_name: "counter".into(),
+                worker_selector: None,
+            })
+            .await;
+        match created {
+            Ok(_) => Ok(()),
+            Err(e) if e.code() == tonic::Code::AlreadyExists => self.suspend(actor).await,
+            Err(e) => Err(format!("create {actor}: {}", e.message())),
+        }
+    }
+
+    /// Suspends `actor` (a no-op when it is suspended).
+    pub async fn suspend(&self, actor: &str) -> Result<(), String> {
+        let mut c = self.ctl.clone();
+        for _ in 0..50 {
+            match c
+                .suspend_actor(ateapi::SuspendActorRequest {
+                    actor_ref: aref(actor),
+                })
+                .await
+            {
+                Ok(_) => return Ok(()),
+                // Mid-resume: try again shortly.
+                Err(e) if e.code() == tonic::Code::Aborted => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => return Err(format!("suspend {actor}: {}", e.message())),
+            }
+        }
+        Err(format!("suspend {actor}: still busy"))
+    }
+
+    /// Whether `actor` is RUNNING now.
+    pub async fn running(&self, actor: &str) -> bool {
+        let mut c = self.ctl.clone();
+        c.get_actor(ateapi::GetActorRequest {
+            actor_ref: aref(actor),
+        })
+        .await
+        .ok()
+        .and_then(|r| r.into_inner().actor)
+        .is_some_and(|a| a.status == ateapi::actor::Status::Running as i32)
+    }
+
+    /// The address of `actor`'s worker, when it runs.
+    pub async fn worker_of(&self, actor: &str) -> Option<SocketAddr> {
+        let mut c = self.ctl.clone();
+        let a = c
+            .get_actor(ateapi::GetActorRequest {
+                actor_ref: aref(actor),
+            })
+            .await
+            .ok()?
+            .into_inner()
+            .actor?;
+        format!("{}:{}", a.ateom_pod_ip, a.worker_port).parse().ok()
+    }
+
+    /// `ResumeActor` calls the embedded control plane has received for `actor`.
+    pub fn resume_calls_for(&self, actor: &str) -> Option<u64> {
+        let key: ActorKey = {
+            let (a, n) = actor.split_once('/')?;
+            ActorKey::new(a, n).ok()?
+        };
+        self.plane
+            .as_ref()
+            .map(|p| p.resume_calls_for(key.atespace(), key.name()))
+    }
+
+    /// The router process's peak resident memory (VmHWM), in KiB, when it runs in its
+    /// own process.
+    pub fn router_peak_rss_kib(&self) -> Option<u64> {
+        let pid = self.child.as_ref()?.id()?;
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    }
+
+    /// Stops every embedded part.
+    pub async fn shutdown(mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill().await;
+        }
+        if let Some((_, server)) = self.in_process.take() {
+            server.stop_accepting();
+        }
+        for w in self.workers.drain(..) {
+            w.shutdown().await;
+        }
+        self.stop.cancel();
+    }
+}

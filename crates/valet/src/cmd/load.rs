@@ -1,0 +1,235 @@
+//! `valet load` and `valet demo parking`.
+
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use valet_load::generate::{HttpClient, closed_loop, open_loop, schedule};
+use valet_load::record::write_csv;
+use valet_load::scenario::{self, Report};
+use valet_load::system::{System, SystemOpts};
+use valet_load::{Summary, chart};
+
+use crate::EXIT_CONFIG;
+use crate::cli::{
+    CapacityWait, DemoArgs, LoadCommand, LoadRunArgs, Scenario, ScenarioArgs, TargetArgs,
+};
+
+pub(crate) async fn run(cmd: LoadCommand) -> ExitCode {
+    let result = match cmd {
+        LoadCommand::Run(args) => load_run(args).await,
+        LoadCommand::Scenario(args) => run_scenario(args).await,
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::Usage(e)) => {
+            eprintln!("valet load: {e}");
+            ExitCode::from(EXIT_CONFIG)
+        }
+        Err(Failure::Run(e)) => {
+            eprintln!("valet load: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+enum Failure {
+    Usage(String),
+    Run(String),
+}
+
+impl From<String> for Failure {
+    fn from(s: String) -> Self {
+        Failure::Run(s)
+    }
+}
+
+async fn load_run(args: LoadRunArgs) -> Result<(), Failure> {
+    if args.actors.is_empty() {
+        return Err(Failure::Usage(
+            "invalid configuration: --actors: name at least one actor".into(),
+        ));
+    }
+    let client = HttpClient::new(&args.actor_domain);
+    let (router, path) = (args.router, args.path.clone());
+    let send = move |actor: String| {
+        let (client, path) = (client.clone(), path.clone());
+        async move { client.get(router, &actor, &path).await }
+    };
+    let records = match (args.rate, args.concurrency) {
+        (Some(rate), _) if rate > 0.0 => {
+            open_loop("load", &schedule(rate, args.duration), &args.actors, send).await
+        }
+        (Some(rate), _) => {
+            return Err(Failure::Usage(format!(
+                "invalid configuration: --rate={rate}: must be > 0"
+            )));
+        }
+        (None, Some(0)) => {
+            return Err(Failure::Usage(
+                "invalid configuration: --concurrency=0: must be >= 1".into(),
+            ));
+        }
+        (None, c) => closed_loop("load", c.unwrap_or(1), args.duration, &args.actors, send).await,
+    };
+    let summary = Summary::of(&records);
+    println!("{summary}");
+    print!("{}", summary.seed_block());
+    if let Some(path) = &args.csv {
+        write_csv_file(path, &records)?;
+        println!("wrote {}", path.display());
+    }
+    if let Some(path) = &args.svg {
+        chart::latency_chart(path, "valet load", &records, None)?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn write_csv_file(path: &Path, records: &[valet_load::Record]) -> Result<(), String> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    }
+    let file = std::fs::File::create(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    write_csv(records, std::io::BufWriter::new(file))
+        .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Writes a report's CSV and chart into `out` and prints it.
+fn publish(report: &Report, tag: &str, out: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(out).map_err(|e| format!("{}: {e}", out.display()))?;
+    let stem = format!("{}{tag}", report.name);
+    let csv = out.join(format!("{stem}.csv"));
+    let svg = out.join(format!("{stem}.svg"));
+    write_csv_file(&csv, &report.records)?;
+    chart::latency_chart(
+        &svg,
+        &format!("valet: {stem}"),
+        &report.records,
+        report.budget_s,
+    )?;
+    println!("== {stem}");
+    print!("{}", report.text);
+    println!(
+        "   (records: {}, chart: {})\n",
+        csv.display(),
+        svg.display()
+    );
+    Ok(())
+}
+
+fn opts(target: &TargetArgs, workers: usize, capacity_wait: bool, extra: &[&str]) -> SystemOpts {
+    let mut router_flags = vec![
+        "--parked-request-budget".to_owned(),
+        valet_router::config::fmt_duration(target.budget),
+    ];
+    router_flags.extend(extra.iter().map(|s| (*s).to_owned()));
+    SystemOpts {
+        workers,
+        restore_delay: target.restore_delay,
+        capacity_wait,
+        router_flags,
+        router_exe: None,
+    }
+}
+
+async fn system(target: &TargetArgs, opts: &SystemOpts) -> Result<System, String> {
+    match (&target.router, &target.control_plane) {
+        (Some(r), Some(cp)) => System::remote(*r, cp),
+        _ => System::embedded(opts).await,
+    }
+}
+
+async fn run_scenario(args: ScenarioArgs) -> Result<(), Failure> {
+    let remote = args.target.router.is_some();
+    let modes: Vec<bool> = match (remote, args.capacity_wait) {
+        (true, _) | (false, CapacityWait::On) => vec![true],
+        (false, CapacityWait::Off) => vec![false],
+        (false, CapacityWait::Both) => vec![true, false],
+    };
+    let t = &args.target;
+    for cw in modes {
+        let tag = if remote {
+            String::new()
+        } else if cw {
+            "-capacity-wait-on".into()
+        } else {
+            "-capacity-wait-off".into()
+        };
+        let report = match args.scenario {
+            Scenario::Timeline => {
+                let sys = system(t, &opts(t, 2, cw, &[])).await?;
+                let r = scenario::timeline(&sys, t.budget, 9, Duration::from_millis(2370)).await;
+                sys.shutdown().await;
+                r?
+            }
+            Scenario::Steady => {
+                let sys = system(t, &opts(t, 2, cw, &[])).await?;
+                let r =
+                    scenario::steady(&sys, args.duration.unwrap_or(Duration::from_secs(30))).await;
+                sys.shutdown().await;
+                r?
+            }
+            Scenario::Bursts => {
+                let sys = system(t, &opts(t, 16, cw, &[])).await?;
+                let r = scenario::bursts(&sys, &[1, 2, 4, 8, 16], 5).await;
+                sys.shutdown().await;
+                r?
+            }
+            Scenario::Overflow => {
+                let sys = system(t, &opts(t, 16, cw, &[])).await?;
+                let r = scenario::overflow(&sys, t.budget, Duration::from_millis(1500)).await;
+                sys.shutdown().await;
+                r?
+            }
+            Scenario::ParkedScale => {
+                let lot = args.requests.to_string();
+                let mut o = opts(t, 1, cw, &["--parked-request-max", &lot]);
+                o.router_exe = std::env::current_exe().ok();
+                let sys = system(t, &o).await?;
+                let r = scenario::parked_scale(&sys, t.budget, args.requests, 100).await;
+                sys.shutdown().await;
+                r?
+            }
+            Scenario::FastPath => {
+                let sys = system(t, &opts(t, 1, cw, &[])).await?;
+                let r =
+                    scenario::fast_path(&sys, 16, args.duration.unwrap_or(Duration::from_secs(10)))
+                        .await;
+                sys.shutdown().await;
+                r?
+            }
+        };
+        publish(&report, &tag, &args.out)?;
+    }
+    Ok(())
+}
+
+pub(crate) async fn demo_parking(args: DemoArgs) -> ExitCode {
+    let result: Result<(), String> = async {
+        let t = &args.target;
+        println!(
+            "valet demo parking: pool of 2 workers (restore {:?}), actors p1..p4, budget {:?}\n",
+            t.restore_delay, t.budget
+        );
+        let sys = system(t, &opts(t, 2, true, &[])).await?;
+        let timeline = scenario::timeline(&sys, t.budget, 3, Duration::from_millis(2370)).await?;
+        publish(&timeline, "", &args.out)?;
+        println!(
+            "load run: 4 actors on 2 workers for {:?}, each answer followed by a suspend\n",
+            args.duration
+        );
+        let steady = scenario::steady(&sys, args.duration).await?;
+        publish(&steady, "", &args.out)?;
+        sys.shutdown().await;
+        Ok(())
+    }
+    .await;
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("valet demo parking: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
