@@ -40,7 +40,9 @@ fn main() -> ExitCode {
             }
         }
     }
-    init_tracing();
+    // Load runs and demos embed every part: keep their output to results and warnings.
+    let quiet = matches!(cli.command, Command::Load(_) | Command::Demo(_));
+    init_tracing(if quiet { "warn" } else { "info" });
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -65,10 +67,10 @@ fn main() -> ExitCode {
     })
 }
 
-fn init_tracing() {
+fn init_tracing(default: &str) {
     use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_env("VALET_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter = EnvFilter::try_from_env("VALET_LOG").unwrap_or_else(|_| EnvFilter::new(default));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -1,0 +1,188 @@
+//! A short smoke run of each scenario on embedded parts (few requests, short budgets):
+//! the shape of the results, never a wall-clock time.
+
+use std::time::Duration;
+
+use valet_load::scenario;
+use valet_load::system::{System, SystemOpts};
+
+const BUDGET: Duration = Duration::from_millis(600);
+
+async fn embedded(workers: usize, capacity_wait: bool, extra: &[&str]) -> System {
+    let mut router_flags = vec!["--parked-request-budget".to_owned(), "600ms".to_owned()];
+    router_flags.extend(extra.iter().map(|s| (*s).to_owned()));
+    System::embedded(&SystemOpts {
+        workers,
+        restore_delay: Duration::from_millis(10),
+        capacity_wait,
+        router_flags,
+        router_exe: None,
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeline_shape() {
+    for capacity_wait in [true, false] {
+        let sys = embedded(2, capacity_wait, &[]).await;
+        let r = scenario::timeline(&sys, BUDGET, 2, Duration::from_millis(200))
+            .await
+            .unwrap();
+        let labels: Vec<(&str, u16)> = r
+            .records
+            .iter()
+            .map(|r| (r.label.as_str(), r.status))
+            .collect();
+        assert_eq!(
+            labels,
+            vec![
+                ("free-worker", 200),
+                ("free-worker", 200),
+                ("p3-no-free-worker", 503),
+                ("p3-no-free-worker", 503),
+                ("p3-served-after-park", 200),
+            ],
+            "capacity wait {capacity_wait}"
+        );
+        assert_eq!(
+            r.records[2].body,
+            "actor demo/p3 unavailable: no worker has room for the actor"
+        );
+        assert!(r.records[4].body.starts_with("hello from: demo/p3"));
+        assert!(
+            r.text.contains("full pool: 2 requests, 2 x 503"),
+            "{}",
+            r.text
+        );
+        assert!(
+            r.text.contains("ResumeActor calls for that wait: "),
+            "{}",
+            r.text
+        );
+        if capacity_wait {
+            assert!(
+                r.text.contains("ResumeActor calls for that wait: 2"),
+                "{}",
+                r.text
+            );
+        }
+        sys.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn steady_shape() {
+    let sys = embedded(2, true, &[]).await;
+    let r = scenario::steady(&sys, Duration::from_millis(1500))
+        .await
+        .unwrap();
+    let served = r.records.iter().filter(|r| r.status == 200).count();
+    assert!(served >= 4, "{}", r.text);
+    assert!(r.records.iter().all(|r| matches!(r.status, 200 | 503)));
+    assert!(
+        r.text.starts_with("==> results\n    total requests : "),
+        "{}",
+        r.text
+    );
+    assert!(r.text.contains("200 latency    : avg "), "{}", r.text);
+    sys.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bursts_shape() {
+    let sys = embedded(4, true, &[]).await;
+    let r = scenario::bursts(&sys, &[1, 2, 4], 2).await.unwrap();
+    assert_eq!(r.records.len(), 2 + 4 + 8);
+    assert!(
+        r.records.iter().all(|r| r.status == 200),
+        "a burst that fits is served"
+    );
+    let lines: Vec<&str> = r.text.lines().collect();
+    assert_eq!(lines.len(), 4, "{}", r.text);
+    assert!(
+        lines[3].trim_start().starts_with("4         8         8"),
+        "{}",
+        r.text
+    );
+    sys.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overflow_shape() {
+    let sys = embedded(16, true, &[]).await;
+    let r = scenario::overflow(&sys, BUDGET, Duration::from_millis(200))
+        .await
+        .unwrap();
+    let first: Vec<_> = r.records.iter().filter(|r| r.label == "burst-32").collect();
+    assert_eq!(first.len(), 32);
+    assert_eq!(
+        first.iter().filter(|r| r.status == 200).count(),
+        14,
+        "14 free places"
+    );
+    assert_eq!(first.iter().filter(|r| r.status == 503).count(), 18);
+    let second: Vec<_> = r
+        .records
+        .iter()
+        .filter(|r| r.label == "burst-32-relief")
+        .collect();
+    assert_eq!(second.len(), 32);
+    assert!(
+        second.iter().filter(|r| r.status == 200).count() > 14,
+        "freed workers serve parked requests"
+    );
+    assert!(
+        r.text.contains("burst-32-relief: suspended 16 actors"),
+        "{}",
+        r.text
+    );
+    sys.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parked_scale_shape() {
+    let sys = embedded(1, true, &["--parked-request-max", "200"]).await;
+    let r = scenario::parked_scale(&sys, BUDGET, 200, 10).await.unwrap();
+    assert_eq!(r.records.len(), 200);
+    assert!(
+        r.records.iter().all(|r| r.status == 503),
+        "the pool never frees"
+    );
+    assert!(
+        r.records.iter().all(|r| r.body
+            == format!(
+                "actor {} unavailable: no worker has room for the actor",
+                r.actor
+            )),
+        "each gets the capacity verdict"
+    );
+    assert!(
+        r.text.contains("503 verdicts after the 0.600s budget"),
+        "{}",
+        r.text
+    );
+    sys.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fast_path_shape() {
+    let sys = embedded(1, true, &[]).await;
+    let r = scenario::fast_path(&sys, 2, Duration::from_millis(300))
+        .await
+        .unwrap();
+    for side in ["router", "worker"] {
+        let n = r
+            .records
+            .iter()
+            .filter(|r| r.label == side && r.status == 200)
+            .count();
+        assert!(n > 0, "{side}: {}", r.text);
+    }
+    assert!(
+        r.text.contains("router ") && r.text.contains("worker "),
+        "{}",
+        r.text
+    );
+    sys.shutdown().await;
+}
