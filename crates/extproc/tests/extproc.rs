@@ -321,37 +321,14 @@ async fn other_messages_get_their_own_response_type() {
 /// plane and a real worker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parked_streams_released_when_a_worker_frees() {
-    use valet_control::{Plane, PlaneConfig, Store};
+    use valet_load::cluster::{Cluster, ClusterConfig};
     use valet_proto::ateapi::{self, control_client::ControlClient};
     let dir = tempfile::tempdir().unwrap();
-    let plane = Plane::open(
-        Store::open(&dir.path().join("data")).unwrap(),
-        PlaneConfig::default(),
-    )
-    .await
-    .unwrap();
-    let cp_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let cp_addr = cp_listener.local_addr().unwrap();
-    tokio::spawn(valet_control::serve(
-        cp_listener,
-        plane.clone(),
-        std::future::pending(),
-    ));
-    let worker = valet_worker::Worker::spawn(valet_worker::WorkerConfig {
-        control_plane: format!("http://{cp_addr}"),
-        pool: "counter".into(),
-        listen: "127.0.0.1:0".parse().unwrap(),
-        snapshot_dir: dir.path().join("snapshots"),
-        restore_delay: Duration::ZERO,
-        worker_id: None,
-    })
-    .await
-    .unwrap();
-    assert!(
-        plane
-            .wait_until(Duration::from_secs(10), |p| p.pool("counter") == (1, 1))
-            .await
-    );
+    let cluster = Cluster::start(ClusterConfig::counter(dir.path().join("data"), 1))
+        .await
+        .unwrap();
+    let cp_addr = cluster.addr;
+    let worker = &cluster.workers[0];
     let mut ctl = ControlClient::new(
         tonic::transport::Endpoint::from_shared(format!("http://{cp_addr}"))
             .unwrap()

@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 
 pub mod chart;
+pub mod cluster;
 pub mod generate;
 pub mod record;
 pub mod scenario;

@@ -9,13 +9,13 @@ use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
-use valet_control::{ActorKey, Plane, PlaneConfig, Store};
+use valet_control::{ActorKey, PlaneConfig};
 use valet_proto::ateapi::{self, control_client::ControlClient};
 use valet_proxy::{HttpServer, Limits};
 use valet_router::{GrpcControlPlane, Metrics, Router, RouterArgs};
-use valet_worker::{Worker, WorkerConfig};
+
+use crate::cluster::{Cluster, ClusterConfig, PoolSpec};
 
 /// The default actor domain.
 pub const DOMAIN: &str = "actors.resources.substrate.ate.dev";
@@ -53,12 +53,10 @@ pub struct System {
     /// The router's HTTP data plane.
     pub router: SocketAddr,
     ctl: ControlClient<Channel>,
-    plane: Option<Plane>,
-    workers: Vec<Worker>,
+    cluster: Option<Cluster>,
     _dir: Option<tempfile::TempDir>,
     child: Option<tokio::process::Child>,
     in_process: Option<(Router, HttpServer)>,
-    stop: CancellationToken,
 }
 
 impl std::fmt::Debug for System {
@@ -91,56 +89,26 @@ impl System {
     /// When a part cannot start.
     pub async fn embedded(opts: &SystemOpts) -> Result<Self, String> {
         let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-        let store = Store::open(&dir.path().join("data")).map_err(|e| e.to_string())?;
-        let plane = Plane::open(
-            store,
-            PlaneConfig {
+        let cluster = Cluster::start(ClusterConfig {
+            plane: PlaneConfig {
                 capacity_wait: opts.capacity_wait,
                 ..PlaneConfig::default()
             },
-        )
-        .await
-        .map_err(|e| e.to_string())?;
-        let listener = TcpListener::bind("127.0.0.1:0")
-            .await
-            .map_err(|e| e.to_string())?;
-        let cp_addr = listener.local_addr().map_err(|e| e.to_string())?;
-        let stop = CancellationToken::new();
-        {
-            let (plane, stop) = (plane.clone(), stop.clone());
-            tokio::spawn(async move {
-                let _ =
-                    valet_control::serve(listener, plane, async move { stop.cancelled().await })
-                        .await;
-            });
-        }
-        let cp_url = format!("http://{cp_addr}");
-        let mut workers = Vec::new();
-        for i in 0..opts.workers {
-            workers.push(
-                Worker::spawn(WorkerConfig {
-                    control_plane: cp_url.clone(),
-                    pool: "counter".into(),
-                    listen: "127.0.0.1:0".parse().expect("valid"),
-                    snapshot_dir: dir.path().join("snapshots"),
-                    restore_delay: opts.restore_delay,
-                    worker_id: Some(format!("load-w{i}")),
-                })
-                .await
-                .map_err(|e| e.to_string())?,
-            );
-        }
-        let n = opts.workers;
-        if !plane
-            .wait_until(Duration::from_secs(20), |p| p.pool("counter").0 == n)
-            .await
-        {
-            return Err("workers did not join".into());
-        }
-        plane
+            restore_delay: opts.restore_delay,
+            pools: vec![PoolSpec {
+                pool: "counter".into(),
+                workers: opts.workers,
+                id_prefix: "load-w".into(),
+            }],
+            ..ClusterConfig::counter(dir.path().join("data"), opts.workers)
+        })
+        .await?;
+        cluster
+            .plane
             .create_atespace("demo")
             .await
             .map_err(|e| e.message().to_owned())?;
+        let cp_url = cluster.url();
 
         let mut flags = vec![
             "--listen".to_owned(),
@@ -197,12 +165,10 @@ impl System {
         Ok(Self {
             router,
             ctl: ctl_client(&cp_url)?,
-            plane: Some(plane),
-            workers,
+            cluster: Some(cluster),
             _dir: Some(dir),
             child,
             in_process,
-            stop,
         })
     }
 
@@ -214,12 +180,10 @@ impl System {
         Ok(Self {
             router,
             ctl: ctl_client(control_plane)?,
-            plane: None,
-            workers: Vec::new(),
+            cluster: None,
             _dir: None,
             child: None,
             in_process: None,
-            stop: CancellationToken::new(),
         })
     }
 
@@ -295,9 +259,9 @@ impl System {
             let (a, n) = actor.split_once('/')?;
             ActorKey::new(a, n).ok()?
         };
-        self.plane
+        self.cluster
             .as_ref()
-            .map(|p| p.resume_calls_for(key.atespace(), key.name()))
+            .map(|c| c.plane.resume_calls_for(key.atespace(), key.name()))
     }
 
     /// The router process's peak resident memory (VmHWM), in KiB, when it runs in its
@@ -319,9 +283,8 @@ impl System {
         if let Some((_, server)) = self.in_process.take() {
             server.stop_accepting();
         }
-        for w in self.workers.drain(..) {
-            w.shutdown().await;
+        if let Some(cluster) = self.cluster.take() {
+            cluster.shutdown().await;
         }
-        self.stop.cancel();
     }
 }

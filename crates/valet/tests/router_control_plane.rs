@@ -6,56 +6,27 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
-use valet_control::{Plane, PlaneConfig, Store};
+use valet_control::Plane;
+use valet_load::cluster::{Cluster, ClusterConfig};
 use valet_proto::ateapi::{self, control_client::ControlClient};
 use valet_router::{Decision, GrpcControlPlane, Metrics, Router, RouterArgs};
-use valet_worker::{Worker, WorkerConfig};
 
 const WAIT: Duration = Duration::from_secs(10);
 
 struct Setup {
+    cluster: Cluster,
     plane: Plane,
     router: Router,
     client: ControlClient<tonic::transport::Channel>,
-    worker: Worker,
     _dir: tempfile::TempDir,
-    stop: CancellationToken,
 }
 
 async fn setup(router_flags: &[&str]) -> Setup {
     let dir = tempfile::tempdir().unwrap();
-    let plane = Plane::open(
-        Store::open(&dir.path().join("data")).unwrap(),
-        PlaneConfig::default(),
-    )
-    .await
-    .unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let stop = CancellationToken::new();
-    {
-        let (plane, stop) = (plane.clone(), stop.clone());
-        tokio::spawn(async move {
-            valet_control::serve(listener, plane, async move { stop.cancelled().await }).await
-        });
-    }
-    let worker = Worker::spawn(WorkerConfig {
-        control_plane: format!("http://{addr}"),
-        pool: "counter".into(),
-        listen: "127.0.0.1:0".parse().unwrap(),
-        snapshot_dir: dir.path().join("snapshots"),
-        restore_delay: Duration::ZERO,
-        worker_id: None,
-    })
-    .await
-    .unwrap();
-    assert!(
-        plane
-            .wait_until(WAIT, |p| p.pool("counter") == (1, 1))
-            .await
-    );
-    let url = format!("http://{addr}");
+    let cluster = Cluster::start(ClusterConfig::counter(dir.path().join("data"), 1))
+        .await
+        .unwrap();
+    let url = cluster.url();
     let mut flags = vec!["--control-plane", &url];
     flags.extend_from_slice(router_flags);
     let config = RouterArgs::try_parse_flags(flags)
@@ -65,7 +36,7 @@ async fn setup(router_flags: &[&str]) -> Setup {
     let cp = GrpcControlPlane::connect_lazy(config.control_plane()).unwrap();
     let router = Router::new(Arc::new(config), Arc::new(cp), Arc::new(Metrics::new()));
     let client = ControlClient::new(
-        tonic::transport::Endpoint::from_shared(url)
+        tonic::transport::Endpoint::from_shared(url.clone())
             .unwrap()
             .connect_lazy(),
     );
@@ -89,12 +60,11 @@ async fn setup(router_flags: &[&str]) -> Setup {
         .unwrap();
     }
     Setup {
-        plane,
+        plane: cluster.plane.clone(),
+        cluster,
         router,
         client,
-        worker,
         _dir: dir,
-        stop,
     }
 }
 
@@ -111,7 +81,7 @@ async fn routes_parks_and_is_handed_a_freed_worker() {
     let s = setup(&[]).await;
     let d = s.router.decide(&host("p1"), deadline()).await;
     match &d {
-        Decision::Route(r) => assert_eq!(r.addr, s.worker.app_addr()),
+        Decision::Route(r) => assert_eq!(r.addr, s.cluster.workers[0].app_addr()),
         other => panic!("{other:?}"),
     }
 
@@ -138,7 +108,7 @@ async fn routes_parks_and_is_handed_a_freed_worker() {
         .unwrap();
     let d = parked.await.unwrap();
     assert!(
-        matches!(d, Decision::Route(ref r) if r.addr == s.worker.app_addr()),
+        matches!(d, Decision::Route(ref r) if r.addr == s.cluster.workers[0].app_addr()),
         "{d:?}"
     );
     assert_eq!(
@@ -155,7 +125,7 @@ async fn routes_parks_and_is_handed_a_freed_worker() {
         ),
         1.0
     );
-    s.stop.cancel();
+    s.cluster.shutdown().await;
 }
 
 #[tokio::test]
@@ -181,7 +151,7 @@ async fn budget_exhausted_and_not_found_bodies_come_from_the_control_plane() {
         panic!("{d:?}")
     };
     assert_eq!((v.status(), v.body()), (404, "actor demo/nope not found"));
-    s.stop.cancel();
+    s.cluster.shutdown().await;
 }
 
 #[tokio::test]

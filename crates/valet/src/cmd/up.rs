@@ -2,12 +2,9 @@
 //! on loopback.
 
 use std::process::ExitCode;
-use std::time::Duration;
 
-use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
-use valet_control::{ActorKey, Plane, PlaneConfig, Store};
-use valet_worker::{Worker, WorkerConfig};
+use valet_control::{ActorKey, PlaneConfig};
+use valet_load::cluster::{Cluster, ClusterConfig, PoolSpec};
 
 use crate::EXIT_CONFIG;
 use crate::cli::{OnOff, UpArgs};
@@ -65,70 +62,33 @@ async fn up(mut args: UpArgs) -> Result<(), UpError> {
         .resolve()
         .map_err(|e| UpError::Config(e.to_string()))?;
 
-    let store = Store::open(&args.data_dir).map_err(|e| UpError::Start(e.to_string()))?;
-    let plane = Plane::open(
-        store,
-        PlaneConfig {
+    let cluster = Cluster::start(ClusterConfig {
+        data_dir: args.data_dir.clone(),
+        listen: args.control_plane_listen,
+        plane: PlaneConfig {
             capacity_wait: args.capacity_wait == OnOff::On,
             ..PlaneConfig::default()
         },
-    )
+        restore_delay: args.restore_delay,
+        pools: vec![
+            PoolSpec {
+                pool: "counter".into(),
+                workers: args.workers,
+                id_prefix: "up-worker".into(),
+            },
+            PoolSpec {
+                pool: "echo".into(),
+                workers: args.echo_workers,
+                id_prefix: "up-echo".into(),
+            },
+        ],
+    })
     .await
-    .map_err(|e| UpError::Start(e.to_string()))?;
-    let cp_listener = TcpListener::bind(args.control_plane_listen)
-        .await
-        .map_err(|e| {
-            UpError::Start(format!(
-                "cannot listen on --control-plane-listen={}: {e}",
-                args.control_plane_listen
-            ))
-        })?;
-    let cp_addr = cp_listener
-        .local_addr()
-        .map_err(|e| UpError::Start(e.to_string()))?;
+    .map_err(UpError::Start)?;
+    let cp_addr = cluster.addr;
     println!("listening control-plane {cp_addr}");
-    let stop_cp = CancellationToken::new();
-    let cp_task = {
-        let (plane, stop) = (plane.clone(), stop_cp.clone());
-        tokio::spawn(async move {
-            if let Err(e) =
-                valet_control::serve(cp_listener, plane, async move { stop.cancelled().await })
-                    .await
-            {
-                tracing::error!(error = %e, "control plane failed");
-            }
-        })
-    };
-
-    let mut workers = Vec::new();
-    let pools = [
-        ("counter", args.workers, "up-worker"),
-        ("echo", args.echo_workers, "up-echo"),
-    ];
-    for (pool, count, prefix) in pools {
-        for i in 1..=count {
-            let w = Worker::spawn(WorkerConfig {
-                control_plane: format!("http://{cp_addr}"),
-                pool: pool.into(),
-                listen: "127.0.0.1:0".parse().expect("valid"),
-                snapshot_dir: args.data_dir.join("snapshots"),
-                restore_delay: args.restore_delay,
-                worker_id: Some(format!("{prefix}-{i}")),
-            })
-            .await
-            .map_err(|e| UpError::Start(e.to_string()))?;
-            workers.push(w);
-        }
-    }
-    let (n, e) = (args.workers, args.echo_workers);
-    if !plane
-        .wait_until(Duration::from_secs(10), |p| {
-            p.pool("counter").0 == n && p.pool("echo").0 == e
-        })
-        .await
-    {
-        return Err(UpError::Start("workers did not join their pools".into()));
-    }
+    let plane = cluster.plane.clone();
+    let n = args.workers;
 
     for key in &actors {
         match plane.create_atespace(key.atespace()).await {
@@ -183,12 +143,7 @@ async fn up(mut args: UpArgs) -> Result<(), UpError> {
 
     crate::signal::terminated().await;
     running.drain().await;
-    for w in workers {
-        w.shutdown().await;
-    }
-    stop_cp.cancel();
-    let _ = cp_task.await;
-    plane.close().await;
+    cluster.shutdown().await;
     tracing::info!("valet up stopped");
     Ok(())
 }

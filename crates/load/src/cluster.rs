@@ -1,0 +1,154 @@
+//! An embedded cluster: the reference control plane serving gRPC on loopback, with
+//! in-process workers attached to it. `valet up`, the scenarios and the tests that
+//! need a real control plane all start it the same way.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use valet_control::{Plane, PlaneConfig, Store};
+use valet_worker::{Worker, WorkerConfig};
+
+/// How long workers may take to join their pools.
+const JOIN_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Workers of one pool.
+#[derive(Debug, Clone)]
+pub struct PoolSpec {
+    /// The pool (and template) name.
+    pub pool: String,
+    /// How many workers.
+    pub workers: usize,
+    /// Worker ids are `<prefix>-<n>`, stable across restarts.
+    pub id_prefix: String,
+}
+
+impl PoolSpec {
+    /// `workers` workers in pool `pool`, with ids `<pool>-<n>`.
+    pub fn new(pool: &str, workers: usize) -> Self {
+        Self {
+            pool: pool.to_owned(),
+            workers,
+            id_prefix: pool.to_owned(),
+        }
+    }
+}
+
+/// How to start a cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// The database and the snapshots live here.
+    pub data_dir: PathBuf,
+    /// The control plane's gRPC address (port 0 picks one).
+    pub listen: SocketAddr,
+    /// How the control plane behaves.
+    pub plane: PlaneConfig,
+    /// Extra time each restore takes.
+    pub restore_delay: Duration,
+    /// The workers to start.
+    pub pools: Vec<PoolSpec>,
+}
+
+impl ClusterConfig {
+    /// A cluster in `data_dir` on a free loopback port with `workers` workers in pool
+    /// `counter`.
+    pub fn counter(data_dir: impl Into<PathBuf>, workers: usize) -> Self {
+        Self {
+            data_dir: data_dir.into(),
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            plane: PlaneConfig::default(),
+            restore_delay: Duration::ZERO,
+            pools: vec![PoolSpec::new("counter", workers)],
+        }
+    }
+}
+
+/// A running control plane with its workers.
+#[derive(Debug)]
+pub struct Cluster {
+    /// The control plane.
+    pub plane: Plane,
+    /// Where it serves gRPC.
+    pub addr: SocketAddr,
+    /// Its workers, in the order of the pool specs.
+    pub workers: Vec<Worker>,
+    stop: CancellationToken,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl Cluster {
+    /// Opens the store, serves the control plane, starts the workers and waits until
+    /// every pool is complete.
+    ///
+    /// # Errors
+    /// When a part cannot start, naming it.
+    pub async fn start(config: ClusterConfig) -> Result<Self, String> {
+        let store = Store::open(&config.data_dir).map_err(|e| e.to_string())?;
+        let plane = Plane::open(store, config.plane.clone())
+            .await
+            .map_err(|e| e.to_string())?;
+        let listener = TcpListener::bind(config.listen)
+            .await
+            .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
+        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        let stop = CancellationToken::new();
+        let server = {
+            let (plane, stop) = (plane.clone(), stop.clone());
+            tokio::spawn(async move {
+                let shutdown = async move { stop.cancelled().await };
+                if let Err(e) = valet_control::serve(listener, plane, shutdown).await {
+                    tracing::error!(error = %e, "control plane failed");
+                }
+            })
+        };
+        let mut workers = Vec::new();
+        for spec in &config.pools {
+            for i in 1..=spec.workers {
+                let worker = Worker::spawn(WorkerConfig {
+                    control_plane: format!("http://{addr}"),
+                    pool: spec.pool.clone(),
+                    listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+                    snapshot_dir: config.data_dir.join("snapshots"),
+                    restore_delay: config.restore_delay,
+                    worker_id: Some(format!("{}-{i}", spec.id_prefix)),
+                })
+                .await
+                .map_err(|e| e.to_string())?;
+                workers.push(worker);
+            }
+        }
+        let pools = config.pools.clone();
+        let complete = plane
+            .wait_until(JOIN_TIMEOUT, |p| {
+                pools.iter().all(|s| p.pool(&s.pool).0 == s.workers)
+            })
+            .await;
+        if !complete {
+            return Err("workers did not join their pools".into());
+        }
+        Ok(Self {
+            plane,
+            addr,
+            workers,
+            stop,
+            server,
+        })
+    }
+
+    /// The control plane's URL (`http://ip:port`).
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Stops the workers, then the control plane.
+    pub async fn shutdown(self) {
+        for w in self.workers {
+            w.shutdown().await;
+        }
+        self.stop.cancel();
+        let _ = self.server.await;
+        self.plane.close().await;
+    }
+}
