@@ -236,3 +236,55 @@ async fn killed_control_plane_loses_nothing_acknowledged() {
     }
     drop(cp);
 }
+
+/// `valet ctl` against a control-plane process: tables for people, JSON for scripts,
+/// and one-line errors with the gRPC code.
+#[tokio::test]
+async fn ctl_tables_json_and_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let cp = control_plane(&dir.path().join("data"), "127.0.0.1:0", &[]).await;
+    let url = format!("http://{}", cp.addr);
+    let ctl = |args: &[&str]| {
+        let mut all = vec!["ctl", "--control-plane", &url];
+        all.extend_from_slice(args);
+        std::process::Command::new(env!("CARGO_BIN_EXE_valet"))
+            .args(&all)
+            .output()
+            .unwrap()
+    };
+    let o = ctl(&["atespace", "create", "demo"]);
+    assert_eq!(o.status.code(), Some(0));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout),
+        "atespace demo created\n"
+    );
+    assert_eq!(ctl(&["actor", "create", "demo/p1"]).status.code(), Some(0));
+    let o = ctl(&["actor", "list"]);
+    let table = String::from_utf8_lossy(&o.stdout).into_owned();
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(
+        lines[0].starts_with("ACTOR    STATUS     TEMPLATE  WORKER  ADDRESS  VERSION"),
+        "{table}"
+    );
+    assert!(
+        lines[1].starts_with("demo/p1  SUSPENDED  counter   -       -"),
+        "{table}"
+    );
+    let o = ctl(&["actor", "get", "demo/p1", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["status"], "SUSPENDED");
+    assert_eq!(v["name"], "p1");
+    assert_eq!(v["worker"], serde_json::Value::Null);
+    let o = ctl(&["actor", "resume", "demo/p1"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stderr).trim(),
+        "valet ctl: RESOURCE_EXHAUSTED: no worker has room for the actor"
+    );
+    let o = ctl(&["actor", "get", "p1"]);
+    assert_eq!(o.status.code(), Some(64));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stderr).trim(),
+        "valet ctl: actor \"p1\": want <atespace>/<name>"
+    );
+}

@@ -1,0 +1,121 @@
+//! The data plane's own answers over real HTTP: header limits (431), an unreachable
+//! worker (502), and a body too large to park (413).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use valet_proxy::{HttpServer, Limits};
+use valet_router::testing::{AlwaysRunning, Scripted};
+use valet_router::{ControlPlane, Metrics, Router, RouterArgs};
+
+const HOST: &str = "p1.demo.actors.resources.substrate.ate.dev";
+
+async fn serve(cp: Arc<dyn ControlPlane>, flags: &[&str], limits: Limits) -> SocketAddr {
+    let config = RouterArgs::try_parse_flags(flags)
+        .unwrap()
+        .resolve()
+        .unwrap();
+    let router = Router::new(Arc::new(config), cp, Arc::new(Metrics::new()));
+    let server = HttpServer::spawn(
+        TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        router,
+        limits,
+    )
+    .unwrap();
+    let addr = server.local_addr();
+    std::mem::forget(server);
+    addr
+}
+
+/// Sends a raw HTTP/1.1 request and returns the status and body.
+async fn raw(addr: SocketAddr, head: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(head.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).await.unwrap();
+    let text = String::from_utf8_lossy(&out).into_owned();
+    (
+        text[9..12].parse().unwrap(),
+        text.split_once("\r\n\r\n").unwrap().1.to_owned(),
+    )
+}
+
+fn closed_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[tokio::test]
+async fn header_limits_answer_431() {
+    let limits = Limits {
+        max_headers: 20,
+        max_header_bytes: 1024,
+    };
+    let addr = serve(
+        Arc::new(AlwaysRunning {
+            port: closed_port(),
+        }),
+        &[],
+        limits,
+    )
+    .await;
+    let many: String = (0..30).map(|i| format!("x-h{i}: v\r\n")).collect();
+    let (status, body) = raw(
+        addr,
+        &format!("GET / HTTP/1.1\r\nHost: {HOST}\r\n{many}Connection: close\r\n\r\n"),
+    )
+    .await;
+    assert_eq!(status, 431);
+    assert_eq!(body, "too many request header fields: 32 (limit 20)\n");
+    let big = "a".repeat(2000);
+    let (status, body) = raw(
+        addr,
+        &format!("GET / HTTP/1.1\r\nHost: {HOST}\r\nx-big: {big}\r\nConnection: close\r\n\r\n"),
+    )
+    .await;
+    assert_eq!(status, 431);
+    assert!(
+        body.starts_with("request header fields too large: "),
+        "{body}"
+    );
+    assert!(body.ends_with("bytes (limit 1024)\n"), "{body}");
+}
+
+#[tokio::test]
+async fn unreachable_worker_answers_502() {
+    let addr = serve(
+        Arc::new(AlwaysRunning {
+            port: closed_port(),
+        }),
+        &[],
+        Limits::default(),
+    )
+    .await;
+    let (status, body) = raw(
+        addr,
+        &format!("GET / HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n"),
+    )
+    .await;
+    assert_eq!((status, body.as_str()), (502, "actor demo/p1 unreachable"));
+}
+
+#[tokio::test]
+async fn body_too_large_to_park_answers_413() {
+    let (cp, mut calls) = Scripted::new();
+    let addr = serve(cp, &["--parked-request-max-body", "100"], Limits::default()).await;
+    let req = tokio::spawn(async move {
+        raw(addr, &format!("POST / HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: 101\r\nConnection: close\r\n\r\n")).await
+    });
+    calls.next().await.no_room();
+    let (status, body) = req.await.unwrap();
+    assert_eq!(status, 413);
+    assert_eq!(
+        body,
+        "actor demo/p1 unavailable: request body too large to park (limit 100 bytes)"
+    );
+}
