@@ -80,6 +80,7 @@ pub fn latency_chart(
     }
     chart
         .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
         .border_style(BLACK)
         .background_style(WHITE.mix(0.8))
         .draw()
