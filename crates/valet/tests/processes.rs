@@ -288,3 +288,51 @@ async fn ctl_tables_json_and_errors() {
         "valet ctl: actor \"p1\": want <atespace>/<name>"
     );
 }
+
+/// A router whose control plane does not answer is not ready; it becomes ready when
+/// the control plane comes up.
+#[tokio::test]
+async fn readiness_follows_the_control_plane() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let cp_addr = format!("127.0.0.1:{port}");
+    let url = format!("http://{cp_addr}");
+    let router = common::Proc::start(
+        "admin",
+        &[
+            "router",
+            "--listen",
+            "127.0.0.1:0",
+            "--extproc-listen",
+            "",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--control-plane",
+            &url,
+        ],
+    )
+    .await;
+    eventually(
+        "not ready while the control plane is down",
+        WITHIN,
+        || async {
+            let (s, b) = http_get(router.addr, "/readyz", &[]).await;
+            (s == 503 && b == "not ready: control plane unreachable\n").then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        http_get(router.addr, "/healthz", &[]).await,
+        (200, "ok\n".to_owned())
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let _cp = control_plane(&dir.path().join("data"), &cp_addr, &[]).await;
+    eventually("ready once the control plane answers", WITHIN, || async {
+        let (s, b) = http_get(router.addr, "/readyz", &[]).await;
+        (s == 200 && b == "ready\n").then_some(())
+    })
+    .await;
+}
