@@ -482,6 +482,12 @@ impl Plane {
             }
             st.ops.insert(key.clone(), Op::Busy("creating"));
         }
+        self.commit(key, row).await
+    }
+
+    /// Writes `row` for `key`, whose operation lock the caller holds; only once it is
+    /// durable does it become visible, and the lock is released either way.
+    async fn commit(&self, key: ActorKey, row: ActorRow) -> Result<ateapi::Actor, Status> {
         let result = self.inner.store.put_actor(row.clone()).await;
         let mut st = self.lock();
         st.ops.remove(&key);
@@ -933,13 +939,7 @@ impl Plane {
         reverted.status = S::Suspended as i32;
         reverted.revert_pending = true;
         reverted.version += 1;
-        let result = self.inner.store.put_actor(reverted.clone()).await;
-        let mut st = self.lock();
-        st.ops.remove(&key);
-        result.map_err(|e| db_error(&e))?;
-        let proto = st.to_proto(&reverted);
-        st.actors.insert(key, reverted);
-        Ok(proto)
+        self.commit(key, reverted).await
     }
 
     /// `DeleteActor`: only SUSPENDED or CRASHED actors.
