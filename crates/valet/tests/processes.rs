@@ -9,26 +9,13 @@ use std::time::Duration;
 use common::{
     client, control_plane, create, eventually, get, http_get, resume, status, suspend, worker,
 };
-use valet_proto::ateapi::{self, actor::Status as S};
+use tonic::transport::Channel;
+use valet_proto::ateapi::{self, actor::Status as S, control_client::ControlClient};
 
 const WITHIN: Duration = Duration::from_secs(20);
 
-fn addr_of(a: &ateapi::Actor) -> std::net::SocketAddr {
-    format!("{}:{}", a.ateom_pod_ip, a.worker_port)
-        .parse()
-        .unwrap()
-}
-
-/// SIGKILL a worker: its actor goes back to SUSPENDED from its last snapshot, the pool
-/// shrinks, and the actor resumes on the other worker with its file counter intact.
-#[tokio::test]
-async fn killed_worker_releases_its_actor() {
-    let dir = tempfile::tempdir().unwrap();
-    let snaps = dir.path().join("snapshots");
-    let cp = control_plane(&dir.path().join("data"), "127.0.0.1:0", &[]).await;
-    let c = client(cp.addr);
-    let w1 = worker(cp.addr, &snaps, "w1").await;
-    let w2 = worker(cp.addr, &snaps, "w2").await;
+/// Waits (bounded) until two workers have joined, then creates atespace `demo`.
+async fn two_workers_and_demo(c: &ControlClient<Channel>) {
     eventually("two workers", WITHIN, || async {
         let n = c
             .clone()
@@ -47,6 +34,25 @@ async fn killed_worker_releases_its_actor() {
         })
         .await
         .unwrap();
+}
+
+fn addr_of(a: &ateapi::Actor) -> std::net::SocketAddr {
+    format!("{}:{}", a.ateom_pod_ip, a.worker_port)
+        .parse()
+        .unwrap()
+}
+
+/// SIGKILL a worker: its actor goes back to SUSPENDED from its last snapshot, the pool
+/// shrinks, and the actor resumes on the other worker with its file counter intact.
+#[tokio::test]
+async fn killed_worker_releases_its_actor() {
+    let dir = tempfile::tempdir().unwrap();
+    let snaps = dir.path().join("snapshots");
+    let cp = control_plane(&dir.path().join("data"), "127.0.0.1:0", &[]).await;
+    let c = client(cp.addr);
+    let w1 = worker(cp.addr, &snaps, "w1").await;
+    let w2 = worker(cp.addr, &snaps, "w2").await;
+    two_workers_and_demo(&c).await;
     create(&c, "demo/p1").await.unwrap();
     let a = resume(&c, "demo/p1").await.unwrap();
     for n in 1..=2 {
@@ -111,24 +117,7 @@ async fn killed_control_plane_loses_nothing_acknowledged() {
     let c = client(addr);
     let _w1 = worker(addr, &snaps, "w1").await;
     let _w2 = worker(addr, &snaps, "w2").await;
-    eventually("two workers", WITHIN, || async {
-        let n = c
-            .clone()
-            .list_workers(())
-            .await
-            .ok()?
-            .into_inner()
-            .workers
-            .len();
-        (n == 2).then_some(())
-    })
-    .await;
-    c.clone()
-        .create_atespace(ateapi::CreateAtespaceRequest {
-            name: "demo".into(),
-        })
-        .await
-        .unwrap();
+    two_workers_and_demo(&c).await;
 
     // Two concurrent streams of operations; each records what was acknowledged.
     let (acked_tx, mut acked_rx) = tokio::sync::mpsc::unbounded_channel();
