@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status, Streaming};
 use valet_proto::ateapi::{self, control_server};
 use valet_proto::worker::{
@@ -35,8 +36,9 @@ pub async fn serve(
         .register_encoded_file_descriptor_set(valet_proto::ateapi::FILE_DESCRIPTOR_SET)
         .build_v1()
         .expect("the embedded descriptor set is valid");
+    // `Server::tcp_nodelay` is ignored for a given incoming stream: the stream sets it.
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     tonic::transport::Server::builder()
-        .tcp_nodelay(true)
         .http2_keepalive_interval(Some(Duration::from_secs(1)))
         .http2_keepalive_timeout(Some(Duration::from_secs(3)))
         .add_service(
@@ -50,7 +52,7 @@ pub async fn serve(
                 .max_decoding_message_size(MAX_MESSAGE_BYTES),
         )
         .add_service(reflection)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(incoming, shutdown)
         .await
 }
 

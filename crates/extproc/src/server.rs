@@ -18,8 +18,9 @@ use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
+use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status, Streaming};
 use valet_router::status::RouteRecord;
 use valet_router::{Decision, Router, Verdict};
@@ -46,11 +47,12 @@ impl ExtProcServer {
         let service = ExternalProcessorServer::new(Processor { router })
             .max_decoding_message_size(MAX_MESSAGE_BYTES);
         let shutdown = stop.clone();
+        // `Server::tcp_nodelay` is ignored for a given incoming stream: the stream sets it.
+        let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
         let done = tokio::spawn(async move {
             let served = tonic::transport::Server::builder()
-                .tcp_nodelay(true)
                 .add_service(service)
-                .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+                .serve_with_incoming_shutdown(incoming, async move {
                     shutdown.cancelled().await;
                 })
                 .await;
