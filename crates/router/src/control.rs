@@ -3,6 +3,11 @@
 //! [`ControlPlane`] is what the retry loop calls; [`GrpcControlPlane`] speaks
 //! `ateapi.Control` over h2c. Errors are read once here into [`ResumeError`], so the
 //! classification downstream never looks at raw `tonic::Status` details again.
+//!
+//! A transport failure is not the server's answer: a control plane that dies, resets
+//! the stream or sends GOAWAY mid-attempt surfaces as `Unavailable`, whatever code the
+//! client library gives it, so the flight parks and goes on under its budget. One that
+//! dies silently is noticed by HTTP/2 pings (also while idle) and `TCP_USER_TIMEOUT`.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -72,8 +77,23 @@ impl ResumeError {
     }
 }
 
+/// The message tonic gives a stream that ended cleanly without a gRPC status: a peer
+/// or proxy reset it (hyper turns `RST_STREAM(NO_ERROR|CANCEL)` into a clean end).
+const MISSING_STATUS: &str = "protocol error: missing grpc-status trailer";
+
+/// Whether `status` was made by the client library for a failed transport (connection
+/// refused, reset, GOAWAY, ping timeout, a stream cut short) rather than sent by the
+/// server. The library attaches the underlying error as the status's source; a status
+/// read from the server's trailers has none.
+pub fn is_transport_failure(status: &tonic::Status) -> bool {
+    std::error::Error::source(status).is_some() || status.message().starts_with(MISSING_STATUS)
+}
+
 impl From<tonic::Status> for ResumeError {
     fn from(status: tonic::Status) -> Self {
+        if is_transport_failure(&status) {
+            return Self::new(Code::Unavailable, status.message());
+        }
         let crashed = status
             .get_details_error_info()
             .is_some_and(|info| info.reason == ACTOR_CRASHED);
@@ -83,6 +103,35 @@ impl From<tonic::Status> for ResumeError {
             crashed,
         }
     }
+}
+
+/// How often the client pings the control plane over HTTP/2, also while idle.
+pub const PING_INTERVAL: Duration = Duration::from_secs(2);
+/// How long a ping may go unanswered before the connection counts as dead.
+pub const PING_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long sent data may stay unacknowledged before the kernel drops the connection.
+pub const TCP_USER_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a connection attempt may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A lazily connecting channel to a control plane at `url`, with the liveness checks
+/// every valet client of `ateapi.Control` uses: pings every [`PING_INTERVAL`] (also
+/// while idle) answered within [`PING_TIMEOUT`], `TCP_USER_TIMEOUT`, `TCP_NODELAY`.
+///
+/// # Errors
+/// When `url` is not a valid endpoint.
+pub fn channel(url: &str) -> Result<Channel, tonic::transport::Error> {
+    let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(CONNECT_TIMEOUT));
+    http.set_tcp_user_timeout(Some(TCP_USER_TIMEOUT));
+    Ok(Endpoint::from_shared(url.to_owned())?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .http2_keep_alive_interval(PING_INTERVAL)
+        .keep_alive_timeout(PING_TIMEOUT)
+        .keep_alive_while_idle(true)
+        .connect_with_connector_lazy(http))
 }
 
 /// The boxed future a [`ControlPlane`] returns.
@@ -108,14 +157,8 @@ impl GrpcControlPlane {
     /// # Errors
     /// When `url` is not a valid endpoint.
     pub fn connect_lazy(url: &str) -> Result<Self, tonic::transport::Error> {
-        let channel = Endpoint::from_shared(url.to_owned())?
-            .connect_timeout(Duration::from_secs(2))
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(20))
-            .keep_alive_timeout(Duration::from_secs(10))
-            .connect_lazy();
         Ok(Self {
-            client: ateapi::control_client::ControlClient::new(channel),
+            client: ateapi::control_client::ControlClient::new(channel(url)?),
         })
     }
 }
@@ -200,5 +243,29 @@ mod tests {
         );
         assert!(!ResumeError::from(other).is_crashed());
         assert!(!ResumeError::from(tonic::Status::failed_precondition("x")).is_crashed());
+    }
+
+    #[test]
+    fn transport_failures_are_unavailable_whatever_their_code() {
+        let reset = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "connection reset");
+        let status = tonic::Status::from_error(Box::new(reset));
+        assert_eq!(status.code(), Code::Unknown, "what tonic itself reports");
+        assert_eq!(ResumeError::from(status).code(), Code::Unavailable);
+
+        let cut = tonic::Status::unknown(
+            "protocol error: missing grpc-status trailer, stream was terminated without a final status",
+        );
+        assert_eq!(ResumeError::from(cut).code(), Code::Unavailable);
+
+        // Statuses the server sent keep their code.
+        for code in [
+            Code::Unknown,
+            Code::Internal,
+            Code::Cancelled,
+            Code::NotFound,
+        ] {
+            let sent = tonic::Status::new(code, "from the server");
+            assert_eq!(ResumeError::from(sent).code(), code);
+        }
     }
 }

@@ -8,7 +8,7 @@ use std::fmt;
 use std::time::Duration;
 
 use opentelemetry::KeyValue;
-use opentelemetry::metrics::{Counter, Histogram, MeterProvider as _, UpDownCounter};
+use opentelemetry::metrics::{Counter, Gauge, Histogram, MeterProvider as _, UpDownCounter};
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 
 /// The OpenTelemetry meter name.
@@ -66,6 +66,8 @@ pub struct Metrics {
     parking_rejected: Counter<u64>,
     requests: Counter<u64>,
     resume_attempts: Counter<u64>,
+    resume_in_progress: UpDownCounter<i64>,
+    control_plane_reachable: Gauge<i64>,
     flights_active: UpDownCounter<i64>,
     decision_duration: Histogram<f64>,
     recent_waits: std::sync::Mutex<std::collections::VecDeque<f64>>,
@@ -132,6 +134,14 @@ impl Metrics {
                 .u64_counter("atenet.router.resume.attempts")
                 .with_description("ResumeActor attempts, by gRPC code.")
                 .build(),
+            resume_in_progress: meter
+                .i64_up_down_counter("atenet.router.resume.in_progress")
+                .with_description("ResumeActor calls in progress.")
+                .build(),
+            control_plane_reachable: meter
+                .i64_gauge("atenet.router.control_plane.reachable")
+                .with_description("1 while the control plane answers, 0 while it does not.")
+                .build(),
             flights_active: meter
                 .i64_up_down_counter("atenet.router.flights.active")
                 .with_description("Resume flights in progress.")
@@ -187,6 +197,18 @@ impl Metrics {
         self.resume_attempts.add(1, &[KeyValue::new("code", code)]);
     }
 
+    /// Counts a `ResumeActor` call as in progress until the guard drops.
+    pub(crate) fn attempt_in_progress(&self) -> InProgress<'_> {
+        self.resume_in_progress.add(1, &[]);
+        InProgress(&self.resume_in_progress)
+    }
+
+    /// Records whether the control plane answers.
+    pub fn control_plane_reachable(&self, reachable: bool) {
+        self.control_plane_reachable
+            .record(i64::from(reachable), &[]);
+    }
+
     pub(crate) fn flight_started(&self) {
         self.flights_active.add(1, &[]);
     }
@@ -226,6 +248,16 @@ impl Metrics {
     /// whose labels include `labels`, summed over the other labels; 0 when absent.
     pub fn sample(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
         sample_of(&self.render(), name, labels)
+    }
+}
+
+/// A `ResumeActor` call in progress; counted until dropped.
+#[derive(Debug)]
+pub(crate) struct InProgress<'a>(&'a UpDownCounter<i64>);
+
+impl Drop for InProgress<'_> {
+    fn drop(&mut self) {
+        self.0.add(-1, &[]);
     }
 }
 

@@ -172,7 +172,10 @@ pub(crate) async fn run(
             wait_for_capacity,
             timeout: config.resume_attempt_timeout() + wait_for_capacity.unwrap_or_default(),
         };
-        let answer = control_plane.resume_actor(request).await;
+        let answer = {
+            let _in_progress = metrics.attempt_in_progress();
+            control_plane.resume_actor(request).await
+        };
         metrics.resume_attempt(code_name(match &answer {
             Ok(_) => Code::Ok,
             Err(e) => e.code(),

@@ -24,6 +24,8 @@ use valet_router::Router;
 pub(crate) struct Health {
     draining: AtomicBool,
     control_plane_reachable: AtomicBool,
+    /// Whether the probe has answered at least once.
+    control_plane_probed: AtomicBool,
 }
 
 impl Health {
@@ -39,15 +41,15 @@ impl Health {
         self.control_plane_reachable.load(Ordering::SeqCst)
     }
 
-    /// Why the router is not ready, if it is not.
+    fn probed(&self) -> bool {
+        self.control_plane_probed.load(Ordering::SeqCst)
+    }
+
+    /// Why the router is not ready, if it is not. Only a drain makes it so: an
+    /// unreachable control plane is what parking absorbs, so it never takes the router
+    /// out of its load balancer (it shows on `/statusz` and in a gauge instead).
     fn not_ready(&self) -> Option<&'static str> {
-        if self.draining() {
-            Some("draining")
-        } else if !self.reachable() {
-            Some("control plane unreachable")
-        } else {
-            None
-        }
+        self.draining().then_some("draining")
     }
 }
 
@@ -93,45 +95,63 @@ pub(crate) fn spawn(
     })
 }
 
-/// Probes the control plane every `every` (a cheap read) and records whether it
-/// answers; any gRPC answer, even an error, means it is reachable.
-pub(crate) fn spawn_probe(url: String, health: Arc<Health>, stop: CancellationToken) {
+/// How often the control plane's reachability is probed.
+const PROBE_INTERVAL: Duration = Duration::from_secs(2);
+/// How long one probe may take.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Probes the control plane every [`PROBE_INTERVAL`] (a cheap read) and records whether
+/// it answers in the health, the `atenet.router.control_plane.reachable` gauge and one
+/// log line per change; any gRPC answer, even an error, means it is reachable.
+pub(crate) fn spawn_probe(
+    url: String,
+    router: Router,
+    health: Arc<Health>,
+    stop: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let Ok(endpoint) = tonic::transport::Endpoint::from_shared(url) else {
+        let Ok(channel) = valet_router::control::channel(&url) else {
             return;
         };
-        let client = ControlClient::new(
-            endpoint
-                .connect_timeout(Duration::from_secs(1))
-                .timeout(Duration::from_secs(2))
-                .connect_lazy(),
-        );
-        let mut tick = tokio::time::interval(Duration::from_secs(2));
+        let client = ControlClient::new(channel);
+        let mut known = None;
+        let mut tick = tokio::time::interval(PROBE_INTERVAL);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 () = stop.cancelled() => return,
                 _ = tick.tick() => {}
             }
-            let reachable = match client.clone().list_atespaces(()).await {
-                Ok(_) => true,
-                Err(s) => !matches!(
-                    s.code(),
-                    tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
-                ),
+            let mut probe = tonic::Request::new(());
+            probe.set_timeout(PROBE_TIMEOUT);
+            let mut client = client.clone();
+            let answer = tokio::time::timeout(PROBE_TIMEOUT, client.list_atespaces(probe)).await;
+            let reachable = match answer {
+                Ok(Ok(_)) => true,
+                Ok(Err(s)) => {
+                    !valet_router::control::is_transport_failure(&s)
+                        && !matches!(
+                            s.code(),
+                            tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
+                        )
+                }
+                Err(_) => false,
             };
-            let was = health
+            health
                 .control_plane_reachable
-                .swap(reachable, Ordering::SeqCst);
-            if was != reachable {
+                .store(reachable, Ordering::SeqCst);
+            health.control_plane_probed.store(true, Ordering::SeqCst);
+            router.metrics().control_plane_reachable(reachable);
+            if known != Some(reachable) {
+                known = Some(reachable);
                 if reachable {
-                    tracing::info!("control plane reachable");
+                    tracing::info!(control_plane = %url, "control plane reachable");
                 } else {
-                    tracing::warn!("control plane unreachable; /readyz fails");
+                    tracing::warn!(control_plane = %url, "control plane unreachable; requests park until it answers");
                 }
             }
         }
-    });
+    })
 }
 
 async fn metrics(State(s): State<AdminState>) -> Response {
@@ -199,6 +219,7 @@ fn status_json(s: &AdminState) -> Value {
         "ready": s.health.not_ready().is_none(),
         "draining": s.health.draining(),
         "control_plane_reachable": s.health.reachable(),
+        "control_plane_probed": s.health.probed(),
         "uptime_seconds": s.started.elapsed().map_or(0.0, |d| d.as_secs_f64()),
         "listeners": s.listeners.iter().map(|(k, a)| json!({ "part": k, "address": a.to_string() })).collect::<Vec<_>>(),
         "flags": r.config().effective_flags().into_iter().map(|(f, v)| json!({ "flag": f, "value": v })).collect::<Vec<_>>(),

@@ -18,6 +18,7 @@ pub(crate) struct RunningRouter {
     http: Option<HttpServer>,
     extproc: Option<ExtProcServer>,
     admin: Option<tokio::task::JoinHandle<()>>,
+    probe: tokio::task::JoinHandle<()>,
     health: Arc<Health>,
     stop_admin: CancellationToken,
     /// `(part, address)` of every listener, as printed.
@@ -80,8 +81,9 @@ impl RunningRouter {
                 stop_admin.clone(),
             )
         });
-        admin::spawn_probe(
+        let probe = admin::spawn_probe(
             config.control_plane().to_owned(),
+            router.clone(),
             Arc::clone(&health),
             stop_admin.clone(),
         );
@@ -99,6 +101,7 @@ impl RunningRouter {
             http,
             extproc,
             admin,
+            probe,
             health,
             stop_admin,
             listeners,
@@ -159,6 +162,7 @@ impl RunningRouter {
             }
         }
         self.stop_admin.cancel();
+        let _ = self.probe.await;
         if let Some(admin) = self.admin {
             let _ = admin.await;
         }

@@ -7,7 +7,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use common::{
-    client, control_plane, create, eventually, get, http_get, resume, status, suspend, worker,
+    DOMAIN, client, control_plane, create, eventually, get, http_get, resume, router, status,
+    suspend, try_http_get, worker, worker_with,
 };
 use tonic::transport::Channel;
 use valet_proto::ateapi::{self, actor::Status as S, control_client::ControlClient};
@@ -278,50 +279,203 @@ async fn ctl_tables_json_and_errors() {
     );
 }
 
-/// A router whose control plane does not answer is not ready; it becomes ready when
-/// the control plane comes up.
+/// Readiness fails only while draining: a router whose control plane does not answer
+/// stays ready (parking absorbs the blip) and shows it on `/statusz` and in a gauge.
 #[tokio::test]
-async fn readiness_follows_the_control_plane() {
+async fn readiness_fails_only_while_draining() {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
-    let cp_addr = format!("127.0.0.1:{port}");
-    let url = format!("http://{cp_addr}");
-    let router = common::Proc::start(
-        "admin",
-        &[
-            "router",
-            "--listen",
-            "127.0.0.1:0",
-            "--extproc-listen",
-            "",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--control-plane",
-            &url,
-        ],
-    )
+    let cp_addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let mut router = router(cp_addr, &["--drain-delay", "30s"]).await;
+    let admin = router.addrs["admin"];
+    let status = || async move {
+        let (_, body) = http_get(admin, "/statusz?format=json", &[]).await;
+        serde_json::from_str::<serde_json::Value>(&body).unwrap()
+    };
+    eventually("the probe saw the control plane down", WITHIN, || async {
+        let s = status().await;
+        (s["control_plane_probed"] == true).then_some(())
+    })
     .await;
+    assert_eq!(status().await["control_plane_reachable"], false);
+    assert_eq!(
+        router
+            .metric("atenet_router_control_plane_reachable", &[])
+            .await,
+        0.0
+    );
+    assert_eq!(
+        http_get(admin, "/readyz", &[]).await,
+        (200, "ready\n".to_owned())
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let _cp = control_plane(&dir.path().join("data"), &cp_addr.to_string(), &[]).await;
+    eventually("the gauge follows the control plane", WITHIN, || async {
+        let up = router
+            .metric("atenet_router_control_plane_reachable", &[])
+            .await;
+        (up == 1.0).then_some(())
+    })
+    .await;
+    assert_eq!(status().await["control_plane_reachable"], true);
+
+    router.terminate();
+    eventually("not ready while draining", WITHIN, || async {
+        let (s, b) = http_get(admin, "/readyz", &[]).await;
+        (s == 503 && b == "not ready: draining\n").then_some(())
+    })
+    .await;
+    assert_eq!(
+        http_get(admin, "/healthz", &[]).await,
+        (200, "ok\n".to_owned())
+    );
+    router.child.kill().await.unwrap();
+}
+
+fn actor_host(name: &str) -> String {
+    format!("{name}.demo.{DOMAIN}")
+}
+
+/// SIGKILL the control plane while ten requests wait for capacity, restart it on the
+/// same data dir: no parked request gets a 500; they keep waiting, a worker freed after
+/// the restart serves one, and the rest get the budget's 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parked_requests_ride_out_a_control_plane_sigkill() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let snaps = dir.path().join("snapshots");
+    let cp = control_plane(&data, "127.0.0.1:0", &[]).await;
+    let addr = cp.addr;
+    let c = client(addr);
+    let _w1 = worker(addr, &snaps, "w1").await;
+    let _w2 = worker(addr, &snaps, "w2").await;
+    two_workers_and_demo(&c).await;
+    let waiting: Vec<String> = (1..=10).map(|i| format!("q{i}")).collect();
+    for a in ["p1", "p2"]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .chain(waiting.clone())
+    {
+        create(&c, &format!("demo/{a}")).await.unwrap();
+    }
+    resume(&c, "demo/p1").await.unwrap();
+    resume(&c, "demo/p2").await.unwrap();
+
+    let router = router(addr, &["--parked-request-budget", "12s"]).await;
+    let http = router.addrs["router"];
+    let requests: Vec<_> = waiting
+        .iter()
+        .map(|a| {
+            let host = actor_host(a);
+            tokio::spawn(async move { http_get(http, "/", &[("Host", &host)]).await })
+        })
+        .collect();
     eventually(
-        "not ready while the control plane is down",
+        "ten parked, each waiting at the control plane",
         WITHIN,
         || async {
-            let (s, b) = http_get(router.addr, "/readyz", &[]).await;
-            (s == 503 && b == "not ready: control plane unreachable\n").then_some(())
+            let parked = router.metric("atenet_router_parking_active", &[]).await;
+            let first = router
+                .metric("atenet_router_resume_attempts_total", &[])
+                .await;
+            let waiting = router.metric("atenet_router_resume_in_progress", &[]).await;
+            (parked == 10.0 && first == 10.0 && waiting == 10.0).then_some(())
         },
     )
     .await;
-    assert_eq!(
-        http_get(router.addr, "/healthz", &[]).await,
-        (200, "ok\n".to_owned())
-    );
-    let dir = tempfile::tempdir().unwrap();
-    let _cp = control_plane(&dir.path().join("data"), &cp_addr, &[]).await;
-    eventually("ready once the control plane answers", WITHIN, || async {
-        let (s, b) = http_get(router.addr, "/readyz", &[]).await;
-        (s == 200 && b == "ready\n").then_some(())
+
+    cp.kill().await;
+    let _cp = control_plane(&data, &addr.to_string(), &[]).await;
+    eventually("both workers back, p1 still RUNNING", WITHIN, || async {
+        let workers = c.clone().list_workers(()).await.ok()?.into_inner().workers;
+        let p1 = get(&c, "demo/p1").await.ok()?;
+        (workers.len() == 2 && status(&p1) == S::Running).then_some(())
     })
     .await;
+    suspend(&c, "demo/p1").await.unwrap();
+
+    let mut answers = HashMap::<u16, Vec<String>>::new();
+    for r in requests {
+        let (code, body) = r.await.unwrap();
+        answers.entry(code).or_default().push(body);
+    }
+    assert_eq!(answers.get(&200).map(Vec::len), Some(1), "{answers:?}");
+    let capacity = answers.get(&503).cloned().unwrap_or_default();
+    assert_eq!(capacity.len(), 9, "{answers:?}");
+    for body in capacity {
+        assert!(
+            body.starts_with("actor demo/q")
+                && body.ends_with(" unavailable: no worker has room for the actor"),
+            "{body}"
+        );
+    }
+    assert_eq!(
+        router.metric("atenet_router_parking_active", &[]).await,
+        0.0
+    );
+}
+
+/// SIGKILL the router while the control plane restores an actor for it: the restore
+/// finishes without its caller, exactly one worker hosts the actor, and a new router's
+/// request (a re-sent ResumeActor) is served by that worker with one count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_outlives_its_router() {
+    let dir = tempfile::tempdir().unwrap();
+    let snaps = dir.path().join("snapshots");
+    let cp = control_plane(&dir.path().join("data"), "127.0.0.1:0", &[]).await;
+    let c = client(cp.addr);
+    let slow = ["--restore-delay", "2s"];
+    let _w1 = worker_with(cp.addr, &snaps, "w1", &slow).await;
+    let _w2 = worker_with(cp.addr, &snaps, "w2", &slow).await;
+    two_workers_and_demo(&c).await;
+    create(&c, "demo/p1").await.unwrap();
+
+    let first = router(cp.addr, &[]).await;
+    let http = first.addrs["router"];
+    let lost =
+        tokio::spawn(async move { try_http_get(http, "/", &[("Host", &actor_host("p1"))]).await });
+    eventually("p1 RESUMING", WITHIN, || async {
+        (status(&get(&c, "demo/p1").await.ok()?) == S::Resuming).then_some(())
+    })
+    .await;
+    first.kill().await;
+    assert_eq!(
+        lost.await.unwrap(),
+        None,
+        "the router died before answering"
+    );
+
+    let running = eventually("p1 RUNNING without its caller", WITHIN, || async {
+        let a = get(&c, "demo/p1").await.ok()?;
+        (status(&a) == S::Running).then_some(a)
+    })
+    .await;
+    let workers = c
+        .clone()
+        .list_workers(())
+        .await
+        .unwrap()
+        .into_inner()
+        .workers;
+    let hosts: Vec<_> = workers.iter().filter(|w| w.actor_id == "p1").collect();
+    assert_eq!(hosts.len(), 1, "{workers:?}");
+    assert_eq!(hosts[0].worker_pod, running.ateom_pod_name);
+
+    let second = router(cp.addr, &[]).await;
+    let (code, body) = http_get(second.addrs["router"], "/", &[("Host", &actor_host("p1"))]).await;
+    assert_eq!(
+        (code, body.as_str()),
+        (
+            200,
+            "hello from: demo/p1 | preserved memory count: 1 | preserved file counter: 1\n"
+        )
+    );
+    assert_eq!(
+        get(&c, "demo/p1").await.unwrap().ateom_pod_name,
+        running.ateom_pod_name
+    );
 }

@@ -184,3 +184,112 @@ async fn unreachable_control_plane_is_unavailable_after_the_budget() {
         "parked and retried"
     );
 }
+
+/// A TCP proxy that forwards both ways until told to drop everything; from then on it
+/// moves no byte and keeps every connection open, like a network that drops every
+/// packet (no reset ever arrives).
+async fn blackhole_proxy(
+    upstream: std::net::SocketAddr,
+) -> (String, tokio::sync::watch::Sender<bool>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (drop_all, rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        loop {
+            let (down, _) = listener.accept().await.unwrap();
+            let up = tokio::net::TcpStream::connect(upstream).await.unwrap();
+            let (dr, dw) = down.into_split();
+            let (ur, uw) = up.into_split();
+            tokio::spawn(pipe(dr, uw, rx.clone()));
+            tokio::spawn(pipe(ur, dw, rx.clone()));
+        }
+    });
+    (url, drop_all)
+}
+
+/// Copies `from` to `to` until `drop_all` turns true, then holds both open, silent.
+async fn pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut drop_all: tokio::sync::watch::Receiver<bool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = tokio::select! {
+            n = from.read(&mut buf) => n,
+            _ = drop_all.wait_for(|dropping| *dropping) => break,
+        };
+        match n {
+            Ok(0) | Err(_) => return,
+            Ok(_) if *drop_all.borrow() => break,
+            Ok(n) => {
+                if to.write_all(&buf[..n]).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+    std::future::pending::<()>().await;
+    drop((from, to));
+}
+
+/// A control plane that goes silent mid-wait (every packet dropped, no reset) is
+/// noticed by the client's pings: the parked request gets the budget's 503, not the
+/// decision deadline's 504.
+#[tokio::test]
+async fn silent_control_plane_is_unavailable_not_a_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = Cluster::start(ClusterConfig::counter(dir.path().join("data"), 1))
+        .await
+        .unwrap();
+    let plane = cluster.plane.clone();
+    plane.create_atespace("demo").await.unwrap();
+    for a in ["p1", "p2"] {
+        let key = valet_control::ActorKey::new("demo", a).unwrap();
+        plane
+            .create_actor(key, "default", "counter", Vec::new())
+            .await
+            .unwrap();
+    }
+    let (url, drop_all) = blackhole_proxy(cluster.addr).await;
+    let config =
+        RouterArgs::try_parse_flags(["--control-plane", &url, "--parked-request-budget", "2s"])
+            .unwrap()
+            .resolve()
+            .unwrap();
+    let decision_timeout = config.decision_timeout();
+    let cp = GrpcControlPlane::connect_lazy(config.control_plane()).unwrap();
+    let router = Router::new(Arc::new(config), Arc::new(cp), Arc::new(Metrics::new()));
+    let d = router
+        .decide(&host("p1"), Instant::now() + decision_timeout)
+        .await;
+    assert!(matches!(d, Decision::Route(_)), "{d:?}");
+
+    let parked = {
+        let router = router.clone();
+        tokio::spawn(async move {
+            router
+                .decide(&host("p2"), Instant::now() + decision_timeout)
+                .await
+        })
+    };
+    assert!(
+        plane.wait_until(WAIT, |p| p.waiters("counter") == 1).await,
+        "the attempt waits at the control plane"
+    );
+    drop_all.send_replace(true);
+    let d = parked.await.unwrap();
+    let Decision::Deny(_, v) = &d else {
+        panic!("{d:?}")
+    };
+    assert_eq!((v.status(), v.body()), (503, "actor demo/p2 unavailable"));
+    assert_eq!(
+        router.metrics().sample(
+            "atenet_router_parking_wait_duration_seconds_count",
+            &[("outcome", "budget_exhausted")]
+        ),
+        1.0
+    );
+    cluster.shutdown().await;
+}

@@ -19,7 +19,10 @@ pub mod socket;
 #[derive(Debug)]
 pub struct Proc {
     pub child: Child,
+    /// The address of the part it was started for.
     pub addr: SocketAddr,
+    /// Every `listening <part> <addr>` it printed before that part's.
+    pub addrs: std::collections::HashMap<String, SocketAddr>,
 }
 
 impl Proc {
@@ -35,11 +38,18 @@ impl Proc {
             .expect("valet starts");
         let stdout = child.stdout.take().unwrap();
         let mut lines = BufReader::new(stdout).lines();
-        let prefix = format!("listening {part} ");
+        let mut addrs = std::collections::HashMap::new();
         let addr = tokio::time::timeout(Duration::from_secs(30), async {
             while let Some(line) = lines.next_line().await.unwrap() {
-                if let Some(a) = line.strip_prefix(&prefix) {
-                    return a.parse::<SocketAddr>().unwrap();
+                if let Some((p, a)) = line
+                    .strip_prefix("listening ")
+                    .and_then(|rest| rest.split_once(' '))
+                {
+                    let a = a.parse::<SocketAddr>().unwrap();
+                    addrs.insert(p.to_owned(), a);
+                    if p == part {
+                        return a;
+                    }
                 }
             }
             panic!("valet {part} exited before listening");
@@ -47,13 +57,62 @@ impl Proc {
         .await
         .expect("valet prints its address");
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        Self { child, addr }
+        Self { child, addr, addrs }
     }
 
     /// SIGKILL, and reap.
     pub async fn kill(mut self) {
         self.child.kill().await.unwrap();
     }
+
+    /// Sends SIGTERM.
+    pub fn terminate(&self) {
+        signal(&self.child, "TERM");
+    }
+
+    /// Waits (bounded) for the process to exit; its exit code.
+    pub async fn exit_code(&mut self, within: Duration) -> Option<i32> {
+        tokio::time::timeout(within, self.child.wait())
+            .await
+            .expect("the process exits in time")
+            .unwrap()
+            .code()
+    }
+
+    /// The value of one series of its admin server's metrics (`addrs["admin"]`).
+    pub async fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        let text = http_get(self.addrs["admin"], "/metrics", &[]).await.1;
+        valet_router::metrics::sample_of(&text, name, labels)
+    }
+}
+
+/// Sends `SIG<name>` to `child`.
+pub fn signal(child: &Child, name: &str) {
+    let pid = child.id().expect("running").to_string();
+    let ok = std::process::Command::new("kill")
+        .args([&format!("-{name}"), &pid])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill -{name} {pid}");
+}
+
+/// `valet router` on 127.0.0.1:0 (HTTP and admin; no ext_proc) in front of `cp`.
+pub async fn router(cp: SocketAddr, extra: &[&str]) -> Proc {
+    let url = format!("http://{cp}");
+    let mut args = vec![
+        "router",
+        "--listen",
+        "127.0.0.1:0",
+        "--extproc-listen",
+        "",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--control-plane",
+        &url,
+    ];
+    args.extend_from_slice(extra);
+    Proc::start("admin", &args).await
 }
 
 pub async fn control_plane(data_dir: &Path, listen: &str, extra: &[&str]) -> Proc {
@@ -69,20 +128,22 @@ pub async fn control_plane(data_dir: &Path, listen: &str, extra: &[&str]) -> Pro
 }
 
 pub async fn worker(cp: SocketAddr, snapshots: &Path, id: &str) -> Proc {
+    worker_with(cp, snapshots, id, &[]).await
+}
+
+pub async fn worker_with(cp: SocketAddr, snapshots: &Path, id: &str, extra: &[&str]) -> Proc {
     let url = format!("http://{cp}");
-    Proc::start(
+    let mut args = vec![
         "worker",
-        &[
-            "worker",
-            "--control-plane",
-            &url,
-            "--snapshot-dir",
-            snapshots.to_str().unwrap(),
-            "--worker-id",
-            id,
-        ],
-    )
-    .await
+        "--control-plane",
+        &url,
+        "--snapshot-dir",
+        snapshots.to_str().unwrap(),
+        "--worker-id",
+        id,
+    ];
+    args.extend_from_slice(extra);
+    Proc::start("worker", &args).await
 }
 
 pub fn client(cp: SocketAddr) -> ControlClient<Channel> {
@@ -186,8 +247,19 @@ pub fn status(a: &ateapi::Actor) -> ateapi::actor::Status {
 
 /// One HTTP/1.1 GET over a fresh connection; returns status and body.
 pub async fn http_get(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> (u16, String) {
+    try_http_get(addr, path, headers)
+        .await
+        .unwrap_or_else(|| panic!("GET {path} from {addr}: no complete answer"))
+}
+
+/// [`http_get`], or `None` when the connection fails or ends without a status line.
+pub async fn try_http_get(
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> Option<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
     let mut req = format!("GET {path} HTTP/1.1\r\nConnection: close\r\n");
     if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
         req.push_str("Host: actor\r\n");
@@ -196,16 +268,16 @@ pub async fn http_get(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) ->
         req.push_str(&format!("{k}: {v}\r\n"));
     }
     req.push_str("\r\n");
-    s.write_all(req.as_bytes()).await.unwrap();
+    s.write_all(req.as_bytes()).await.ok()?;
     let mut raw = Vec::new();
-    s.read_to_end(&mut raw).await.unwrap();
+    s.read_to_end(&mut raw).await.ok()?;
     let text = String::from_utf8_lossy(&raw).to_string();
-    let status = text[9..12].parse().unwrap();
+    let status = text.get(9..12)?.parse().ok()?;
     let body = text
         .split_once("\r\n\r\n")
         .map(|(_, b)| b.to_owned())
         .unwrap_or_default();
-    (status, body)
+    Some((status, body))
 }
 
 /// A `valet up` process with every listener on 127.0.0.1:0 and its data in a temp dir.
@@ -309,13 +381,7 @@ impl Up {
 
     /// Sends SIGTERM.
     pub fn terminate(&self) {
-        let pid = self.child.id().expect("running").to_string();
-        let ok = std::process::Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "kill -TERM {pid}");
+        signal(&self.child, "TERM");
     }
 }
 
