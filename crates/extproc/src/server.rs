@@ -20,6 +20,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status, Streaming};
 use valet_router::status::RouteRecord;
@@ -31,12 +32,15 @@ pub const HOST_HEADERS: [&str; 2] = [":authority", "host"];
 /// Largest ext_proc message accepted (Envoy sends headers only).
 const MAX_MESSAGE_BYTES: usize = 1 << 20;
 
-/// The running ext_proc server.
+/// The running ext_proc server. Its server task and every stream's task are owned here:
+/// [`Self::drained`] waits for them, [`Self::close`] ends them.
 #[derive(Debug)]
 pub struct ExtProcServer {
     addr: SocketAddr,
     stop: CancellationToken,
-    done: tokio::task::JoinHandle<()>,
+    force: CancellationToken,
+    streams: TaskTracker,
+    done: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl ExtProcServer {
@@ -44,8 +48,14 @@ impl ExtProcServer {
     pub fn spawn(listener: TcpListener, router: Router) -> std::io::Result<Self> {
         let addr = listener.local_addr()?;
         let stop = CancellationToken::new();
-        let service = ExternalProcessorServer::new(Processor { router })
-            .max_decoding_message_size(MAX_MESSAGE_BYTES);
+        let force = CancellationToken::new();
+        let streams = TaskTracker::new();
+        let service = ExternalProcessorServer::new(Processor {
+            router,
+            streams: streams.clone(),
+            force: force.clone(),
+        })
+        .max_decoding_message_size(MAX_MESSAGE_BYTES);
         let shutdown = stop.clone();
         // `Server::tcp_nodelay` is ignored for a given incoming stream: the stream sets it.
         let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
@@ -60,7 +70,13 @@ impl ExtProcServer {
                 tracing::error!(error = %e, "ext_proc server failed");
             }
         });
-        Ok(Self { addr, stop, done })
+        Ok(Self {
+            addr,
+            stop,
+            force,
+            streams,
+            done: Some(done),
+        })
     }
 
     /// The address it listens on.
@@ -68,20 +84,46 @@ impl ExtProcServer {
         self.addr
     }
 
-    /// Stops accepting; streams in progress (parked requests included) go on.
+    /// Stops accepting connections and streams (each connection gets GOAWAY); streams
+    /// in progress, parked requests included, go on to their answer.
     pub fn stop_accepting(&self) {
         self.stop.cancel();
     }
 
-    /// Waits until every stream has ended (after [`Self::stop_accepting`]).
+    /// Streams in progress now.
+    pub fn open_streams(&self) -> usize {
+        self.streams.len()
+    }
+
+    /// Waits until every stream has ended and every connection closed (after
+    /// [`Self::stop_accepting`]). Cancel-safe.
     pub async fn drained(&mut self) {
-        let _ = (&mut self.done).await;
+        self.streams.close();
+        self.streams.wait().await;
+        if let Some(done) = self.done.as_mut() {
+            let _ = done.await;
+            self.done = None;
+        }
+    }
+
+    /// Ends every stream and connection still open, answered or not: the last step of
+    /// a drain, after every waiting request has had its verdict.
+    pub async fn close(&mut self) {
+        self.force.cancel();
+        self.streams.close();
+        self.streams.wait().await;
+        if let Some(done) = self.done.take() {
+            done.abort();
+            let _ = done.await;
+        }
     }
 }
 
 #[derive(Debug, Clone)]
 struct Processor {
     router: Router,
+    streams: TaskTracker,
+    force: CancellationToken,
 }
 
 type OutStream =
@@ -97,21 +139,32 @@ impl ExternalProcessor for Processor {
     ) -> Result<Response<OutStream>, Status> {
         let inbound = req.into_inner();
         let (tx, rx) = mpsc::channel(4);
-        tokio::spawn(run_stream(self.router.clone(), inbound, tx));
+        let force = self.force.clone();
+        let stream = run_stream(self.router.clone(), inbound, tx);
+        self.streams.spawn(async move {
+            tokio::select! {
+                () = stream => {}
+                () = force.cancelled() => {}
+            }
+        });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }
 
-/// Answers each message of one stream in order.
+/// Answers each message of one stream in order. The stream's inbound side ending
+/// (half-close) means no more messages, not a caller gone: the message in progress is
+/// still answered. A reset, or the response side going away, is a caller gone.
 async fn run_stream(
     router: Router,
     mut inbound: Streaming<ProcessingRequest>,
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
 ) {
     let mut queued: Option<ProcessingRequest> = None;
+    let mut inbound_open = true;
     loop {
         let msg = match queued.take() {
             Some(m) => m,
+            None if !inbound_open => return,
             None => match inbound.message().await {
                 Ok(Some(m)) => m,
                 Ok(None) | Err(_) => return,
@@ -129,11 +182,13 @@ async fn run_stream(
                 let decision = loop {
                     tokio::select! {
                         d = &mut decide => break d,
-                        next = inbound.message(), if queued.is_none() => match next {
+                        next = inbound.message(), if queued.is_none() && inbound_open => match next {
                             // Envoy sends nothing else before this answer; keep it for after.
                             Ok(Some(m)) => queued = Some(m),
-                            Ok(None) | Err(_) => return,
+                            Ok(None) => inbound_open = false,
+                            Err(_) => return,
                         },
+                        () = tx.closed() => return,
                     }
                 };
                 let (out, target, verdict) = render(&decision);
@@ -141,7 +196,7 @@ async fn run_stream(
                     "extproc",
                     &host,
                     &path,
-                    decision.status(),
+                    decision.status().as_u16(),
                     verdict,
                     target,
                     started.elapsed(),
@@ -238,7 +293,7 @@ fn immediate(v: &Verdict) -> ImmediateResponse {
     }
     ImmediateResponse {
         status: Some(HttpStatus {
-            code: i32::from(v.status()),
+            code: i32::from(v.status().as_u16()),
         }),
         headers: Some(HeaderMutation {
             set_headers: headers,

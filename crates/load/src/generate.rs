@@ -54,9 +54,38 @@ impl HttpClient {
 
     /// GET with an explicit `Host`.
     pub async fn get_host(&self, addr: SocketAddr, host: &str, path: &str) -> (u16, String) {
-        let req = match http::Request::get(format!("http://{addr}{path}"))
+        self.send(addr, http::Method::GET, host, path, Bytes::new())
+            .await
+    }
+
+    /// POST `body` to `actor` (`atespace/name`) through the router at `addr`.
+    pub async fn post(
+        &self,
+        addr: SocketAddr,
+        actor: &str,
+        path: &str,
+        body: Bytes,
+    ) -> (u16, String) {
+        let host = match actor.split_once('/') {
+            Some((atespace, name)) => format!("{name}.{atespace}.{}", self.domain),
+            None => actor.to_owned(),
+        };
+        self.send(addr, http::Method::POST, &host, path, body).await
+    }
+
+    async fn send(
+        &self,
+        addr: SocketAddr,
+        method: http::Method,
+        host: &str,
+        path: &str,
+        body: Bytes,
+    ) -> (u16, String) {
+        let req = match http::Request::builder()
+            .method(method)
+            .uri(format!("http://{addr}{path}"))
             .header(http::header::HOST, host)
-            .body(Full::new(Bytes::new()))
+            .body(Full::new(body))
         {
             Ok(r) => r,
             Err(e) => return (0, e.to_string()),

@@ -13,6 +13,7 @@ pub mod cluster;
 pub mod generate;
 pub mod record;
 pub mod scenario;
+pub mod soak;
 pub mod stats;
 pub mod system;
 

@@ -191,20 +191,38 @@ async fn burst(
     label: &str,
     actors: &[String],
 ) -> Vec<Record> {
+    burst_with_body(client, sys, t0, label, actors, 0).await
+}
+
+/// [`burst`], each request a POST with a body of `body` bytes when `body` > 0.
+async fn burst_with_body(
+    client: &HttpClient,
+    sys: &System,
+    t0: Instant,
+    label: &str,
+    actors: &[String],
+    body: usize,
+) -> Vec<Record> {
+    let payload = bytes::Bytes::from(vec![b'x'; body]);
     let barrier = Arc::new(Barrier::new(actors.len()));
     let mut tasks = tokio::task::JoinSet::new();
     for a in actors {
-        let (client, barrier, router, a, label) = (
+        let (client, barrier, router, a, label, payload) = (
             client.clone(),
             Arc::clone(&barrier),
             sys.router,
             a.clone(),
             label.to_owned(),
+            payload.clone(),
         );
         tasks.spawn(async move {
             barrier.wait().await;
             let start = t0.elapsed();
-            let (status, body) = client.get(router, &a, "/").await;
+            let (status, body) = if payload.is_empty() {
+                client.get(router, &a, "/").await
+            } else {
+                client.post(router, &a, "/", payload).await
+            };
             Record {
                 label,
                 actor: a,
@@ -366,12 +384,14 @@ pub async fn overflow(sys: &System, budget: Duration, free_at: Duration) -> Resu
 }
 
 /// `requests` requests parked at once on one router (spread over `actors` actors of a
-/// full pool): the router's peak memory and how close to the budget each verdict comes.
+/// full pool), each with a body of `body` bytes (0: GETs): the router's peak memory and
+/// how close to the budget each verdict comes.
 pub async fn parked_scale(
     sys: &System,
     budget: Duration,
     requests: usize,
     actors: usize,
+    body: usize,
 ) -> Result<Report, String> {
     let client = HttpClient::new(DOMAIN);
     sys.fresh("demo/holder").await?;
@@ -387,7 +407,7 @@ pub async fn parked_scale(
     let targets: Vec<String> = (0..requests)
         .map(|i| names[i % names.len()].clone())
         .collect();
-    let records = burst(&client, sys, t0, "parked", &targets).await;
+    let records = burst_with_body(&client, sys, t0, "parked", &targets, body).await;
     let s = Summary::of(&records);
     // Signed: requests that joined a flight a little after it started share its
     // budget, so they may be answered a little before their own budget.
@@ -397,7 +417,14 @@ pub async fn parked_scale(
         .map(|r| r.latency().as_secs_f64() - budget.as_secs_f64())
         .collect();
     offsets.sort_by(f64::total_cmp);
-    let mut text = format!("{s}\n");
+    let mut text = format!(
+        "{requests} requests over {actors} actors, {}\n{s}\n",
+        if body == 0 {
+            "GET".to_owned()
+        } else {
+            format!("POST with a {body}-byte body")
+        }
+    );
     if !offsets.is_empty() {
         let at = |q: f64| offsets[((offsets.len() - 1) as f64 * q).round() as usize] * 1000.0;
         let _ = writeln!(

@@ -264,6 +264,40 @@ impl System {
             .map(|c| c.plane.resume_calls_for(key.atespace(), key.name()))
     }
 
+    /// The embedded router, when it runs in this process.
+    pub fn in_process_router(&self) -> Option<&Router> {
+        self.in_process.as_ref().map(|(r, _)| r)
+    }
+
+    /// Names of the actors the control plane knows in atespace `demo` that run now.
+    pub async fn running_actors(&self) -> Vec<String> {
+        let mut c = self.ctl.clone();
+        let listed = c
+            .list_actors(ateapi::ListActorsRequest {
+                page_size: 1000,
+                atespace: "demo".into(),
+                ..Default::default()
+            })
+            .await;
+        listed
+            .map(|r| r.into_inner().actors)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|a| a.status == ateapi::actor::Status::Running as i32)
+            .map(|a| format!("{}/{}", a.atespace, a.actor_id))
+            .collect()
+    }
+
+    /// Suspends `actor` once; false when the control plane refused (busy, not running).
+    pub async fn try_suspend(&self, actor: &str) -> bool {
+        let mut c = self.ctl.clone();
+        c.suspend_actor(ateapi::SuspendActorRequest {
+            actor_ref: aref(actor),
+        })
+        .await
+        .is_ok()
+    }
+
     /// The router process's peak resident memory (VmHWM), in KiB, when it runs in its
     /// own process.
     pub fn router_peak_rss_kib(&self) -> Option<u64> {

@@ -143,7 +143,9 @@ async fn overflow_shape() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parked_scale_shape() {
     let sys = embedded(1, true, &["--parked-request-max", "200"]).await;
-    let r = scenario::parked_scale(&sys, BUDGET, 200, 10).await.unwrap();
+    let r = scenario::parked_scale(&sys, BUDGET, 200, 10, 0)
+        .await
+        .unwrap();
     assert_eq!(r.records.len(), 200);
     assert!(
         r.records.iter().all(|r| r.status == 503),
@@ -183,6 +185,41 @@ async fn fast_path_shape() {
         r.text.contains("router ") && r.text.contains("worker "),
         "{}",
         r.text
+    );
+    sys.shutdown().await;
+}
+
+/// Thirty seconds of the soak: a pool of two saturated by sixteen clients over six
+/// actors, a fifth of the requests given up at random, random suspends. The scenario
+/// itself fails unless the router's books balance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn soak_books_balance() {
+    let sys = System::embedded(&SystemOpts {
+        workers: 2,
+        restore_delay: Duration::from_millis(10),
+        capacity_wait: true,
+        router_flags: vec!["--parked-request-budget".into(), "2s".into()],
+        router_exe: None,
+    })
+    .await
+    .unwrap();
+    let opts = valet_load::soak::SoakOpts {
+        duration: Duration::from_secs(30),
+        clients: 16,
+        actors: 6,
+        budget: Duration::from_secs(2),
+        abandon: 0.2,
+        suspend_every: Duration::from_millis(300),
+    };
+    let report = valet_load::soak::soak(&sys, &opts)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    println!("{}", report.text);
+    assert!(report.text.contains("books: balanced"), "{}", report.text);
+    assert!(
+        report.records.iter().any(|r| r.status == 200)
+            && report.records.iter().any(|r| r.status == 0),
+        "served and abandoned requests both happened"
     );
     sys.shutdown().await;
 }

@@ -7,11 +7,13 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode, Uri, Version};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioIo;
-use valet_router::{Route, Verdict};
+use valet_router::{CallerEnd, Denial, Route, Verdict};
+
+use crate::body::{Failure, RequestBody};
+use crate::server::Tunnels;
 
 /// The body of every response the data plane sends.
 pub(crate) type Body = BoxBody<Bytes, hyper::Error>;
@@ -32,7 +34,7 @@ const HOP_BY_HOP: &[&str] = &[
     "upgrade",
 ];
 
-pub(crate) fn full(status: StatusCode, content_type: &str, body: String) -> Response<Body> {
+fn full(status: StatusCode, content_type: &str, body: String) -> Response<Body> {
     Response::builder()
         .status(status)
         .header(header::CONTENT_TYPE, content_type)
@@ -46,8 +48,7 @@ pub(crate) fn full(status: StatusCode, content_type: &str, body: String) -> Resp
 
 /// A verdict as an HTTP response.
 pub(crate) fn render(v: &Verdict) -> Response<Body> {
-    let status = StatusCode::from_u16(v.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let mut resp = full(status, v.content_type(), v.body().to_owned());
+    let mut resp = full(v.status(), v.content_type(), v.body().to_owned());
     if let Some(secs) = v.retry_after_secs() {
         resp.headers_mut()
             .insert(header::RETRY_AFTER, HeaderValue::from(secs));
@@ -85,10 +86,14 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
 }
 
 /// Sends `req` to the route's worker and streams the answer back. A protocol upgrade
-/// the worker accepts (101) is spliced through in both directions.
+/// the worker accepts (101) is spliced through in both directions. A forward that fails
+/// because the client's body did (`failure`) is the client's 400, otherwise the
+/// worker's 502.
 pub(crate) async fn forward(
-    client: &Client<HttpConnector, Incoming>,
-    mut req: Request<Incoming>,
+    client: &Client<HttpConnector, RequestBody>,
+    tunnels: &Tunnels,
+    mut req: Request<RequestBody>,
+    failure: Failure,
     route: &Route,
     host: &str,
     peer: SocketAddr,
@@ -103,16 +108,9 @@ pub(crate) async fn forward(
         .path_and_query()
         .map_or("/", |p| p.as_str())
         .to_owned();
-    let uri: Uri = match format!("http://{}{}", route.addr, path).parse() {
-        Ok(u) => u,
-        Err(_) => {
-            return full(
-                StatusCode::BAD_REQUEST,
-                "text/plain; charset=utf-8",
-                "bad request path\n".into(),
-            );
-        }
-    };
+    let uri: Uri = format!("http://{}{}", route.addr, path)
+        .parse()
+        .expect("a socket address and a parsed request path make a valid URI");
     *req.uri_mut() = uri;
     *req.version_mut() = Version::HTTP_11;
     let headers = req.headers_mut();
@@ -138,12 +136,19 @@ pub(crate) async fn forward(
     let mut resp = match client.request(req).await {
         Ok(r) => r,
         Err(e) => {
-            tracing::warn!(actor = %route.actor, worker = %route.addr, error = %e, "worker unreachable");
-            return full(
-                StatusCode::BAD_GATEWAY,
-                "text/plain; charset=utf-8",
-                format!("actor {} unreachable", route.actor),
-            );
+            let client_side = failure.lock().unwrap_or_else(|e| e.into_inner()).take();
+            let denial = match client_side {
+                Some(CallerEnd::MalformedBody(why)) => {
+                    tracing::debug!(actor = %route.actor, error = %why, "malformed request body");
+                    Denial::MalformedBody(route.actor.clone(), why)
+                }
+                Some(CallerEnd::Gone) => Denial::CallerGone(route.actor.clone()),
+                None => {
+                    tracing::warn!(actor = %route.actor, worker = %route.addr, error = %e, "worker unreachable");
+                    Denial::WorkerUnreachable(route.actor.clone())
+                }
+            };
+            return render(&Verdict::of(&denial));
         }
     };
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS
@@ -151,7 +156,7 @@ pub(crate) async fn forward(
     {
         let worker_upgrade = hyper::upgrade::on(&mut resp);
         let actor = route.actor.clone();
-        tokio::spawn(async move {
+        tunnels.spawn(async move {
             match tokio::try_join!(client_upgrade, worker_upgrade) {
                 Ok((c, w)) => {
                     let (mut c, mut w) = (TokioIo::new(c), TokioIo::new(w));

@@ -2,16 +2,20 @@
 //! actor's worker, or render the pipeline's verdict.
 //!
 //! ```text
-//! client ──HTTP/1.1 or h2c──▶ limits ─▶ Router::decide_request ─┬─▶ forward (bodies streamed,
-//!                                                              │   upgrades spliced) ─▶ worker
-//!                                                              └─▶ verdict (status, body, Retry-After)
+//! client ──HTTP/1.1 or h2c──▶ limits ─▶ Router::decide_holding ─┬─▶ forward (held bytes, then
+//!                  (body held, bounded, while parked) ◀───┘      │   the rest streamed; upgrades
+//!                                                                │   spliced) ─▶ worker
+//!                                                                └─▶ verdict (status, body, Retry-After)
 //! ```
 //!
-//! A client that goes away while its request is parked drops the decision future: the
-//! parking slot is freed at once and `canceled` recorded.
+//! A client that goes away while its request is parked is noticed, body or not (its body
+//! is read into memory, bounded, while it waits): the parking slot is freed at once and
+//! `canceled` recorded. Every status the data plane answers itself is a verdict of the
+//! pipeline's verdict module.
 
 #![forbid(unsafe_code)]
 
+mod body;
 mod forward;
 mod server;
 

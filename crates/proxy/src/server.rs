@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{Request, Response, StatusCode, header};
+use http::{Request, Response, header};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -15,9 +15,10 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use valet_router::status::RouteRecord;
-use valet_router::{Decision, Router};
+use valet_router::{Decision, Denial, Router, Verdict};
 
-use crate::forward::{Body, forward, full, render};
+use crate::body::{Held, RequestBody};
+use crate::forward::{Body, forward, render};
 
 /// Explicit input limits of the data plane.
 #[derive(Debug, Clone, Copy)]
@@ -39,16 +40,41 @@ impl Default for Limits {
 
 struct Shared {
     router: Router,
-    client: Client<HttpConnector, Incoming>,
+    client: Client<HttpConnector, RequestBody>,
     limits: Limits,
+    tunnels: Tunnels,
 }
 
-/// The running HTTP data plane.
+/// The upgraded connections (WebSocket and other protocols) spliced to workers: owned
+/// here, so a drain waits for them and can close them.
+#[derive(Debug, Clone)]
+pub(crate) struct Tunnels {
+    tasks: TaskTracker,
+    close: CancellationToken,
+}
+
+impl Tunnels {
+    /// Runs `splice` until it ends or the tunnels are closed.
+    pub(crate) fn spawn(&self, splice: impl std::future::Future<Output = ()> + Send + 'static) {
+        let close = self.close.clone();
+        self.tasks.spawn(async move {
+            tokio::select! {
+                () = splice => {}
+                () = close.cancelled() => {}
+            }
+        });
+    }
+}
+
+/// The running HTTP data plane. Its accept loop, every connection and every upgraded
+/// tunnel are owned here: [`Self::drained`] waits for them, [`Self::close`] ends them.
 #[derive(Debug)]
 pub struct HttpServer {
     addr: SocketAddr,
     stop: CancellationToken,
+    force: CancellationToken,
     connections: TaskTracker,
+    tunnels: Tunnels,
 }
 
 impl HttpServer {
@@ -61,23 +87,32 @@ impl HttpServer {
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(30))
             .build(connector);
+        let force = CancellationToken::new();
+        let tunnels = Tunnels {
+            tasks: TaskTracker::new(),
+            close: force.child_token(),
+        };
         let shared = Arc::new(Shared {
             router,
             client,
             limits,
+            tunnels: tunnels.clone(),
         });
         let stop = CancellationToken::new();
         let connections = TaskTracker::new();
-        tokio::spawn(accept_loop(
+        connections.spawn(accept_loop(
             listener,
             shared,
             stop.clone(),
+            force.clone(),
             connections.clone(),
         ));
         Ok(Self {
             addr,
             stop,
+            force,
             connections,
+            tunnels,
         })
     }
 
@@ -92,15 +127,35 @@ impl HttpServer {
         self.stop.cancel();
     }
 
-    /// Waits until every connection has closed (after [`Self::stop_accepting`]).
+    /// Waits until every connection and every upgraded tunnel has closed (after
+    /// [`Self::stop_accepting`]).
     pub async fn drained(&self) {
         self.connections.close();
         self.connections.wait().await;
+        self.tunnels.tasks.close();
+        self.tunnels.tasks.wait().await;
     }
 
-    /// Connections open now.
+    /// Closes every upgraded tunnel (WebSocket and the like): at the drain's cut-off.
+    pub fn close_tunnels(&self) {
+        self.tunnels.close.cancel();
+    }
+
+    /// Closes every connection and tunnel still open: the last step of a drain, after
+    /// every waiting request has had its verdict.
+    pub async fn close(&self) {
+        self.force.cancel();
+        self.drained().await;
+    }
+
+    /// Connections open now (the accept loop counts as one until it stops).
     pub fn open_connections(&self) -> usize {
         self.connections.len()
+    }
+
+    /// Upgraded tunnels open now.
+    pub fn open_tunnels(&self) -> usize {
+        self.tunnels.tasks.len()
     }
 }
 
@@ -108,6 +163,7 @@ async fn accept_loop(
     listener: TcpListener,
     shared: Arc<Shared>,
     stop: CancellationToken,
+    force: CancellationToken,
     connections: TaskTracker,
 ) {
     let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
@@ -136,7 +192,7 @@ async fn accept_loop(
         let _ = stream.set_nodelay(true);
         let shared = Arc::clone(&shared);
         let builder = builder.clone();
-        let stop = stop.clone();
+        let (stop, force) = (stop.clone(), force.clone());
         connections.spawn(async move {
             let service = hyper::service::service_fn(move |req| {
                 let shared = Arc::clone(&shared);
@@ -151,20 +207,16 @@ async fn accept_loop(
                     }
                 }
                 () = stop.cancelled() => {
+                    // HTTP/1 closes after the request in progress, HTTP/2 sends GOAWAY.
                     conn.as_mut().graceful_shutdown();
-                    let _ = conn.as_mut().await;
+                    tokio::select! {
+                        _ = conn.as_mut() => {}
+                        () = force.cancelled() => {}
+                    }
                 }
             }
         });
     }
-}
-
-fn too_large(message: String) -> Response<Body> {
-    full(
-        StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-        "text/plain; charset=utf-8",
-        message,
-    )
 }
 
 async fn handle(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
@@ -172,21 +224,20 @@ async fn handle(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) -> Re
     let limits = shared.limits;
     let headers = req.headers();
     if headers.len() > limits.max_headers {
-        return too_large(format!(
-            "too many request header fields: {} (limit {})\n",
-            headers.len(),
-            limits.max_headers
-        ));
+        return render(&Verdict::of(&Denial::TooManyHeaders {
+            count: headers.len(),
+            limit: limits.max_headers,
+        }));
     }
     let header_bytes: usize = headers
         .iter()
         .map(|(k, v)| k.as_str().len() + v.len())
         .sum();
     if header_bytes > limits.max_header_bytes {
-        return too_large(format!(
-            "request header fields too large: {header_bytes} bytes (limit {})\n",
-            limits.max_header_bytes
-        ));
+        return render(&Verdict::of(&Denial::HeadersTooLarge {
+            bytes: header_bytes,
+            limit: limits.max_header_bytes,
+        }));
     }
     let host = req
         .uri()
@@ -199,7 +250,7 @@ async fn handle(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) -> Re
                 .map(str::to_owned)
         })
         .unwrap_or_default();
-    let body_len = headers
+    let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
@@ -211,13 +262,33 @@ async fn handle(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) -> Re
 
     let router = &shared.router;
     let deadline = started + router.config().decision_timeout();
-    let decision = router.decide_request(&host, deadline, body_len).await;
+    let (parts, body) = req.into_parts();
+    let mut held = Held::new(
+        body,
+        declared,
+        router.config().parked_body_limit(),
+        router.lot().bytes().charge(),
+    );
+    let decision = router.decide_holding(&host, deadline, held.fill()).await;
     let (resp, target, verdict) = match &decision {
-        Decision::Route(route) => (
-            forward(&shared.client, req, route, &host, peer).await,
-            Some(route.addr),
-            "routed",
-        ),
+        Decision::Route(route) => {
+            let (body, failure) = held.into_body();
+            let req = Request::from_parts(parts, body);
+            (
+                forward(
+                    &shared.client,
+                    &shared.tunnels,
+                    req,
+                    failure,
+                    route,
+                    &host,
+                    peer,
+                )
+                .await,
+                Some(route.addr),
+                "routed",
+            )
+        }
         Decision::Deny(_, v) => (render(v), None, v.reason()),
     };
     router.record(RouteRecord::new(

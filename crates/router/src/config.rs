@@ -32,8 +32,10 @@ pub const DECISION_MARGIN: Duration = Duration::from_secs(5);
 /// The budget of a flight when parking is disabled: only `Aborted` is retried.
 pub const DISABLED_ABORTED_BUDGET: Duration = Duration::from_secs(15);
 
-/// Default `--parked-request-max-body` (1 MiB).
-pub const DEFAULT_PARKED_BODY_LIMIT: u64 = 1 << 20;
+/// Default `--parked-request-max-body`.
+pub const DEFAULT_PARKED_BODY_LIMIT: &str = "1MiB";
+/// Default `--parked-bytes-max`.
+pub const DEFAULT_PARKED_BYTES_MAX: &str = "64MiB";
 
 /// Default `--listen` of the router's built-in HTTP data plane.
 pub const DEFAULT_LISTEN: &str = "0.0.0.0:8080";
@@ -119,11 +121,19 @@ pub struct ParkingArgs {
     #[arg(long, env = "VALET_RESUME_ATTEMPT_TIMEOUT", default_value = DEFAULT_RESUME_ATTEMPT_TIMEOUT, value_parser = parse_duration, value_name = "DURATION")]
     pub resume_attempt_timeout: Duration,
 
-    /// Largest declared request body (Content-Length) a request may park with; a larger
-    /// one that would have to wait gets 413 instead. Bodies are never buffered: a parked
-    /// request's body stays with its client until the request is routed.
-    #[arg(long, env = "VALET_PARKED_REQUEST_MAX_BODY", default_value_t = DEFAULT_PARKED_BODY_LIMIT, value_name = "BYTES")]
+    /// Most bytes of a parked request's body read into memory while it waits, so a
+    /// client that leaves is noticed; past it the router stops reading (back-pressure)
+    /// and forwards the held bytes, then the rest, once the request is routed. Never a
+    /// reason to refuse a request. Bytes, or with KiB, MiB, GiB.
+    #[arg(long, env = "VALET_PARKED_REQUEST_MAX_BODY", default_value = DEFAULT_PARKED_BODY_LIMIT, value_parser = parse_bytes, value_name = "BYTES")]
     pub parked_request_max_body: u64,
+
+    /// Most bytes of parked requests' bodies held across the lot. A declared
+    /// Content-Length reserves up to --parked-request-max-body at the park transition; a
+    /// chunked body is charged as it arrives; when the lot's bytes are spent the router
+    /// pauses reading. Bytes, or with KiB, MiB, GiB.
+    #[arg(long, env = "VALET_PARKED_BYTES_MAX", default_value = DEFAULT_PARKED_BYTES_MAX, value_parser = parse_bytes, value_name = "BYTES")]
+    pub parked_bytes_max: u64,
 
     /// On SIGTERM, how long readiness reports not-ready before the router stops accepting.
     #[arg(long, env = "VALET_DRAIN_DELAY", default_value = "0s", value_parser = parse_duration, value_name = "DURATION")]
@@ -171,6 +181,7 @@ pub struct RouterConfig {
     extproc_max_requests: u32,
     extproc_max_requests_derived: bool,
     parked_body_limit: u64,
+    parked_bytes_max: u64,
     drain_delay: Duration,
     drain_timeout: Duration,
 }
@@ -212,9 +223,13 @@ impl RouterConfig {
     pub fn extproc_max_requests_derived(&self) -> bool {
         self.extproc_max_requests_derived
     }
-    /// The largest declared body a request may park with.
+    /// Most bytes of one parked request's body held in memory.
     pub fn parked_body_limit(&self) -> u64 {
         self.parked_body_limit
+    }
+    /// Most bytes of parked requests' bodies held across the lot.
+    pub fn parked_bytes_max(&self) -> u64 {
+        self.parked_bytes_max
     }
     /// How long readiness fails before the router stops accepting.
     pub fn drain_delay(&self) -> Duration {
@@ -259,8 +274,9 @@ impl RouterConfig {
             ),
             (
                 "--parked-request-max-body",
-                self.parked_body_limit.to_string(),
+                fmt_bytes(self.parked_body_limit),
             ),
+            ("--parked-bytes-max", fmt_bytes(self.parked_bytes_max)),
             ("--drain-delay", fmt_duration(self.drain_delay)),
             ("--drain-timeout", fmt_duration(self.drain_timeout)),
         ]
@@ -480,6 +496,7 @@ impl RouterArgs {
             extproc_max_requests,
             extproc_max_requests_derived,
             parked_body_limit: p.parked_request_max_body,
+            parked_bytes_max: p.parked_bytes_max,
             drain_delay: p.drain_delay,
             drain_timeout,
         })
@@ -540,6 +557,37 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     }
     let n: f64 = number.parse().map_err(|_| err())?;
     Duration::try_from_secs_f64(n * unit_secs).map_err(|_| err())
+}
+
+/// Parses a size in bytes: a whole number, optionally with `KiB`, `MiB` or `GiB`.
+///
+/// # Errors
+/// A message naming the accepted forms.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let err = || format!("{s:?} is not a size (want e.g. 65536, 512KiB, 64MiB, 1GiB)");
+    let (number, unit) = [("KiB", 1u64 << 10), ("MiB", 1 << 20), ("GiB", 1 << 30)]
+        .iter()
+        .find_map(|(suffix, unit)| s.strip_suffix(suffix).map(|n| (n, *unit)))
+        .unwrap_or((s, 1));
+    if number.is_empty() || !number.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(err());
+    }
+    number
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(unit))
+        .ok_or_else(err)
+}
+
+/// Formats a size the way [`parse_bytes`] reads it, in the largest exact unit.
+pub fn fmt_bytes(n: u64) -> String {
+    for (suffix, unit) in [("GiB", 1u64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)] {
+        if n >= unit && n.is_multiple_of(unit) {
+            return format!("{}{suffix}", n / unit);
+        }
+    }
+    n.to_string()
 }
 
 /// Formats a duration the way [`parse_duration`] reads it.
@@ -748,6 +796,32 @@ mod tests {
         for d in ["250ms", "5s", "1.5s", "0s"] {
             assert_eq!(fmt_duration(parse_duration(d).unwrap()), d);
         }
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_bytes("65536"), Ok(65536));
+        assert_eq!(parse_bytes("512KiB"), Ok(512 << 10));
+        assert_eq!(parse_bytes("64MiB"), Ok(64 << 20));
+        assert_eq!(parse_bytes("1GiB"), Ok(1 << 30));
+        assert_eq!(parse_bytes("0"), Ok(0));
+        for bad in [
+            "",
+            "MiB",
+            "1.5MiB",
+            "-1",
+            "1MB",
+            "1 MiB",
+            "99999999999999999999GiB",
+        ] {
+            assert!(parse_bytes(bad).is_err(), "{bad:?}");
+        }
+        for n in ["1MiB", "64MiB", "3KiB", "1000", "0", "2GiB"] {
+            assert_eq!(fmt_bytes(parse_bytes(n).unwrap()), n);
+        }
+        let c = resolve(&[]).unwrap();
+        assert_eq!(c.parked_body_limit(), 1 << 20);
+        assert_eq!(c.parked_bytes_max(), 64 << 20);
     }
 
     #[test]

@@ -48,8 +48,10 @@ pub(crate) enum FlightState {
     Resolving,
     /// The flight met a retryable condition; its callers hold parking slots.
     Parked,
-    /// The flight is over and out of the registry.
-    Done(FlightResult),
+    /// The flight is over and out of the registry. `parked` says whether it had parked:
+    /// a caller that never saw [`FlightState::Parked`] (this state overwrote it) still
+    /// parks, so every caller of a parked flight is parked or shed exactly once.
+    Done { result: FlightResult, parked: bool },
 }
 
 /// All flights of one router. Cheap to share.
@@ -177,7 +179,10 @@ impl Flight {
         self.published = true;
         self.registry.remove(&self.actor, self.id);
         self.registry.metrics.flight_ended();
-        self.tx.send_replace(FlightState::Done(result));
+        self.tx.send_replace(FlightState::Done {
+            result,
+            parked: self.parked,
+        });
     }
 }
 
@@ -215,7 +220,10 @@ mod tests {
             "removed before anyone can see the result"
         );
         for rx in [&mut first, &mut second] {
-            assert!(matches!(&*rx.borrow_and_update(), FlightState::Done(Ok(a)) if *a == addr));
+            assert!(matches!(
+                &*rx.borrow_and_update(),
+                FlightState::Done { result: Ok(a), parked: false } if *a == addr
+            ));
         }
         let (_, next) = registry.join(&actor(), Duration::from_secs(5));
         assert!(
@@ -233,6 +241,11 @@ mod tests {
         assert!(matches!(*rx.borrow_and_update(), FlightState::Parked));
         flight.park();
         assert!(!rx.has_changed().unwrap(), "second park is a no-op");
+        flight.publish(Err(FlightError::Lost));
+        assert!(
+            matches!(&*rx.borrow(), FlightState::Done { parked: true, .. }),
+            "the result says the flight had parked"
+        );
     }
 
     #[tokio::test]
@@ -243,7 +256,10 @@ mod tests {
         assert_eq!(registry.len(), 0);
         assert!(matches!(
             &*rx.borrow(),
-            FlightState::Done(Err(FlightError::Lost))
+            FlightState::Done {
+                result: Err(FlightError::Lost),
+                ..
+            }
         ));
     }
 

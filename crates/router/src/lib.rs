@@ -35,4 +35,4 @@ pub use control::{ControlPlane, GrpcControlPlane, ResumeError, ResumeRequest};
 pub use flight::{FlightError, FlightResult};
 pub use metrics::{Metrics, ParkOutcome};
 pub use pipeline::{Decision, Route, Router};
-pub use verdict::{Denial, Verdict};
+pub use verdict::{CallerEnd, Denial, Verdict};

@@ -67,6 +67,7 @@ pub struct Metrics {
     requests: Counter<u64>,
     resume_attempts: Counter<u64>,
     resume_in_progress: UpDownCounter<i64>,
+    held_bytes: UpDownCounter<i64>,
     control_plane_reachable: Gauge<i64>,
     flights_active: UpDownCounter<i64>,
     decision_duration: Histogram<f64>,
@@ -138,6 +139,12 @@ impl Metrics {
                 .i64_up_down_counter("atenet.router.resume.in_progress")
                 .with_description("ResumeActor calls in progress.")
                 .build(),
+            held_bytes: meter
+                .i64_up_down_counter("atenet.router.parking.held_bytes")
+                .with_description(
+                    "Request body bytes held in memory for parked requests (at most --parked-bytes-max).",
+                )
+                .build(),
             control_plane_reachable: meter
                 .i64_gauge("atenet.router.control_plane.reachable")
                 .with_description("1 while the control plane answers, 0 while it does not.")
@@ -201,6 +208,10 @@ impl Metrics {
     pub(crate) fn attempt_in_progress(&self) -> InProgress<'_> {
         self.resume_in_progress.add(1, &[]);
         InProgress(&self.resume_in_progress)
+    }
+
+    pub(crate) fn held_bytes(&self, delta: i64) {
+        self.held_bytes.add(delta, &[]);
     }
 
     /// Records whether the control plane answers.

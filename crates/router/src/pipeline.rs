@@ -1,5 +1,6 @@
 //! The decision pipeline: host → actor → flight → (lot) → route or verdict.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -15,7 +16,7 @@ use crate::lot::{ParkingLot, Slot};
 use crate::metrics::{Metrics, ParkOutcome};
 use crate::retry;
 use crate::status::{RecentRequests, RouteRecord};
-use crate::verdict::{Denial, Verdict};
+use crate::verdict::{CallerEnd, Denial, Verdict};
 
 /// Where to send a request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,9 +39,9 @@ pub enum Decision {
 impl Decision {
     /// The HTTP status this decision answers with (200 for a route: the actor's own
     /// status is not the router's).
-    pub fn status(&self) -> u16 {
+    pub fn status(&self) -> http::StatusCode {
         match self {
-            Decision::Route(_) => 200,
+            Decision::Route(_) => http::StatusCode::OK,
             Decision::Deny(_, v) => v.status(),
         }
     }
@@ -61,6 +62,7 @@ struct Inner {
     metrics: Arc<Metrics>,
     tasks: TaskTracker,
     cutoff: CancellationToken,
+    stop_flights: CancellationToken,
     recent: RecentRequests,
 }
 
@@ -79,13 +81,18 @@ impl Router {
     ) -> Self {
         Self {
             inner: Arc::new(Inner {
-                lot: ParkingLot::new(config.parking().max_parked(), Arc::clone(&metrics)),
+                lot: ParkingLot::new(
+                    config.parking().max_parked(),
+                    config.parked_bytes_max(),
+                    Arc::clone(&metrics),
+                ),
                 flights: Registry::new(Arc::clone(&metrics)),
                 config,
                 control_plane,
                 metrics,
                 tasks: TaskTracker::new(),
                 cutoff: CancellationToken::new(),
+                stop_flights: CancellationToken::new(),
                 recent: RecentRequests::default(),
             }),
         }
@@ -125,17 +132,24 @@ impl Router {
     /// deadline). Dropping the future means the caller went away: its parking slot is
     /// freed at once and `canceled` recorded; the flight goes on for the others.
     pub async fn decide(&self, host: &str, deadline: Instant) -> Decision {
-        self.decide_request(host, deadline, None).await
+        self.decide_holding(host, deadline, std::future::pending())
+            .await
     }
 
-    /// [`Self::decide`] for a request that declares a body of `body_len` bytes: if it
-    /// would have to park with a body over `--parked-request-max-body`, it gets 413.
-    pub async fn decide_request(
+    /// [`Self::decide`] for a data plane that has work to do while the request is
+    /// parked (reading its body, so a client that leaves is noticed). `while_parked` is
+    /// polled only from the request's park transition until its decision, and dropped
+    /// then; when it resolves, the request's own side has ended its wait (the client
+    /// left, or sent a malformed body).
+    pub async fn decide_holding<F>(
         &self,
         host: &str,
         deadline: Instant,
-        body_len: Option<u64>,
-    ) -> Decision {
+        while_parked: F,
+    ) -> Decision
+    where
+        F: Future<Output = CallerEnd>,
+    {
         let mut record = Recording {
             metrics: &self.inner.metrics,
             started: Instant::now(),
@@ -143,7 +157,7 @@ impl Router {
         };
         let decision = match parse_host(host, self.inner.config.actor_domain()) {
             Err(e) => deny(Denial::InvalidHost(e)),
-            Ok(actor) => match self.resolve(&actor, deadline, body_len).await {
+            Ok(actor) => match self.resolve(&actor, deadline, while_parked).await {
                 Ok(addr) => Decision::Route(Route { actor, addr }),
                 Err(denial) => deny(denial),
             },
@@ -164,27 +178,36 @@ impl Router {
         self.inner.tasks.wait().await;
     }
 
-    async fn resolve(
+    /// Ends every flight still running and waits for them: the last step of a drain,
+    /// once no request waits any more. An attempt in flight is abandoned by the router
+    /// only; the control plane finishes a restore whose caller left.
+    pub async fn stop_flights(&self) {
+        self.inner.stop_flights.cancel();
+        self.flights_finished().await;
+    }
+
+    async fn resolve<F>(
         &self,
         actor: &ActorRef,
         deadline: Instant,
-        body_len: Option<u64>,
-    ) -> Result<SocketAddr, Denial> {
+        while_parked: F,
+    ) -> Result<SocketAddr, Denial>
+    where
+        F: Future<Output = CallerEnd>,
+    {
         let budget = self.inner.config.parking().flight_budget();
         let (watch, flight) = self.inner.flights.join(actor, budget);
         if let Some(flight) = flight {
             self.spawn_flight(flight);
         }
-        let limit = self.inner.config.parked_body_limit();
         let mut wait = Wait {
             actor,
             watch,
             slot: None,
-            too_large: body_len.filter(|n| *n > limit).map(|_| limit),
         };
         tokio::select! {
             biased;
-            result = wait.until_done(&self.inner.lot) => result,
+            result = wait.until_done(&self.inner.lot, while_parked) => result,
             () = tokio::time::sleep_until(deadline) => Err(wait.end(Denial::CallerDeadline(actor.clone()))),
             () = self.inner.cutoff.cancelled() => Err(wait.end(Denial::ShuttingDown(actor.clone()))),
         }
@@ -198,6 +221,7 @@ impl Router {
             inner.config.parking().clone(),
             inner.config.worker_port(),
             Arc::clone(&inner.metrics),
+            inner.stop_flights.clone(),
         ));
     }
 }
@@ -212,28 +236,27 @@ struct Wait<'a> {
     actor: &'a ActorRef,
     watch: FlightWatch,
     slot: Option<Slot>,
-    /// `Some(limit)` when the request's body is too large to park.
-    too_large: Option<u64>,
 }
 
 impl Wait<'_> {
-    async fn until_done(&mut self, lot: &ParkingLot) -> Result<SocketAddr, Denial> {
+    async fn until_done<F>(
+        &mut self,
+        lot: &ParkingLot,
+        while_parked: F,
+    ) -> Result<SocketAddr, Denial>
+    where
+        F: Future<Output = CallerEnd>,
+    {
+        tokio::pin!(while_parked);
         loop {
             let state = self.watch.borrow_and_update().clone();
             match state {
                 FlightState::Resolving => {}
-                FlightState::Parked => {
-                    if let Some(limit) = self.too_large {
-                        return Err(Denial::BodyTooLargeToPark(self.actor.clone(), limit));
+                FlightState::Parked => self.park(lot)?,
+                FlightState::Done { result, parked } => {
+                    if parked {
+                        self.park(lot)?;
                     }
-                    if self.slot.is_none() {
-                        match lot.try_park() {
-                            Some(slot) => self.slot = Some(slot),
-                            None => return Err(Denial::LotFull(self.actor.clone())),
-                        }
-                    }
-                }
-                FlightState::Done(result) => {
                     return match result {
                         Ok(addr) => {
                             if let Some(slot) = self.slot.take() {
@@ -245,13 +268,36 @@ impl Wait<'_> {
                     };
                 }
             }
-            if self.watch.changed().await.is_err() {
-                // The flight always publishes before its sender goes; this is a flight
-                // whose task was dropped mid-publish.
-                let lost = crate::flight::FlightError::Lost;
-                return Err(self.end(Denial::Flight(self.actor.clone(), lost)));
+            let parked = self.slot.is_some();
+            tokio::select! {
+                changed = self.watch.changed() => {
+                    if changed.is_err() {
+                        // The flight always publishes before its sender goes; this is a
+                        // flight whose task was dropped mid-publish.
+                        let lost = crate::flight::FlightError::Lost;
+                        return Err(self.end(Denial::Flight(self.actor.clone(), lost)));
+                    }
+                }
+                end = &mut while_parked, if parked => {
+                    let denial = match end {
+                        CallerEnd::Gone => Denial::CallerGone(self.actor.clone()),
+                        CallerEnd::MalformedBody(why) => Denial::MalformedBody(self.actor.clone(), why),
+                    };
+                    return Err(self.end(denial));
+                }
             }
         }
+    }
+
+    /// The park transition of this caller: take a slot once, or be shed.
+    fn park(&mut self, lot: &ParkingLot) -> Result<(), Denial> {
+        if self.slot.is_none() {
+            match lot.try_park() {
+                Some(slot) => self.slot = Some(slot),
+                None => return Err(Denial::LotFull(self.actor.clone())),
+            }
+        }
+        Ok(())
     }
 
     /// Ends the wait with `denial`, recording the parked outcome if a slot was held.
@@ -279,7 +325,7 @@ impl Recording<'_> {
             Decision::Deny(_, v) => v.reason(),
         };
         self.metrics
-            .decided(decision.status(), verdict, self.started.elapsed());
+            .decided(decision.status().as_u16(), verdict, self.started.elapsed());
     }
 }
 

@@ -15,7 +15,7 @@ use valet_proto::ateapi;
 
 use crate::config::ParkingConfig;
 use crate::control::{ControlPlane, ResumeError, ResumeRequest, code_name};
-use crate::flight::{Flight, FlightError};
+use crate::flight::{Flight, FlightError, FlightResult};
 use crate::metrics::Metrics;
 
 /// What one attempt's answer means for the flight.
@@ -156,15 +156,36 @@ impl Pacing {
     }
 }
 
-/// Runs a flight to its result. Detached from every caller.
+/// Runs a flight to its result and publishes it. Detached from every caller; `stop`
+/// ends it early (the router is shutting down and nobody waits for it any more).
 pub(crate) async fn run(
     mut flight: Flight,
     control_plane: Arc<dyn ControlPlane>,
     config: ParkingConfig,
     default_port: u16,
     metrics: Arc<Metrics>,
+    stop: tokio_util::sync::CancellationToken,
 ) {
-    let mut pacing = Pacing::new(&config, flight.deadline());
+    let result = tokio::select! {
+        r = attempts(&mut flight, control_plane.as_ref(), &config, default_port, &metrics) => r,
+        () = stop.cancelled() => Err(FlightError::Lost),
+    };
+    if let Err(err) = &result {
+        tracing::debug!(actor = %flight.actor(), error = %err, "resume flight failed");
+    }
+    flight.publish(result);
+}
+
+/// The retry loop: attempts, paced, until one routes, one fails for good, or the budget
+/// ends on a retryable answer.
+async fn attempts(
+    flight: &mut Flight,
+    control_plane: &dyn ControlPlane,
+    config: &ParkingConfig,
+    default_port: u16,
+    metrics: &Metrics,
+) -> FlightResult {
+    let mut pacing = Pacing::new(config, flight.deadline());
     loop {
         let wait_for_capacity = pacing.wait_for_capacity(Instant::now(), flight.is_parked());
         let request = ResumeRequest {
@@ -181,22 +202,22 @@ pub(crate) async fn run(
             Err(e) => e.code(),
         }));
         let err = match classify(answer, config.enabled(), default_port) {
-            Class::Route(addr) => return flight.publish(Ok(addr)),
-            Class::Fail(err) => {
-                tracing::debug!(actor = %flight.actor(), error = %err, "resume failed");
-                return flight.publish(Err(err));
-            }
+            Class::Route(addr) => return Ok(addr),
+            Class::Fail(err) => return Err(err),
             Class::Retry(err) => err,
         };
+        // A retryable answer parks the flight even when it comes after the budget (it
+        // then ends `budget_exhausted` at once), so every caller that waited on it is
+        // counted as parked.
         let now = Instant::now();
-        if config.enabled() && now < flight.deadline() {
+        if config.enabled() {
             flight.park();
         }
         match pacing.after_retryable(now) {
             Next::Attempt(at) => tokio::time::sleep_until(at).await,
             Next::Exhausted(at) => {
                 tokio::time::sleep_until(at).await;
-                return flight.publish(Err(FlightError::BudgetExhausted(err)));
+                return Err(FlightError::BudgetExhausted(err));
             }
         }
     }

@@ -1,6 +1,7 @@
 //! Verdicts: the one place that turns every outcome that is not a route into an HTTP
 //! status, a body and headers. Data planes only render a [`Verdict`].
 
+use http::StatusCode;
 use tonic::Code;
 
 use crate::addr::{ActorRef, InvalidHost};
@@ -28,8 +29,34 @@ pub enum Denial {
     CallerGone(ActorRef),
     /// The router's drain timeout ended while the request waited.
     ShuttingDown(ActorRef),
-    /// The request would have to park, but its declared body is over the limit.
-    BodyTooLargeToPark(ActorRef, u64),
+    /// The request has more header fields than the data plane accepts.
+    TooManyHeaders {
+        /// How many it has.
+        count: usize,
+        /// How many are accepted.
+        limit: usize,
+    },
+    /// The request's header names and values are larger than the data plane accepts.
+    HeadersTooLarge {
+        /// Their size in bytes.
+        bytes: usize,
+        /// The accepted size.
+        limit: usize,
+    },
+    /// The request's body is not valid HTTP framing (a bad chunk size, say).
+    MalformedBody(ActorRef, String),
+    /// The actor's worker could not be reached, or failed before answering.
+    WorkerUnreachable(ActorRef),
+}
+
+/// Why a request's own side ended its wait while it was parked (reported by the data
+/// plane, which reads the request).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CallerEnd {
+    /// The client went away.
+    Gone,
+    /// The client's body is not valid HTTP framing.
+    MalformedBody(String),
 }
 
 impl Denial {
@@ -40,7 +67,10 @@ impl Denial {
             Denial::Flight(..)
             | Denial::InvalidHost(_)
             | Denial::LotFull(_)
-            | Denial::BodyTooLargeToPark(..) => ParkOutcome::Error,
+            | Denial::TooManyHeaders { .. }
+            | Denial::HeadersTooLarge { .. }
+            | Denial::MalformedBody(..)
+            | Denial::WorkerUnreachable(_) => ParkOutcome::Error,
             Denial::CallerGone(_) => ParkOutcome::Canceled,
             Denial::CallerDeadline(_) | Denial::ShuttingDown(_) => ParkOutcome::Timeout,
         }
@@ -50,7 +80,7 @@ impl Denial {
 /// An answer the router gives itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Verdict {
-    status: u16,
+    status: StatusCode,
     body: String,
     retry_after: Option<u32>,
     reason: &'static str,
@@ -60,28 +90,38 @@ impl Verdict {
     /// The verdict table of `parking.md`.
     pub fn of(denial: &Denial) -> Self {
         match denial {
-            Denial::InvalidHost(e) => Self::new(404, e.to_string(), "invalid_host"),
+            Denial::InvalidHost(e) => {
+                Self::new(StatusCode::NOT_FOUND, e.to_string(), "invalid_host")
+            }
             Denial::Flight(actor, FlightError::BudgetExhausted(e)) => {
                 unavailable(actor, e.code(), e.message()).retry_after()
             }
             Denial::Flight(actor, FlightError::Failed(e)) => {
                 if e.is_crashed() {
-                    return Self::new(503, with_description(actor, e.message()), "crashed");
+                    return Self::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        with_description(actor, e.message()),
+                        "crashed",
+                    );
                 }
                 match e.code() {
-                    Code::NotFound => {
-                        Self::new(404, format!("actor {actor} not found"), "not_found")
-                    }
+                    Code::NotFound => Self::new(
+                        StatusCode::NOT_FOUND,
+                        format!("actor {actor} not found"),
+                        "not_found",
+                    ),
                     Code::ResourceExhausted
                     | Code::FailedPrecondition
                     | Code::Unavailable
                     | Code::Aborted => unavailable(actor, e.code(), e.message()).retry_after(),
                     Code::DeadlineExceeded => timed_out(actor),
-                    Code::PermissionDenied => {
-                        Self::new(403, format!("actor {actor} access denied"), "forbidden")
-                    }
+                    Code::PermissionDenied => Self::new(
+                        StatusCode::FORBIDDEN,
+                        format!("actor {actor} access denied"),
+                        "forbidden",
+                    ),
                     Code::Unauthenticated => Self::new(
-                        401,
+                        StatusCode::UNAUTHORIZED,
                         format!("actor {actor} authentication required"),
                         "unauthenticated",
                     ),
@@ -92,30 +132,45 @@ impl Verdict {
                 internal(actor)
             }
             Denial::LotFull(actor) => Self::new(
-                503,
+                StatusCode::SERVICE_UNAVAILABLE,
                 format!("actor {actor} unavailable: router at capacity"),
                 "router_at_capacity",
             )
             .retry_after(),
             Denial::CallerDeadline(actor) => timed_out(actor),
-            Denial::CallerGone(_) => Self::new(408, String::new(), "canceled"),
-            Denial::BodyTooLargeToPark(actor, limit) => Self::new(
-                413,
-                format!(
-                    "actor {actor} unavailable: request body too large to park (limit {limit} bytes)"
-                ),
-                "body_too_large",
-            ),
+            Denial::CallerGone(_) => {
+                Self::new(StatusCode::REQUEST_TIMEOUT, String::new(), "canceled")
+            }
             Denial::ShuttingDown(actor) => Self::new(
-                503,
+                StatusCode::SERVICE_UNAVAILABLE,
                 format!("actor {actor} unavailable: router shutting down"),
                 "shutting_down",
             )
             .retry_after(),
+            Denial::TooManyHeaders { count, limit } => Self::new(
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                format!("too many request header fields: {count} (limit {limit})"),
+                "headers_too_large",
+            ),
+            Denial::HeadersTooLarge { bytes, limit } => Self::new(
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                format!("request header fields too large: {bytes} bytes (limit {limit})"),
+                "headers_too_large",
+            ),
+            Denial::MalformedBody(actor, reason) => Self::new(
+                StatusCode::BAD_REQUEST,
+                format!("actor {actor}: malformed request body: {reason}"),
+                "malformed_body",
+            ),
+            Denial::WorkerUnreachable(actor) => Self::new(
+                StatusCode::BAD_GATEWAY,
+                format!("actor {actor} unreachable"),
+                "worker_unreachable",
+            ),
         }
     }
 
-    fn new(status: u16, body: String, reason: &'static str) -> Self {
+    fn new(status: StatusCode, body: String, reason: &'static str) -> Self {
         Self {
             status,
             body,
@@ -130,7 +185,7 @@ impl Verdict {
     }
 
     /// The HTTP status.
-    pub fn status(&self) -> u16 {
+    pub fn status(&self) -> StatusCode {
         self.status
     }
 
@@ -161,7 +216,7 @@ fn unavailable(actor: &ActorRef, code: Code, description: &str) -> Verdict {
     } else {
         with_description(actor, description)
     };
-    Verdict::new(503, body, "unavailable")
+    Verdict::new(StatusCode::SERVICE_UNAVAILABLE, body, "unavailable")
 }
 
 fn with_description(actor: &ActorRef, description: &str) -> String {
@@ -173,11 +228,19 @@ fn with_description(actor: &ActorRef, description: &str) -> String {
 }
 
 fn timed_out(actor: &ActorRef) -> Verdict {
-    Verdict::new(504, format!("actor {actor} request timed out"), "timeout")
+    Verdict::new(
+        StatusCode::GATEWAY_TIMEOUT,
+        format!("actor {actor} request timed out"),
+        "timeout",
+    )
 }
 
 fn internal(actor: &ActorRef) -> Verdict {
-    Verdict::new(500, format!("error resuming actor {actor}"), "internal")
+    Verdict::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        format!("error resuming actor {actor}"),
+        "internal",
+    )
 }
 
 #[cfg(test)]
@@ -195,7 +258,7 @@ mod tests {
     }
 
     fn check(v: &Verdict, status: u16, body: &str, retry_after: bool) {
-        assert_eq!(v.status(), status, "{v:?}");
+        assert_eq!(v.status().as_u16(), status, "{v:?}");
         assert_eq!(v.body(), body, "{v:?}");
         assert_eq!(v.content_type(), "text/plain; charset=utf-8");
         assert_eq!(v.retry_after_secs().is_some(), retry_after, "{v:?}");
@@ -331,9 +394,36 @@ mod tests {
         );
         check(&Verdict::of(&Denial::CallerGone(actor())), 408, "", false);
         check(
-            &Verdict::of(&Denial::BodyTooLargeToPark(actor(), 1024)),
-            413,
-            "actor demo/p3 unavailable: request body too large to park (limit 1024 bytes)",
+            &Verdict::of(&Denial::TooManyHeaders {
+                count: 101,
+                limit: 100,
+            }),
+            431,
+            "too many request header fields: 101 (limit 100)",
+            false,
+        );
+        check(
+            &Verdict::of(&Denial::HeadersTooLarge {
+                bytes: 70000,
+                limit: 65536,
+            }),
+            431,
+            "request header fields too large: 70000 bytes (limit 65536)",
+            false,
+        );
+        check(
+            &Verdict::of(&Denial::MalformedBody(
+                actor(),
+                "invalid chunk size line".into(),
+            )),
+            400,
+            "actor demo/p3: malformed request body: invalid chunk size line",
+            false,
+        );
+        check(
+            &Verdict::of(&Denial::WorkerUnreachable(actor())),
+            502,
+            "actor demo/p3 unreachable",
             false,
         );
         check(

@@ -107,7 +107,7 @@ pub async fn settle_until(what: &str, cond: impl Fn() -> bool) {
 }
 
 pub fn status(d: &Decision) -> u16 {
-    d.status()
+    d.status().as_u16()
 }
 
 pub fn body(d: &Decision) -> &str {

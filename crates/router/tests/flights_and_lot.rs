@@ -283,50 +283,109 @@ async fn not_found_fails_fast_with_exact_body() {
     assert_eq!(body(&d), "actor demo/nope not found");
 }
 
-/// A request that must park with a declared body over the limit gets 413 at the park
-/// transition, without a slot; one within the limit parks; one to a running actor is
-/// never affected.
+/// The data plane's work while parked (reading a body) starts only at the park
+/// transition, never on the first attempt; when it reports the client gone the wait ends
+/// `canceled` and its slot is freed, and the flight goes on for the others.
 #[tokio::test(start_paused = true)]
-async fn large_bodies_do_not_park() {
-    let mut h = harness(&[
-        "--parked-request-max-body",
-        "1000",
-        "--parked-request-retry-jitter",
-        "0",
-    ]);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let router = h.router.clone();
-    let big = tokio::spawn(async move {
-        router
-            .decide_request(&common::host("demo/p3"), deadline, Some(1001))
-            .await
-    });
-    let router = h.router.clone();
-    let small = tokio::spawn(async move {
-        router
-            .decide_request(&common::host("demo/p3"), deadline, Some(1000))
-            .await
-    });
-    settle_until("both joined", || h.router.flights_in_progress() == 1).await;
-    h.calls.next().await.no_room();
-    let d = big.await.unwrap();
-    assert_eq!(status(&d), 413);
-    assert_eq!(
-        body(&d),
-        "actor demo/p3 unavailable: request body too large to park (limit 1000 bytes)"
-    );
-    settle_until("small parked", || h.parked() == 1).await;
-    h.assert_lot(1, 0, &[]);
-    h.calls.next().await.running(9000);
-    assert_eq!(status(&small.await.unwrap()), 200);
+async fn while_parked_starts_at_the_park_and_can_end_the_wait() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use valet_router::verdict::CallerEnd;
 
-    let router = h.router.clone();
-    let running = tokio::spawn(async move {
-        router
-            .decide_request(&common::host("demo/p1"), deadline, Some(1 << 30))
-            .await
-    });
-    h.calls.next().await.running(9001);
-    assert_eq!(status(&running.await.unwrap()), 200);
-    h.assert_lot(0, 0, &[("served", 1)]);
+    let mut h = harness(&["--parked-request-retry-jitter", "0"]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let holding = |end: CallerEnd| {
+        let started = Arc::new(AtomicBool::new(false));
+        let (leave, left) = tokio::sync::oneshot::channel::<()>();
+        let router = h.router.clone();
+        let flag = Arc::clone(&started);
+        let task = tokio::spawn(async move {
+            let while_parked = async move {
+                flag.store(true, Ordering::SeqCst);
+                let _ = left.await;
+                end
+            };
+            router
+                .decide_holding(&common::host("demo/p3"), deadline, while_parked)
+                .await
+        });
+        (started, leave, task)
+    };
+    let (gone_started, gone, gone_task) = holding(CallerEnd::Gone);
+    let (bad_started, bad, bad_task) =
+        holding(CallerEnd::MalformedBody("invalid chunk size line".into()));
+    let stays = h.request("demo/p3");
+    let first = h.calls.next().await;
+    settle_until("all joined", || h.router.flights_in_progress() == 1).await;
+    assert!(!gone_started.load(Ordering::SeqCst), "not before the park");
+    first.no_room();
+    settle_until("parked", || h.parked() == 3).await;
+    settle_until("holding", || {
+        gone_started.load(Ordering::SeqCst) && bad_started.load(Ordering::SeqCst)
+    })
+    .await;
+
+    gone.send(()).unwrap();
+    let d = gone_task.await.unwrap();
+    assert_eq!(status(&d), 408);
+    h.assert_lot(2, 0, &[("canceled", 1)]);
+
+    bad.send(()).unwrap();
+    let d = bad_task.await.unwrap();
+    assert_eq!(
+        (status(&d), body(&d)),
+        (
+            400,
+            "actor demo/p3: malformed request body: invalid chunk size line"
+        )
+    );
+    h.assert_lot(1, 0, &[("canceled", 1), ("error", 1)]);
+
+    h.calls.next().await.running(9000);
+    assert_eq!(status(&stays.await.unwrap()), 200);
+    h.assert_lot(0, 0, &[("canceled", 1), ("error", 1), ("served", 1)]);
+}
+
+/// A flight's first retryable answer that arrives after the budget still parks it: it
+/// ends `budget_exhausted` at once, and every caller (none of which saw the flight
+/// parked before it was done) is counted as parked exactly once.
+#[tokio::test(start_paused = true)]
+async fn retryable_answer_after_the_budget_still_parks_every_caller() {
+    let mut h = harness(&["--parked-request-budget", "1s"]);
+    let reqs: Vec<_> = (0..3).map(|_| h.request("demo/p3")).collect();
+    let first = h.calls.next().await;
+    settle_until("all joined", || h.router.flights_in_progress() == 1).await;
+    elapse(Duration::from_secs(2)).await;
+    first.no_room();
+    for r in reqs {
+        let d = r.await.unwrap();
+        assert_eq!(
+            (status(&d), body(&d)),
+            (
+                503,
+                "actor demo/p3 unavailable: no worker has room for the actor"
+            )
+        );
+    }
+    assert!(h.calls.try_next().is_none(), "no attempt after the budget");
+    h.assert_lot(0, 0, &[("budget_exhausted", 3)]);
+}
+
+/// Callers that park at their flight's end hold a slot only for that instant: with a
+/// lot of one, both take it in turn, and neither is shed.
+#[tokio::test(start_paused = true)]
+async fn late_park_holds_a_slot_only_for_an_instant() {
+    let mut h = harness(&["--parked-request-budget", "1s", "--parked-request-max", "1"]);
+    let reqs: Vec<_> = (0..2).map(|_| h.request("demo/p3")).collect();
+    let first = h.calls.next().await;
+    settle_until("all joined", || h.router.flights_in_progress() == 1).await;
+    elapse(Duration::from_secs(2)).await;
+    first.no_room();
+    for r in reqs {
+        assert_eq!(
+            body(&r.await.unwrap()),
+            "actor demo/p3 unavailable: no worker has room for the actor"
+        );
+    }
+    h.assert_lot(0, 0, &[("budget_exhausted", 2)]);
 }

@@ -92,6 +92,9 @@ pub(crate) enum Scenario {
     ParkedScale,
     /// A running actor through the router against the worker directly.
     FastPath,
+    /// A small pool saturated for --duration (10m) with clients that give up and actors
+    /// suspended at random; fails unless the router's books balance at the end.
+    Soak,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -155,12 +158,15 @@ pub(crate) struct ScenarioArgs {
     /// Run with the control plane's capacity wait on, off, or both (embedded only).
     #[arg(long, value_enum, default_value = "both")]
     pub(crate) capacity_wait: CapacityWait,
-    /// Length of timed runs (steady: 30s; fast-path: 10s per side).
+    /// Length of timed runs (steady: 30s; fast-path: 10s per side; soak: 10m).
     #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) duration: Option<Duration>,
     /// Requests of the parked-scale scenario.
     #[arg(long, default_value_t = 10_000)]
     pub(crate) requests: usize,
+    /// Body of each parked-scale request (a POST when > 0); bytes, or with KiB, MiB.
+    #[arg(long, default_value = "0", value_parser = valet_router::config::parse_bytes, value_name = "BYTES")]
+    pub(crate) body: u64,
     /// Where the CSV and SVG files go.
     #[arg(long, default_value = "./valet-results", value_name = "DIR")]
     pub(crate) out: PathBuf,

@@ -116,10 +116,13 @@ impl RunningRouter {
             .map(|(_, a)| *a)
     }
 
-    /// The shutdown of `parking.md`: readiness fails, `--drain-delay`, stop accepting,
-    /// requests already received keep their budget until `--drain-timeout`, whatever
-    /// still waits then gets `router shutting down`, and every request gets an answer.
-    pub(crate) async fn drain(mut self) {
+    /// The shutdown of `parking.md`, over every data plane at once: readiness fails;
+    /// after `--drain-delay` the HTTP plane and the ext_proc server stop accepting;
+    /// requests already received (parked ones included, on either plane) keep their
+    /// budget until `--drain-timeout`; then whatever still waits gets `router shutting
+    /// down`, upgraded tunnels are closed, and once every answer is written (bounded by
+    /// [`CUT_OFF_GRACE`]) every connection, stream and flight still open is ended.
+    pub(crate) async fn drain(self) {
         let config = self.router.config().clone();
         self.health.set_draining();
         tracing::info!(delay = ?config.drain_delay(), "draining: readiness fails");
@@ -130,42 +133,75 @@ impl RunningRouter {
         if let Some(extproc) = &self.extproc {
             extproc.stop_accepting();
         }
-        tracing::info!(timeout = ?config.drain_timeout(), "stopped accepting; waiting for requests in progress");
-        let drained = async {
-            if let Some(http) = &self.http {
-                http.drained().await;
-            }
-        };
-        if tokio::time::timeout(config.drain_timeout(), drained)
-            .await
-            .is_err()
+        tracing::info!(
+            timeout = ?config.drain_timeout(),
+            parked = self.router.lot().active(),
+            "stopped accepting; requests in progress keep their budget"
+        );
+        let Self {
+            router,
+            http,
+            mut extproc,
+            admin,
+            probe,
+            stop_admin,
+            ..
+        } = self;
         {
-            tracing::warn!(
-                parked = self.router.lot().active(),
-                "drain timeout: answering what still waits with 'router shutting down'"
-            );
-            self.router.cut_off_waiting();
-            let (http, extproc) = (&self.http, &mut self.extproc);
-            let answered = async {
-                if let Some(http) = http {
-                    http.drained().await;
-                }
-                if let Some(extproc) = extproc {
-                    extproc.drained().await;
-                }
-            };
-            if tokio::time::timeout(std::time::Duration::from_secs(5), answered)
+            let mut drained = std::pin::pin!(planes_drained(http.as_ref(), extproc.as_mut()));
+            if tokio::time::timeout(config.drain_timeout(), &mut drained)
                 .await
-                .is_err()
+                .is_ok()
             {
-                tracing::warn!("connections still open after the cut-off; closing");
+                tracing::info!("every request answered");
+            } else {
+                tracing::warn!(
+                    parked = router.lot().active(),
+                    "drain timeout: answering what still waits with 'router shutting down'"
+                );
+                router.cut_off_waiting();
+                if let Some(http) = &http {
+                    http.close_tunnels();
+                }
+                if tokio::time::timeout(CUT_OFF_GRACE, &mut drained)
+                    .await
+                    .is_err()
+                {
+                    tracing::warn!("connections still open after the cut-off; closing them");
+                }
             }
         }
-        self.stop_admin.cancel();
-        let _ = self.probe.await;
-        if let Some(admin) = self.admin {
+        if let Some(http) = &http {
+            http.close().await;
+        }
+        if let Some(extproc) = extproc.as_mut() {
+            extproc.close().await;
+        }
+        router.stop_flights().await;
+        stop_admin.cancel();
+        let _ = probe.await;
+        if let Some(admin) = admin {
             let _ = admin.await;
         }
         tracing::info!("router stopped");
     }
+}
+
+/// How long the answers of the drain's cut-off may take to be written before the
+/// connections still open are closed.
+pub(crate) const CUT_OFF_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Resolves once every connection, tunnel and stream of both data planes has ended.
+async fn planes_drained(http: Option<&HttpServer>, extproc: Option<&mut ExtProcServer>) {
+    let http = async {
+        if let Some(http) = http {
+            http.drained().await;
+        }
+    };
+    let extproc = async {
+        if let Some(extproc) = extproc {
+            extproc.drained().await;
+        }
+    };
+    tokio::join!(http, extproc);
 }

@@ -108,7 +108,8 @@ fn help_lists_every_flag_with_default_and_variable() {
         ("--parked-request-retry-jitter", "0.1"),
         ("--extproc-max-requests", "0"),
         ("--resume-attempt-timeout", "30s"),
-        ("--parked-request-max-body", "1048576"),
+        ("--parked-request-max-body", "1MiB"),
+        ("--parked-bytes-max", "64MiB"),
         ("--drain-delay", "0s"),
         ("--drain-timeout", "0s"),
     ] {

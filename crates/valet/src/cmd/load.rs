@@ -187,7 +187,24 @@ async fn run_scenario(args: ScenarioArgs) -> Result<(), Failure> {
                 let mut o = opts(t, 1, cw, &["--parked-request-max", &lot]);
                 o.router_exe = std::env::current_exe().ok();
                 let sys = system(t, &o).await?;
-                let r = scenario::parked_scale(&sys, t.budget, args.requests, 100).await;
+                let body = usize::try_from(args.body).unwrap_or(usize::MAX);
+                let r = scenario::parked_scale(&sys, t.budget, args.requests, 100, body).await;
+                sys.shutdown().await;
+                r?
+            }
+            Scenario::Soak => {
+                if remote {
+                    return Err(Failure::Usage(
+                        "invalid configuration: soak reads the router's books; run it on embedded parts (no --router)".into(),
+                    ));
+                }
+                let sys = system(t, &opts(t, 2, cw, &[])).await?;
+                let soak_opts = valet_load::soak::SoakOpts {
+                    duration: args.duration.unwrap_or(Duration::from_secs(600)),
+                    budget: t.budget,
+                    ..Default::default()
+                };
+                let r = valet_load::soak::soak(&sys, &soak_opts).await;
                 sys.shutdown().await;
                 r?
             }

@@ -13,6 +13,7 @@ use tokio::process::{Child, Command};
 use tonic::transport::Channel;
 use valet_proto::ateapi::{self, control_client::ControlClient};
 
+pub mod extproc;
 pub mod socket;
 
 /// A `valet` child process, killed when dropped.

@@ -1,0 +1,193 @@
+//! Request bodies on their way to the worker.
+//!
+//! A request that parks has its body read into memory while it waits ([`Held::fill`]),
+//! so a client that leaves is noticed whether or not it sent a body: up to
+//! `--parked-request-max-body` per request, charged to the lot's `--parked-bytes-max`
+//! (a declared length reserves at the park transition, the rest is charged as it
+//! arrives, and reading pauses while the lot's bytes are spent). Past either bound the
+//! router reads no more (back-pressure). Once routed, [`Held::into_body`] forwards the
+//! held frames first, giving their bytes back to the lot, then streams the rest. A body
+//! that never parked is streamed untouched.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use valet_router::CallerEnd;
+use valet_router::lot::Charge;
+
+/// Why the client's body failed, once it has; shared with the forwarding path so a
+/// failed forward can tell the client's fault (400) from the worker's (502).
+pub(crate) type Failure = Arc<Mutex<Option<CallerEnd>>>;
+
+/// A request's body, read into memory while the request is parked.
+pub(crate) struct Held {
+    rest: Option<Incoming>,
+    frames: VecDeque<Frame<Bytes>>,
+    /// Data bytes in `frames`.
+    held: u64,
+    /// Of those, how many are charged to the lot.
+    charged: u64,
+    limit: u64,
+    declared: Option<u64>,
+    charge: Charge,
+    started: bool,
+    failure: Failure,
+}
+
+impl Held {
+    /// `body`, with nothing read yet; `declared` is its Content-Length, if any.
+    pub(crate) fn new(body: Incoming, declared: Option<u64>, limit: u64, charge: Charge) -> Self {
+        Self {
+            rest: Some(body),
+            frames: VecDeque::new(),
+            held: 0,
+            charged: 0,
+            limit,
+            declared,
+            charge,
+            started: false,
+            failure: Failure::default(),
+        }
+    }
+
+    /// Reads the body into memory, within its bounds, for as long as the request is
+    /// parked. Resolves only when the client's side ends the wait: it left (the body
+    /// broke off) or sent a malformed body. Cancel-safe: every frame read is kept.
+    pub(crate) async fn fill(&mut self) -> CallerEnd {
+        if !self.started {
+            self.started = true;
+            if let Some(len) = self.declared {
+                self.charge.reserve_now(len.min(self.limit));
+            }
+        }
+        loop {
+            if self.charged < self.held {
+                self.charge.charge(self.held - self.charged).await;
+                self.charged = self.held;
+            }
+            if self.held >= self.limit {
+                return std::future::pending().await;
+            }
+            let Some(rest) = self.rest.as_mut() else {
+                return std::future::pending().await;
+            };
+            match rest.frame().await {
+                None => self.rest = None,
+                Some(Ok(frame)) => {
+                    if let Some(data) = frame.data_ref() {
+                        self.held += data.len() as u64;
+                    }
+                    self.frames.push_back(frame);
+                }
+                Some(Err(e)) => {
+                    self.rest = None;
+                    let end = caller_end(&e);
+                    *lock(&self.failure) = Some(end.clone());
+                    return end;
+                }
+            }
+        }
+    }
+
+    /// The body to forward: the held frames, then the rest; and where a failure of the
+    /// client's side of it is recorded.
+    pub(crate) fn into_body(self) -> (RequestBody, Failure) {
+        let failure = Arc::clone(&self.failure);
+        let body = RequestBody {
+            frames: self.frames,
+            rest: self.rest,
+            charge: self.charge,
+            failure: self.failure,
+        };
+        (body, failure)
+    }
+}
+
+fn lock(f: &Failure) -> std::sync::MutexGuard<'_, Option<CallerEnd>> {
+    f.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What a broken-off body means: the client's framing is malformed (hyper's decoder
+/// reports invalid input), or the client went away.
+fn caller_end(e: &hyper::Error) -> CallerEnd {
+    let mut source = std::error::Error::source(e);
+    while let Some(err) = source {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            return match io.kind() {
+                std::io::ErrorKind::InvalidData | std::io::ErrorKind::InvalidInput => {
+                    CallerEnd::MalformedBody(io.to_string())
+                }
+                _ => CallerEnd::Gone,
+            };
+        }
+        source = err.source();
+    }
+    if e.is_parse() {
+        CallerEnd::MalformedBody(e.to_string())
+    } else {
+        CallerEnd::Gone
+    }
+}
+
+/// A forwarded request's body: held frames first (each gives its bytes back to the lot
+/// as it is handed on), then the rest of the client's body, streamed.
+pub(crate) struct RequestBody {
+    frames: VecDeque<Frame<Bytes>>,
+    rest: Option<Incoming>,
+    charge: Charge,
+    failure: Failure,
+}
+
+impl Body for RequestBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = self.get_mut();
+        if let Some(frame) = this.frames.pop_front() {
+            if let Some(data) = frame.data_ref() {
+                this.charge.release(data.len() as u64);
+            }
+            return Poll::Ready(Some(Ok(frame)));
+        }
+        this.charge.release(u64::MAX);
+        let Some(rest) = this.rest.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let polled = Pin::new(rest).poll_frame(cx);
+        if let Poll::Ready(Some(Err(e))) = &polled {
+            *lock(&this.failure) = Some(caller_end(e));
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.frames.is_empty() && self.rest.as_ref().is_none_or(Body::is_end_stream)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let held: u64 = self
+            .frames
+            .iter()
+            .filter_map(|f| f.data_ref().map(|d| d.len() as u64))
+            .sum();
+        let rest = self
+            .rest
+            .as_ref()
+            .map_or_else(|| SizeHint::with_exact(0), Body::size_hint);
+        let mut hint = SizeHint::new();
+        if let Some(upper) = rest.upper() {
+            hint.set_upper(upper + held);
+        }
+        hint.set_lower(rest.lower() + held);
+        hint
+    }
+}

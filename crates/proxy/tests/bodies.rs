@@ -1,0 +1,281 @@
+//! Request bodies over real HTTP: held while parked (bounded per request and across the
+//! lot, never shed), a client that leaves mid-wait noticed body or not, and a malformed
+//! body answered 400 by the data plane itself.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use valet_proxy::{HttpServer, Limits};
+use valet_router::testing::{AlwaysRunning, Scripted};
+use valet_router::{ControlPlane, Metrics, Router, RouterArgs};
+
+const DOMAIN: &str = "actors.resources.substrate.ate.dev";
+const WAIT: Duration = Duration::from_secs(10);
+
+fn host(name: &str) -> String {
+    format!("{name}.demo.{DOMAIN}")
+}
+
+async fn serve(cp: Arc<dyn ControlPlane>, flags: &[&str]) -> (Router, HttpServer) {
+    let config = RouterArgs::try_parse_flags(flags)
+        .unwrap()
+        .resolve()
+        .unwrap();
+    let router = Router::new(Arc::new(config), cp, Arc::new(Metrics::new()));
+    let server = HttpServer::spawn(
+        TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        router.clone(),
+        Limits::default(),
+    )
+    .unwrap();
+    (router, server)
+}
+
+/// A worker stand-in that reads each request's whole body, then answers with it.
+async fn collecting_upstream() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        loop {
+            let (s, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(|req: http::Request<Incoming>| async move {
+                    let body = req.into_body().collect().await?.to_bytes();
+                    Ok::<_, hyper::Error>(http::Response::new(Full::new(body)))
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    port
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i % 251) as u8 ^ seed).collect()
+}
+
+/// POSTs `body` over a fresh HTTP/1.1 connection and returns status and body.
+async fn post(router: SocketAddr, name: &str, body: Vec<u8>) -> (u16, Vec<u8>) {
+    let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .build_http::<Full<Bytes>>();
+    let req = http::Request::post(format!("http://{router}/upload"))
+        .header("host", host(name))
+        .body(Full::new(Bytes::from(body)))
+        .unwrap();
+    let resp = client.request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    (
+        status,
+        resp.into_body()
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes()
+            .to_vec(),
+    )
+}
+
+/// Waits (bounded) until the lot holds at least `n` bytes.
+async fn held_at_least(router: &Router, n: u64) {
+    let mut held = router.lot().bytes().watch();
+    tokio::time::timeout(WAIT, held.wait_for(|h| *h >= n))
+        .await
+        .expect("bytes held in time")
+        .unwrap();
+}
+
+fn held_gauge(router: &Router) -> f64 {
+    router
+        .metrics()
+        .sample("atenet_router_parking_held_bytes", &[])
+}
+
+/// A parked POST whose client goes away, after sending its whole body or in the middle
+/// of a chunked one: the slot is freed at once and `canceled` recorded; its held bytes
+/// go back to the lot.
+#[tokio::test]
+async fn parked_post_whose_client_leaves_is_canceled() {
+    let (cp, mut calls) = Scripted::new();
+    let (router, server) = serve(cp, &[]).await;
+    let addr = server.local_addr();
+
+    let mut whole = TcpStream::connect(addr).await.unwrap();
+    let body = pattern(200 * 1024, 1);
+    whole
+        .write_all(
+            format!(
+                "POST / HTTP/1.1\r\nHost: {}\r\nContent-Length: {}\r\n\r\n",
+                host("p1"),
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let writer = tokio::spawn(async move {
+        whole.write_all(&body).await.unwrap();
+        whole
+    });
+    calls.next().await.no_room();
+    assert!(router.lot().wait_for_active(1, WAIT).await, "parked");
+    let whole = writer.await.unwrap();
+    let all_held = async {
+        while router.lot().bytes().held() < 200 * 1024 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, all_held)
+        .await
+        .expect("the whole body is held");
+    assert_eq!(held_gauge(&router), (200 * 1024) as f64);
+    drop(whole);
+    assert!(router.lot().wait_for_active(0, WAIT).await, "slot freed");
+    assert_eq!(
+        router.metrics().sample(
+            "atenet_router_parking_wait_duration_seconds_count",
+            &[("outcome", "canceled")]
+        ),
+        1.0
+    );
+    assert_eq!(router.lot().bytes().held(), 0);
+    assert_eq!(held_gauge(&router), 0.0);
+
+    let mut chunked = TcpStream::connect(addr).await.unwrap();
+    chunked
+        .write_all(
+            format!(
+                "POST / HTTP/1.1\r\nHost: {}\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n",
+                host("p2")
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    calls.next().await.no_room();
+    assert!(router.lot().wait_for_active(1, WAIT).await, "parked");
+    drop(chunked);
+    assert!(router.lot().wait_for_active(0, WAIT).await, "slot freed");
+    assert_eq!(
+        router.metrics().sample(
+            "atenet_router_parking_wait_duration_seconds_count",
+            &[("outcome", "canceled")]
+        ),
+        2.0
+    );
+    assert_eq!(router.lot().bytes().held(), 0);
+}
+
+/// Two parked uploads, together larger than the lot's byte budget: reading pauses when
+/// the budget is spent (neither is shed nor refused), the held bytes never exceed it,
+/// and both are served byte for byte once their actors run.
+#[tokio::test]
+async fn uploads_larger_than_the_lot_wait_and_are_served_whole() {
+    const BUDGET: u64 = 256 * 1024;
+    let upstream = collecting_upstream().await;
+    let (cp, mut calls) = Scripted::new();
+    let (router, server) = serve(cp, &["--parked-bytes-max", "256KiB"]).await;
+    let addr = server.local_addr();
+
+    let peak = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let observer = {
+        let (mut held, peak) = (router.lot().bytes().watch(), Arc::clone(&peak));
+        tokio::spawn(async move {
+            loop {
+                peak.fetch_max(
+                    *held.borrow_and_update(),
+                    std::sync::atomic::Ordering::SeqCst,
+                );
+                if held.changed().await.is_err() {
+                    return;
+                }
+            }
+        })
+    };
+    let a = pattern(600 * 1024, 7);
+    let b = pattern(900 * 1024, 9);
+    let (ta, tb) = (
+        tokio::spawn(post(addr, "pa", a.clone())),
+        tokio::spawn(post(addr, "pb", b.clone())),
+    );
+    let mut parked = Vec::new();
+    for _ in 0..2 {
+        let call = calls.next().await;
+        parked.push(call.request.actor.clone());
+        call.no_room();
+    }
+    assert!(router.lot().wait_for_active(2, WAIT).await, "both parked");
+    held_at_least(&router, BUDGET).await;
+    assert_eq!(
+        held_gauge(&router),
+        BUDGET as f64,
+        "the lot's bytes are spent"
+    );
+    // Both flights retry; let them both run.
+    for _ in 0..2 {
+        calls.next().await.running(upstream);
+    }
+    let (sa, ra) = ta.await.unwrap();
+    let (sb, rb) = tb.await.unwrap();
+    assert_eq!((sa, ra.len()), (200, a.len()));
+    assert!(ra == a, "first upload forwarded byte for byte");
+    assert_eq!((sb, rb.len()), (200, b.len()));
+    assert!(rb == b, "second upload forwarded byte for byte");
+    observer.abort();
+    let peak = peak.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(peak <= BUDGET, "held {peak} bytes, budget {BUDGET}");
+    assert_eq!(router.lot().bytes().held(), 0);
+    assert_eq!(
+        router.metrics().sample(
+            "atenet_router_parking_wait_duration_seconds_count",
+            &[("outcome", "served")]
+        ),
+        2.0
+    );
+    assert_eq!(
+        router
+            .metrics()
+            .sample("atenet_router_parking_rejected_total", &[]),
+        0.0
+    );
+}
+
+/// A malformed chunked body to a running actor is the client's 400 with a body naming
+/// the problem; 502 stays for the worker's failures.
+#[tokio::test]
+async fn malformed_chunked_body_is_400() {
+    let upstream = collecting_upstream().await;
+    let (_router, server) = serve(Arc::new(AlwaysRunning { port: upstream }), &[]).await;
+    let mut s = TcpStream::connect(server.local_addr()).await.unwrap();
+    s.write_all(
+        format!(
+            "POST / HTTP/1.1\r\nHost: {}\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\nzz\r\nbad\r\n0\r\n\r\n",
+            host("p1")
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).await.unwrap();
+    let text = String::from_utf8_lossy(&out);
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 400 "), "{text}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: text/plain; charset=utf-8"),
+        "{head}"
+    );
+    assert!(
+        body.starts_with("actor demo/p1: malformed request body: "),
+        "{body}"
+    );
+}

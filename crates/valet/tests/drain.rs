@@ -1,0 +1,251 @@
+//! SIGTERM drains every data plane of a real router process together: nothing already
+//! received is reset, parked requests keep their budget and get their normal verdict on
+//! either plane, the drain timeout cuts off what still waits with `router shutting
+//! down`, upgraded tunnels are closed, and the process exits 0.
+
+mod common;
+
+use std::time::Duration;
+
+use common::extproc::{self, Answer};
+use common::{
+    DOMAIN, Proc, client, control_plane, create, eventually, resume, try_http_get, worker_with,
+};
+use futures_util::StreamExt;
+
+const WITHIN: Duration = Duration::from_secs(30);
+
+fn host(name: &str) -> String {
+    format!("{name}.demo.{DOMAIN}")
+}
+
+fn capacity_503(name: &str) -> String {
+    format!("actor demo/{name} unavailable: no worker has room for the actor")
+}
+
+/// A control plane with atespace `demo`, worker `w1` hosting `demo/p0`, and `actors`
+/// created suspended.
+async fn full_pool(dir: &std::path::Path, actors: &[String]) -> (Proc, Proc) {
+    let cp = control_plane(&dir.join("data"), "127.0.0.1:0", &[]).await;
+    let c = client(cp.addr);
+    let w1 = worker_with(cp.addr, &dir.join("snapshots"), "w1", &[]).await;
+    eventually("w1 joined", WITHIN, || async {
+        let n = c
+            .clone()
+            .list_workers(())
+            .await
+            .ok()?
+            .into_inner()
+            .workers
+            .len();
+        (n == 1).then_some(())
+    })
+    .await;
+    c.clone()
+        .create_atespace(valet_proto::ateapi::CreateAtespaceRequest {
+            name: "demo".into(),
+        })
+        .await
+        .unwrap();
+    create(&c, "demo/p0").await.unwrap();
+    resume(&c, "demo/p0").await.unwrap();
+    for a in actors {
+        create(&c, &format!("demo/{a}")).await.unwrap();
+    }
+    (cp, w1)
+}
+
+/// 1,000 requests parked over HTTP and 100 over ext_proc, and an open WebSocket, when
+/// SIGTERM arrives: every request gets its complete capacity 503 at the budget (none is
+/// reset), new connections are refused, the tunnel is closed at the drain timeout, and
+/// the process exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_answers_every_parked_request_on_both_planes() {
+    let dir = tempfile::tempdir().unwrap();
+    let actors: Vec<String> = (1..=20).map(|i| format!("q{i}")).collect();
+    let (cp, _w1) = full_pool(dir.path(), &actors).await;
+    let c = client(cp.addr);
+    let _echo = worker_with(
+        cp.addr,
+        &dir.path().join("snapshots"),
+        "e1",
+        &["--pool", "echo"],
+    )
+    .await;
+    c.clone()
+        .create_actor(valet_proto::ateapi::CreateActorRequest {
+            actor_ref: common::aref("demo/ws"),
+            actor_template_namespace: "default".into(),
+            actor_template_name: "echo".into(),
+            worker_selector: None,
+        })
+        .await
+        .unwrap();
+    let url = format!("http://{}", cp.addr);
+    let mut router = Proc::start(
+        "admin",
+        &[
+            "router",
+            "--listen",
+            "127.0.0.1:0",
+            "--extproc-listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--control-plane",
+            &url,
+            "--parked-request-budget",
+            "4s",
+            "--parked-request-max",
+            "2000",
+        ],
+    )
+    .await;
+    let http = router.addrs["router"];
+    let grpc = router.addrs["extproc"];
+
+    let ws = {
+        let tcp = tokio::net::TcpStream::connect(http).await.unwrap();
+        let req = http::Request::builder()
+            .uri(format!("ws://{}/chat", host("ws")))
+            .header("host", host("ws"))
+            .header("connection", "Upgrade")
+            .header("upgrade", "websocket")
+            .header("sec-websocket-version", "13")
+            .header(
+                "sec-websocket-key",
+                tokio_tungstenite::tungstenite::handshake::client::generate_key(),
+            )
+            .body(())
+            .unwrap();
+        tokio_tungstenite::client_async(req, tcp)
+            .await
+            .expect("websocket through the router")
+            .0
+    };
+
+    let mut by_http = Vec::new();
+    for i in 0..1000 {
+        let name = actors[i % 10].clone();
+        by_http.push(tokio::spawn(async move {
+            (
+                try_http_get(http, "/", &[("Host", &host(&name))]).await,
+                name,
+            )
+        }));
+    }
+    let ep = extproc::client(grpc).await;
+    let mut by_extproc = Vec::new();
+    for i in 0..100 {
+        let (ep, name) = (ep.clone(), actors[10 + i % 10].clone());
+        by_extproc.push(tokio::spawn(async move {
+            (extproc::decide(&ep, &host(&name)).await, name)
+        }));
+    }
+    eventually("1,100 parked", WITHIN, || async {
+        (router.metric("atenet_router_parking_active", &[]).await == 1100.0).then_some(())
+    })
+    .await;
+
+    router.terminate();
+    eventually("new connections refused", WITHIN, || async {
+        tokio::net::TcpStream::connect(http)
+            .await
+            .is_err()
+            .then_some(())
+    })
+    .await;
+    for r in by_http {
+        let (answer, name) = r.await.unwrap();
+        assert_eq!(answer, Some((503, capacity_503(&name))), "over HTTP");
+    }
+    for r in by_extproc {
+        let (answer, name) = r.await.unwrap();
+        assert_eq!(
+            answer.unwrap(),
+            Answer::Verdict(503, capacity_503(&name)),
+            "over ext_proc"
+        );
+    }
+    let (_, mut ws_in) = ws.split();
+    let closed = tokio::time::timeout(WITHIN, async {
+        while let Some(Ok(_)) = ws_in.next().await {}
+    })
+    .await;
+    assert!(closed.is_ok(), "the tunnel is closed at the drain timeout");
+    assert_eq!(router.exit_code(WITHIN).await, Some(0));
+}
+
+/// The README's Envoy recipe (`--listen ''`): 100 requests parked over ext_proc keep
+/// their budget through SIGTERM and get the capacity 503; a restore that outlives the
+/// drain timeout gets `router shutting down`; the process exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_on_an_extproc_only_router() {
+    let dir = tempfile::tempdir().unwrap();
+    let actors: Vec<String> = (1..=10).map(|i| format!("q{i}")).collect();
+    let (cp, _w1) = full_pool(dir.path(), &actors).await;
+    let c = client(cp.addr);
+    create(&c, "demo/slow").await.unwrap();
+    let _w2 = worker_with(
+        cp.addr,
+        &dir.path().join("snapshots"),
+        "w2",
+        &["--restore-delay", "60s"],
+    )
+    .await;
+    let url = format!("http://{}", cp.addr);
+    let mut router = Proc::start(
+        "admin",
+        &[
+            "router",
+            "--listen",
+            "",
+            "--extproc-listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--control-plane",
+            &url,
+            "--parked-request-budget",
+            "3s",
+            "--drain-timeout",
+            "4s",
+        ],
+    )
+    .await;
+    let ep = extproc::client(router.addrs["extproc"]).await;
+    let slow = {
+        let ep = ep.clone();
+        tokio::spawn(async move { extproc::decide(&ep, &host("slow")).await })
+    };
+    eventually("slow RESUMING on w2", WITHIN, || async {
+        let a = common::get(&c, "demo/slow").await.ok()?;
+        (common::status(&a) == valet_proto::ateapi::actor::Status::Resuming).then_some(())
+    })
+    .await;
+    let mut parked = Vec::new();
+    for i in 0..100 {
+        let (ep, name) = (ep.clone(), actors[i % 10].clone());
+        parked.push(tokio::spawn(async move {
+            (extproc::decide(&ep, &host(&name)).await, name)
+        }));
+    }
+    eventually("100 parked", WITHIN, || async {
+        (router.metric("atenet_router_parking_active", &[]).await == 100.0).then_some(())
+    })
+    .await;
+
+    router.terminate();
+    for r in parked {
+        let (answer, name) = r.await.unwrap();
+        assert_eq!(answer.unwrap(), Answer::Verdict(503, capacity_503(&name)));
+    }
+    assert_eq!(
+        slow.await.unwrap().unwrap(),
+        Answer::Verdict(
+            503,
+            "actor demo/slow unavailable: router shutting down".into()
+        )
+    );
+    assert_eq!(router.exit_code(WITHIN).await, Some(0));
+}
