@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use tokio::net::TcpListener;
-use valet_control::{Plane, PlaneConfig, Store};
+use valet_control::{Plane, PlaneConfig, SqliteStore};
 use valet_proto::ateapi::{self, control_client::ControlClient};
 use valet_worker::{Worker, WorkerConfig};
 
@@ -45,7 +45,7 @@ fn report(what: &str, h: &Histogram<u64>) {
 async fn run() {
     let dir = tempfile::tempdir().unwrap();
     let plane = Plane::open(
-        Store::open(&dir.path().join("data")).unwrap(),
+        std::sync::Arc::new(SqliteStore::open(&dir.path().join("data")).unwrap()),
         PlaneConfig::default(),
     )
     .await
@@ -56,6 +56,7 @@ async fn run() {
         listener,
         plane.clone(),
         std::future::pending(),
+        Duration::from_secs(10),
     ));
     let worker = Worker::spawn(WorkerConfig {
         control_plane: format!("http://{addr}"),

@@ -23,7 +23,14 @@ use crate::plane::Plane;
 /// Largest gRPC message the control plane accepts.
 pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
 
-/// Serves the plane on `listener` until `shutdown` resolves.
+/// How long connections may stay open after the plane has shut down before the server
+/// stops waiting for them.
+pub const CLOSE_GRACE: Duration = Duration::from_secs(5);
+
+/// Serves the plane on `listener` until `shutdown` resolves, then shuts down cleanly:
+/// stop accepting (every connection gets GOAWAY), [`Plane::shutdown`] (capacity
+/// waiters answered `Unavailable`, operations in progress given `shutdown_timeout`,
+/// workers told to detach), and wait for the connections to close (bounded).
 ///
 /// # Errors
 /// When the server fails.
@@ -31,6 +38,7 @@ pub async fn serve(
     listener: TcpListener,
     plane: Plane,
     shutdown: impl Future<Output = ()> + Send + 'static,
+    shutdown_timeout: Duration,
 ) -> Result<(), tonic::transport::Error> {
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(valet_proto::ateapi::FILE_DESCRIPTOR_SET)
@@ -38,7 +46,8 @@ pub async fn serve(
         .expect("the embedded descriptor set is valid");
     // `Server::tcp_nodelay` is ignored for a given incoming stream: the stream sets it.
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    tonic::transport::Server::builder()
+    let stop = tokio_util::sync::CancellationToken::new();
+    let server = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(1)))
         .http2_keepalive_timeout(Some(Duration::from_secs(3)))
         .add_service(
@@ -48,12 +57,31 @@ pub async fn serve(
             .max_decoding_message_size(MAX_MESSAGE_BYTES),
         )
         .add_service(
-            workers_server::WorkersServer::new(WorkersService { plane })
-                .max_decoding_message_size(MAX_MESSAGE_BYTES),
+            workers_server::WorkersServer::new(WorkersService {
+                plane: plane.clone(),
+            })
+            .max_decoding_message_size(MAX_MESSAGE_BYTES),
         )
         .add_service(reflection)
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await
+        .serve_with_incoming_shutdown(incoming, stop.clone().cancelled_owned());
+    tokio::pin!(server);
+    tokio::select! {
+        served = &mut server => return served,
+        () = shutdown => {}
+    }
+    tracing::info!("control plane shutting down: accepting nothing new");
+    stop.cancel();
+    let closed = async {
+        let (served, ()) = tokio::join!(&mut server, plane.shutdown(shutdown_timeout));
+        served
+    };
+    match tokio::time::timeout(shutdown_timeout + CLOSE_GRACE, closed).await {
+        Ok(served) => served,
+        Err(_) => {
+            tracing::warn!("connections still open after the shutdown; closing them");
+            Ok(())
+        }
+    }
 }
 
 /// `ateapi.Control` over the plane.
@@ -244,7 +272,7 @@ impl workers_server::Workers for WorkersService {
             .await;
         drop(tx);
         let plane = self.plane.clone();
-        tokio::spawn(async move {
+        self.plane.spawn_link(async move {
             loop {
                 match inbound.message().await {
                     Ok(Some(wk::WorkerEvent {

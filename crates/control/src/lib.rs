@@ -1,7 +1,9 @@
 //! valet's reference control plane: `ateapi.Control` on one machine.
 //!
 //! ```text
-//! gRPC (grpc) ─▶ Plane (plane: state machine, locks, capacity queues) ─▶ Store (SQLite)
+//! gRPC (grpc) ─▶ Plane: catalog · lifecycle · capacity · membership ─▶ Store (SQLite)
+//!                   │ one Op per operation; each step: durable write → memory →
+//!                   │ release → hand a freed worker to the oldest waiter
 //!                   │ commands over each worker's Attach stream (link)
 //!                   ▼
 //!              reference workers (valet-worker)
@@ -11,13 +13,17 @@
 
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod grpc;
 mod link;
+mod metrics;
 pub mod model;
 pub mod plane;
 pub mod store;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 
 pub use grpc::serve;
-pub use model::{ActorKey, Template};
+pub use model::{ActorKey, ActorStatus, Template};
 pub use plane::{Plane, PlaneConfig, StatsSnapshot};
-pub use store::Store;
+pub use store::{SqliteStore, Store};

@@ -30,7 +30,8 @@ pub(crate) type Outbound = mpsc::Sender<Result<WorkerCommand, tonic::Status>>;
 /// The control plane's end of one worker's stream.
 #[derive(Debug)]
 pub(crate) struct WorkerLink {
-    tx: Outbound,
+    /// `None` once the plane told the worker to detach: the stream then ends.
+    tx: Mutex<Option<Outbound>>,
     pending: Mutex<Option<HashMap<u64, oneshot::Sender<Reply>>>>,
     next_id: AtomicU64,
 }
@@ -38,10 +39,23 @@ pub(crate) struct WorkerLink {
 impl WorkerLink {
     pub(crate) fn new(tx: Outbound) -> Self {
         Self {
-            tx,
+            tx: Mutex::new(Some(tx)),
             pending: Mutex::new(Some(HashMap::new())),
             next_id: AtomicU64::new(1),
         }
+    }
+
+    fn sender(&self) -> Option<Outbound> {
+        self.tx.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Tells the worker to detach, and ends the stream from this side.
+    pub(crate) fn detach(&self) {
+        self.notify(worker_command::Command::Detach(
+            valet_proto::worker::Detach {},
+        ));
+        self.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
+        self.close();
     }
 
     /// Sends `command` and waits up to `timeout` for the worker's reply.
@@ -56,8 +70,11 @@ impl WorkerLink {
             Some(pending) => pending.insert(id, reply_tx),
             None => return Err(LinkError::Gone),
         };
-        let sent = self
-            .tx
+        let Some(tx) = self.sender() else {
+            self.forget(id);
+            return Err(LinkError::Gone);
+        };
+        let sent = tx
             .send(Ok(WorkerCommand {
                 id,
                 command: Some(command),
@@ -81,10 +98,12 @@ impl WorkerLink {
     /// Sends a command without waiting for its reply.
     pub(crate) fn notify(&self, command: worker_command::Command) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let _ = self.tx.try_send(Ok(WorkerCommand {
-            id,
-            command: Some(command),
-        }));
+        if let Some(tx) = self.sender() {
+            let _ = tx.try_send(Ok(WorkerCommand {
+                id,
+                command: Some(command),
+            }));
+        }
     }
 
     /// Hands a reply to the call waiting for it.

@@ -6,7 +6,7 @@ use std::str::FromStr;
 use tonic::Status;
 use tonic_types::{ErrorDetails, StatusExt};
 use valet_proto::ateapi;
-use valet_proto::ateapi::actor::Status as ActorStatus;
+use valet_proto::ateapi::actor::Status as WireStatus;
 
 /// The `ErrorInfo.reason` of a crashed actor.
 pub const ACTOR_CRASHED: &str = "ACTOR_CRASHED";
@@ -162,10 +162,66 @@ impl FromStr for Template {
     }
 }
 
-pub fn status_name(status: i32) -> &'static str {
-    ActorStatus::try_from(status)
-        .map(|s| s.as_str_name())
-        .unwrap_or("STATUS_UNKNOWN")
+/// An actor's status as the plane keeps it. The number (`ateapi.Actor.Status`) exists
+/// only on the wire and in the database.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ActorStatus {
+    /// Being restored on a worker claimed for it.
+    Resuming,
+    /// Serving on its worker.
+    Running,
+    /// Being checkpointed on its worker.
+    Suspending,
+    /// In its last snapshot, on no worker.
+    Suspended,
+    /// A restore or checkpoint failed; only a revert brings it back.
+    Crashed,
+}
+
+impl ActorStatus {
+    /// The wire and database number.
+    pub fn wire(self) -> i32 {
+        self.proto() as i32
+    }
+
+    /// From the wire and database number; `None` for one this plane never writes.
+    pub fn from_wire(value: i32) -> Option<Self> {
+        match WireStatus::try_from(value).ok()? {
+            WireStatus::Resuming => Some(Self::Resuming),
+            WireStatus::Running => Some(Self::Running),
+            WireStatus::Suspending => Some(Self::Suspending),
+            WireStatus::Suspended => Some(Self::Suspended),
+            WireStatus::Crashed => Some(Self::Crashed),
+            _ => None,
+        }
+    }
+
+    fn proto(self) -> WireStatus {
+        match self {
+            Self::Resuming => WireStatus::Resuming,
+            Self::Running => WireStatus::Running,
+            Self::Suspending => WireStatus::Suspending,
+            Self::Suspended => WireStatus::Suspended,
+            Self::Crashed => WireStatus::Crashed,
+        }
+    }
+
+    /// `STATUS_RUNNING` and so on, as upstream names them in messages.
+    pub fn name(self) -> &'static str {
+        self.proto().as_str_name()
+    }
+
+    /// Whether an operation left the actor half-way (a failed write, or a crash): the
+    /// next operation settles it first.
+    pub fn is_transitional(self) -> bool {
+        matches!(self, Self::Resuming | Self::Suspending)
+    }
+}
+
+impl fmt::Display for ActorStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 pub fn not_found(key: &ActorKey) -> Status {
@@ -206,6 +262,27 @@ mod tests {
             assert_eq!(e.code(), tonic::Code::InvalidArgument, "{a}/{n}");
         }
         assert!(ActorKey::new(&"a".repeat(64), "p").is_err());
+    }
+
+    #[test]
+    fn statuses_round_trip_the_wire() {
+        for s in [
+            ActorStatus::Resuming,
+            ActorStatus::Running,
+            ActorStatus::Suspending,
+            ActorStatus::Suspended,
+            ActorStatus::Crashed,
+        ] {
+            assert_eq!(ActorStatus::from_wire(s.wire()), Some(s));
+        }
+        assert_eq!(ActorStatus::Crashed.wire(), 1001);
+        assert_eq!(ActorStatus::Running.name(), "STATUS_RUNNING");
+        assert_eq!(ActorStatus::from_wire(0), None);
+        assert_eq!(
+            ActorStatus::from_wire(5),
+            None,
+            "PAUSING is never written here"
+        );
     }
 
     #[test]

@@ -1,13 +1,18 @@
-//! The embedded database: SQLite in `--data-dir`, written before any RPC that changed
-//! state returns (WAL, `synchronous = FULL`).
+//! The control plane's record: a [`Store`] writes every change of an operation step in
+//! one transaction before the step is applied in memory, and loads it all at start.
 //!
-//! The store is synchronous; callers run it on the blocking pool ([`Store::run`]) so the
-//! async runtime never waits on a disk flush.
+//! [`SqliteStore`] keeps it in an SQLite file in `--data-dir` (WAL, `synchronous =
+//! FULL`), on the blocking pool so the async runtime never waits on a disk flush.
 
+use std::fmt;
+use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 
 use rusqlite::{Connection, OptionalExtension, params};
+
+use crate::model::{ActorKey, ActorStatus};
 
 /// The database file's name inside the data dir.
 pub const DB_FILE: &str = "control-plane.sqlite3";
@@ -21,8 +26,7 @@ pub struct ActorRow {
     pub template_namespace: String,
     pub template: String,
     pub pool: String,
-    /// `ateapi.Actor.Status` as its number.
-    pub status: i32,
+    pub status: ActorStatus,
     pub version: i64,
     /// The worker hosting it (RUNNING) or claimed for it (RESUMING, SUSPENDING).
     pub worker: Option<String>,
@@ -31,14 +35,62 @@ pub struct ActorRow {
     pub revert_pending: bool,
 }
 
+impl ActorRow {
+    /// Its key.
+    pub fn key(&self) -> ActorKey {
+        ActorKey::new(&self.atespace, &self.name).expect("stored names are valid")
+    }
+
+    /// The same actor moved to `status` on `worker`, one version on.
+    pub fn moved(&self, status: ActorStatus, worker: Option<String>) -> Self {
+        Self {
+            status,
+            worker,
+            version: self.version + 1,
+            ..self.clone()
+        }
+    }
+}
+
 /// Everything the store holds, as loaded at start-up.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Loaded {
     pub atespaces: Vec<String>,
     pub actors: Vec<ActorRow>,
 }
 
-/// An error of the embedded database.
+/// The changes of one operation step, written in one transaction.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Batch {
+    /// Actors written (inserted or replaced).
+    pub put_actors: Vec<ActorRow>,
+    /// Actors forgotten.
+    pub delete_actors: Vec<ActorKey>,
+    /// Atespaces recorded.
+    pub put_atespaces: Vec<String>,
+    /// Atespaces forgotten.
+    pub delete_atespaces: Vec<String>,
+}
+
+impl Batch {
+    /// A batch that writes `rows`.
+    pub fn put(rows: impl IntoIterator<Item = ActorRow>) -> Self {
+        Self {
+            put_actors: rows.into_iter().collect(),
+            ..Self::default()
+        }
+    }
+
+    /// Whether it changes nothing.
+    pub fn is_empty(&self) -> bool {
+        self.put_actors.is_empty()
+            && self.delete_actors.is_empty()
+            && self.put_atespaces.is_empty()
+            && self.delete_atespaces.is_empty()
+    }
+}
+
+/// An error of the store.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("database {path}: {source}")]
@@ -47,18 +99,38 @@ pub enum StoreError {
         #[source]
         source: rusqlite::Error,
     },
+    #[error("database {0}: stored status {1} is not one this control plane writes")]
+    Corrupt(String, i32),
     #[error("database task failed: {0}")]
     Join(String),
+    #[error("database write refused: {0}")]
+    Refused(String),
 }
 
-/// The control plane's database. Cheap to clone.
+/// The future of a store call.
+pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
+
+/// Where the control plane's state is kept.
+pub trait Store: Send + Sync + fmt::Debug + 'static {
+    /// Everything stored (start-up).
+    fn load(&self) -> StoreFuture<'_, Loaded>;
+
+    /// Writes `batch` in one transaction: all of it is durable when this returns `Ok`,
+    /// none of it when it returns `Err`.
+    fn write(&self, batch: Batch) -> StoreFuture<'_, ()>;
+
+    /// What the store is, for logs (`sqlite /path/to/file`).
+    fn describe(&self) -> String;
+}
+
+/// The embedded SQLite store. Cheap to clone.
 #[derive(Debug, Clone)]
-pub struct Store {
+pub struct SqliteStore {
     conn: Arc<Mutex<Connection>>,
     path: PathBuf,
 }
 
-impl Store {
+impl SqliteStore {
     /// Opens (creating if needed) the database in `data_dir`.
     ///
     /// # Errors
@@ -108,105 +180,103 @@ impl Store {
         &self.path
     }
 
-    /// Runs `f` on the connection on the blocking pool.
+    /// Makes the connection refuse (or accept again) every write, as a database that
+    /// turned read-only would: for tests of failed writes.
     ///
     /// # Errors
-    /// The database's error, or the task's if it panicked.
-    pub async fn run<T, F>(&self, f: F) -> Result<T, StoreError>
+    /// The database's error.
+    pub async fn set_read_only(&self, read_only: bool) -> Result<(), StoreError> {
+        self.run(move |c| c.pragma_update(None, "query_only", read_only))
+            .await
+    }
+
+    /// Runs `f` on the connection on the blocking pool.
+    async fn run<T, F>(&self, f: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
-        F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+        F: FnOnce(&mut Connection) -> rusqlite::Result<T> + Send + 'static,
     {
         let conn = Arc::clone(&self.conn);
         let path = self.path.clone();
         tokio::task::spawn_blocking(move || {
-            let conn = conn.lock().unwrap_or_else(|e| e.into_inner());
-            f(&conn).map_err(|source| StoreError::Sqlite { path, source })
+            let mut conn = conn.lock().unwrap_or_else(|e| e.into_inner());
+            f(&mut conn).map_err(|source| StoreError::Sqlite { path, source })
         })
         .await
         .map_err(|e| StoreError::Join(e.to_string()))?
     }
+}
 
-    /// Loads everything (start-up only; blocking).
+impl Store for SqliteStore {
+    fn load(&self) -> StoreFuture<'_, Loaded> {
+        let path = self.path.display().to_string();
+        Box::pin(async move {
+            let (atespaces, raw) = self.run(load).await?;
+            let actors = raw
+                .into_iter()
+                .map(|(row, status)| {
+                    ActorStatus::from_wire(status)
+                        .map(|status| ActorRow { status, ..row })
+                        .ok_or_else(|| StoreError::Corrupt(path.clone(), status))
+                })
+                .collect::<Result<_, _>>()?;
+            Ok(Loaded { atespaces, actors })
+        })
+    }
+
+    fn write(&self, batch: Batch) -> StoreFuture<'_, ()> {
+        Box::pin(async move {
+            if batch.is_empty() {
+                return Ok(());
+            }
+            self.run(move |c| {
+                let tx = c.transaction()?;
+                for name in &batch.put_atespaces {
+                    tx.execute("INSERT OR IGNORE INTO atespaces (name) VALUES (?1)", [name])?;
+                }
+                for row in &batch.put_actors {
+                    put_actor(&tx, row)?;
+                }
+                for key in &batch.delete_actors {
+                    tx.execute(
+                        "DELETE FROM actors WHERE atespace = ?1 AND name = ?2",
+                        params![key.atespace(), key.name()],
+                    )?;
+                }
+                for name in &batch.delete_atespaces {
+                    tx.execute("DELETE FROM atespaces WHERE name = ?1", [name])?;
+                }
+                tx.commit()
+            })
+            .await
+        })
+    }
+
+    fn describe(&self) -> String {
+        format!("sqlite {}", self.path.display())
+    }
+}
+
+impl SqliteStore {
+    /// Reads one actor straight from the database (tests and tools).
     ///
     /// # Errors
     /// The database's error.
-    pub fn load(&self) -> Result<Loaded, StoreError> {
-        let conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
-        load(&conn).map_err(|source| StoreError::Sqlite {
-            path: self.path.clone(),
-            source,
-        })
-    }
-
-    /// Records an atespace.
-    pub async fn put_atespace(&self, name: String) -> Result<(), StoreError> {
-        self.run(move |c| {
-            c.execute("INSERT OR IGNORE INTO atespaces (name) VALUES (?1)", [name])
-                .map(drop)
-        })
-        .await
-    }
-
-    /// Forgets an atespace.
-    pub async fn delete_atespace(&self, name: String) -> Result<(), StoreError> {
-        self.run(move |c| {
-            c.execute("DELETE FROM atespaces WHERE name = ?1", [name])
-                .map(drop)
-        })
-        .await
-    }
-
-    /// Writes an actor (insert or replace).
-    pub async fn put_actor(&self, row: ActorRow) -> Result<(), StoreError> {
-        self.run(move |c| put_actor(c, &row)).await
-    }
-
-    /// Writes several actors in one transaction.
-    pub async fn put_actors(&self, rows: Vec<ActorRow>) -> Result<(), StoreError> {
-        if rows.is_empty() {
-            return Ok(());
-        }
-        self.run(move |c| {
-            c.execute_batch("BEGIN IMMEDIATE")?;
-            for row in &rows {
-                if let Err(e) = put_actor(c, row) {
-                    let _ = c.execute_batch("ROLLBACK");
-                    return Err(e);
-                }
-            }
-            c.execute_batch("COMMIT")
-        })
-        .await
-    }
-
-    /// Forgets an actor.
-    pub async fn delete_actor(&self, atespace: String, name: String) -> Result<(), StoreError> {
-        self.run(move |c| {
-            c.execute(
-                "DELETE FROM actors WHERE atespace = ?1 AND name = ?2",
-                params![atespace, name],
-            )
-            .map(drop)
-        })
-        .await
-    }
-
-    /// Reads one actor straight from the database (tests and tools).
-    pub async fn get_actor(
-        &self,
-        atespace: String,
-        name: String,
-    ) -> Result<Option<ActorRow>, StoreError> {
-        self.run(move |c| {
-            c.query_row(
-                &format!("{SELECT_ACTOR} WHERE atespace = ?1 AND name = ?2"),
-                params![atespace, name],
-                row_to_actor,
-            )
-            .optional()
-        })
-        .await
+    pub async fn get_actor(&self, key: &ActorKey) -> Result<Option<ActorRow>, StoreError> {
+        let (a, n) = (key.atespace().to_owned(), key.name().to_owned());
+        let found = self
+            .run(move |c| {
+                c.query_row(
+                    &format!("{SELECT_ACTOR} WHERE atespace = ?1 AND name = ?2"),
+                    params![a, n],
+                    row_to_actor,
+                )
+                .optional()
+            })
+            .await?;
+        Ok(found.and_then(|(row, status)| {
+            ActorStatus::from_wire(status).map(|status| ActorRow { status, ..row })
+        }))
     }
 }
 
@@ -226,7 +296,7 @@ fn put_actor(c: &Connection, row: &ActorRow) -> rusqlite::Result<()> {
             row.template_namespace,
             row.template,
             row.pool,
-            row.status,
+            row.status.wire(),
             row.version,
             row.worker,
             selector,
@@ -236,7 +306,9 @@ fn put_actor(c: &Connection, row: &ActorRow) -> rusqlite::Result<()> {
     .map(drop)
 }
 
-fn load(c: &Connection) -> rusqlite::Result<Loaded> {
+type RawActor = (ActorRow, i32);
+
+fn load(c: &mut Connection) -> rusqlite::Result<(Vec<String>, Vec<RawActor>)> {
     let mut atespaces = Vec::new();
     let mut stmt = c.prepare("SELECT name FROM atespaces ORDER BY name")?;
     for name in stmt.query_map([], |r| r.get::<_, String>(0))? {
@@ -247,23 +319,27 @@ fn load(c: &Connection) -> rusqlite::Result<Loaded> {
     for row in stmt.query_map([], row_to_actor)? {
         actors.push(row?);
     }
-    Ok(Loaded { atespaces, actors })
+    Ok((atespaces, actors))
 }
 
-fn row_to_actor(r: &rusqlite::Row<'_>) -> rusqlite::Result<ActorRow> {
-    Ok(ActorRow {
-        atespace: r.get(0)?,
-        name: r.get(1)?,
-        uid: r.get(2)?,
-        template_namespace: r.get(3)?,
-        template: r.get(4)?,
-        pool: r.get(5)?,
-        status: r.get(6)?,
-        version: r.get(7)?,
-        worker: r.get(8)?,
-        selector: decode_selector(&r.get::<_, String>(9)?),
-        revert_pending: r.get(10)?,
-    })
+/// The row, with its status as stored (checked by the caller).
+fn row_to_actor(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawActor> {
+    Ok((
+        ActorRow {
+            atespace: r.get(0)?,
+            name: r.get(1)?,
+            uid: r.get(2)?,
+            template_namespace: r.get(3)?,
+            template: r.get(4)?,
+            pool: r.get(5)?,
+            status: ActorStatus::Suspended,
+            version: r.get(7)?,
+            worker: r.get(8)?,
+            selector: decode_selector(&r.get::<_, String>(9)?),
+            revert_pending: r.get(10)?,
+        },
+        r.get(6)?,
+    ))
 }
 
 /// Labels as `k=v` lines; keys and values are label-like and never contain newlines.
@@ -294,7 +370,7 @@ mod tests {
             template_namespace: "default".into(),
             template: "counter".into(),
             pool: "counter".into(),
-            status: 4,
+            status: ActorStatus::Suspended,
             version: 1,
             worker: None,
             selector: vec![("workload".into(), "counter".into())],
@@ -305,23 +381,50 @@ mod tests {
     #[tokio::test]
     async fn survives_reopen() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(dir.path()).unwrap();
-        store.put_atespace("demo".into()).await.unwrap();
-        store.put_actor(row("p1")).await.unwrap();
+        let store = SqliteStore::open(dir.path()).unwrap();
         let mut p2 = row("p2");
         p2.worker = Some("w1".into());
-        p2.status = 2;
-        store.put_actors(vec![p2.clone()]).await.unwrap();
-        store.put_actor(row("gone")).await.unwrap();
+        p2.status = ActorStatus::Running;
         store
-            .delete_actor("demo".into(), "gone".into())
+            .write(Batch {
+                put_atespaces: vec!["demo".into()],
+                put_actors: vec![row("p1"), p2.clone(), row("gone")],
+                ..Batch::default()
+            })
+            .await
+            .unwrap();
+        store
+            .write(Batch {
+                delete_actors: vec![row("gone").key()],
+                ..Batch::default()
+            })
             .await
             .unwrap();
         drop(store);
 
-        let store = Store::open(dir.path()).unwrap();
-        let loaded = store.load().unwrap();
+        let store = SqliteStore::open(dir.path()).unwrap();
+        let loaded = store.load().await.unwrap();
         assert_eq!(loaded.atespaces, vec!["demo".to_owned()]);
         assert_eq!(loaded.actors, vec![row("p1"), p2]);
+    }
+
+    #[tokio::test]
+    async fn a_batch_is_one_transaction() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path()).unwrap();
+        store.write(Batch::put([row("p1")])).await.unwrap();
+        store.set_read_only(true).await.unwrap();
+        let mut p1 = row("p1");
+        p1.version = 2;
+        assert!(
+            store
+                .write(Batch::put([p1.clone(), row("p2")]))
+                .await
+                .is_err()
+        );
+        store.set_read_only(false).await.unwrap();
+        assert_eq!(store.load().await.unwrap().actors, vec![row("p1")]);
+        store.write(Batch::put([p1.clone()])).await.unwrap();
+        assert_eq!(store.get_actor(&p1.key()).await.unwrap(), Some(p1));
     }
 }

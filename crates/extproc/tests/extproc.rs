@@ -321,7 +321,7 @@ async fn other_messages_get_their_own_response_type() {
 /// plane and a real worker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parked_streams_released_when_a_worker_frees() {
-    use valet_load::cluster::{Cluster, ClusterConfig};
+    use valet_cluster::{Cluster, ClusterConfig};
     use valet_proto::ateapi::{self, control_client::ControlClient};
     let dir = tempfile::tempdir().unwrap();
     let cluster = Cluster::start(ClusterConfig::counter(dir.path().join("data"), 1))

@@ -9,7 +9,6 @@
 #![forbid(unsafe_code)]
 
 pub mod chart;
-pub mod cluster;
 pub mod generate;
 pub mod record;
 pub mod scenario;

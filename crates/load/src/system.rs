@@ -15,7 +15,7 @@ use valet_proto::ateapi::{self, control_client::ControlClient};
 use valet_proxy::{HttpServer, Limits};
 use valet_router::{GrpcControlPlane, Metrics, Router, RouterArgs};
 
-use crate::cluster::{Cluster, ClusterConfig, PoolSpec};
+use valet_cluster::{Cluster, ClusterConfig, PoolSpec};
 
 /// The default actor domain.
 pub const DOMAIN: &str = "actors.resources.substrate.ate.dev";

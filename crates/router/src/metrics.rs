@@ -8,18 +8,12 @@ use std::fmt;
 use std::time::Duration;
 
 use opentelemetry::KeyValue;
-use opentelemetry::metrics::{Counter, Gauge, Histogram, MeterProvider as _, UpDownCounter};
-use opentelemetry_sdk::metrics::SdkMeterProvider;
+use opentelemetry::metrics::{Counter, Gauge, Histogram, UpDownCounter};
+pub use valet_telemetry::sample_of;
+use valet_telemetry::{Registry, SECONDS_BUCKETS};
 
 /// The OpenTelemetry meter name.
 pub const METER: &str = "atenet-router";
-
-/// Bucket bounds (seconds) of the wait and decision histograms: fine below a second,
-/// where the fast path and most parks end, out to the longest decision.
-const SECONDS_BUCKETS: &[f64] = &[
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 7.5, 10.0,
-    15.0, 30.0, 60.0,
-];
 
 /// How a parked request's wait ended: the `outcome` label of
 /// `atenet.router.parking.wait.duration`.
@@ -59,8 +53,7 @@ impl fmt::Display for ParkOutcome {
 /// The instruments of one router, with their own registry (so routers in one process,
 /// as in tests, never share counts).
 pub struct Metrics {
-    registry: prometheus::Registry,
-    _provider: SdkMeterProvider,
+    registry: Registry,
     parking_active: UpDownCounter<i64>,
     parking_wait: Histogram<f64>,
     parking_rejected: Counter<u64>,
@@ -103,13 +96,8 @@ impl Default for Metrics {
 impl Metrics {
     /// Creates the instruments on a fresh registry.
     pub fn new() -> Self {
-        let registry = prometheus::Registry::new();
-        let exporter = opentelemetry_prometheus::exporter()
-            .with_registry(registry.clone())
-            .build()
-            .expect("a fresh registry accepts the exporter");
-        let provider = SdkMeterProvider::builder().with_reader(exporter).build();
-        let meter = provider.meter(METER);
+        let registry = Registry::new(METER);
+        let meter = registry.meter();
         Self {
             parking_active: meter
                 .i64_up_down_counter("atenet.router.parking.active")
@@ -160,7 +148,6 @@ impl Metrics {
                 .with_boundaries(SECONDS_BUCKETS.to_vec())
                 .build(),
             registry,
-            _provider: provider,
             recent_waits: std::sync::Mutex::new(std::collections::VecDeque::with_capacity(
                 RECENT_WAITS,
             )),
@@ -250,9 +237,7 @@ impl Metrics {
 
     /// Every metric as Prometheus text exposition (format 0.0.4).
     pub fn render(&self) -> String {
-        prometheus::TextEncoder::new()
-            .encode_to_string(&self.registry.gather())
-            .unwrap_or_else(|e| format!("# error encoding metrics: {e}\n"))
+        self.registry.render()
     }
 
     /// The value of one series of [`Self::render`]'s output: the sample called `name`
@@ -270,35 +255,6 @@ impl Drop for InProgress<'_> {
     fn drop(&mut self) {
         self.0.add(-1, &[]);
     }
-}
-
-/// Reads a sample out of Prometheus text: see [`Metrics::sample`].
-pub fn sample_of(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
-    let mut total = 0.0;
-    for line in text.lines() {
-        if line.starts_with('#') || line.is_empty() {
-            continue;
-        }
-        let Some((series, value)) = line.rsplit_once(' ') else {
-            continue;
-        };
-        let (series_name, series_labels) = match series.split_once('{') {
-            Some((n, rest)) => (n, rest.strip_suffix('}').unwrap_or(rest)),
-            None => (series, ""),
-        };
-        if series_name != name {
-            continue;
-        }
-        let pairs: Vec<(&str, &str)> = series_labels
-            .split(',')
-            .filter_map(|kv| kv.split_once('='))
-            .map(|(k, v)| (k, v.trim_matches('"')))
-            .collect();
-        if labels.iter().all(|want| pairs.contains(want)) {
-            total += value.parse::<f64>().unwrap_or(0.0);
-        }
-    }
-    total
 }
 
 #[cfg(test)]

@@ -257,7 +257,20 @@ pub(crate) struct UpArgs {
         value_name = "ON|OFF"
     )]
     pub(crate) capacity_wait: OnOff,
+
+    /// Where the embedded control plane serves /metrics, /healthz and /readyz; empty
+    /// turns it off.
+    #[arg(long, env = "VALET_METRICS_LISTEN", default_value = DEFAULT_UP_METRICS_LISTEN, value_name = "ADDR")]
+    pub(crate) metrics_listen: String,
+
+    /// On Ctrl-C, how long the control plane waits for restores and checkpoints in
+    /// progress.
+    #[arg(long, env = "VALET_SHUTDOWN_TIMEOUT", default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) shutdown_timeout: Duration,
 }
+
+/// Default `--metrics-listen` of `valet up`.
+pub(crate) const DEFAULT_UP_METRICS_LISTEN: &str = "127.0.0.1:7071";
 
 /// Default `--listen` of the control plane.
 pub(crate) const DEFAULT_CONTROL_PLANE_LISTEN: &str = "127.0.0.1:7070";
@@ -305,6 +318,26 @@ pub(crate) struct ControlPlaneArgs {
     /// How long a worker may take to restore an actor before it counts as crashed.
     #[arg(long, env = "VALET_RESTORE_TIMEOUT", default_value = "60s", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) restore_timeout: Duration,
+
+    /// How long a worker may take to checkpoint an actor before it counts as crashed.
+    #[arg(long, env = "VALET_CHECKPOINT_TIMEOUT", default_value = "60s", value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) checkpoint_timeout: Duration,
+
+    /// On SIGTERM: stop accepting, answer capacity waiters Unavailable, give restores and
+    /// checkpoints in progress this long, tell workers to detach (they keep their actors
+    /// running), exit 0.
+    #[arg(long, env = "VALET_SHUTDOWN_TIMEOUT", default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) shutdown_timeout: Duration,
+
+    /// Where to serve /metrics, /healthz and /readyz; off unless given (port 0 picks
+    /// one). Keep it on loopback or a private network.
+    #[arg(
+        long,
+        env = "VALET_METRICS_LISTEN",
+        default_value = "",
+        value_name = "ADDR"
+    )]
+    pub(crate) metrics_listen: String,
 
     /// After a restart, how long RUNNING actors' workers have to re-attach before the
     /// actors go back to SUSPENDED.

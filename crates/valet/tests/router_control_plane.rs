@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::time::Instant;
+use valet_cluster::{Cluster, ClusterConfig};
 use valet_control::Plane;
-use valet_load::cluster::{Cluster, ClusterConfig};
 use valet_proto::ateapi::{self, control_client::ControlClient};
 use valet_router::{Decision, GrpcControlPlane, Metrics, Router, RouterArgs};
 

@@ -43,6 +43,7 @@ async fn every_server_sets_nodelay_on_accepted_sockets() {
         ("extproc", up.extproc.unwrap()),
         ("admin", up.admin),
         ("control-plane", up.control_plane),
+        ("control-plane metrics", up.metrics),
         ("worker", worker),
     ] {
         check(pid, part, addr).await;

@@ -285,6 +285,14 @@ impl Agent {
                     self.evict(e);
                     continue;
                 }
+                Command::Detach(_) => {
+                    tracing::info!(
+                        worker = %self.id,
+                        hosting = ?self.hosting(),
+                        "the control plane is shutting down; keeping the actor and attaching again later"
+                    );
+                    return Ok(());
+                }
             };
             let reply = match result {
                 Ok(()) => wk::Reply {
@@ -308,6 +316,10 @@ impl Agent {
                 return Err(tonic::Status::unavailable("control plane stream closed"));
             }
         }
+    }
+
+    fn hosting(&self) -> Option<String> {
+        lock(&self.slot).as_ref().map(|h| h.actor.clone())
     }
 
     fn actor_dir(&self, slot: &wk::ActorSlot) -> Result<PathBuf, String> {

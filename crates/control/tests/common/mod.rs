@@ -10,7 +10,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
-use valet_control::{Plane, PlaneConfig, Store};
+use valet_control::{Plane, PlaneConfig, SqliteStore};
 use valet_proto::ateapi::{self, control_client::ControlClient};
 use valet_worker::{Worker, WorkerConfig};
 
@@ -38,8 +38,10 @@ pub async fn system(workers: usize, config: PlaneConfig) -> System {
 
 pub async fn system_with(workers: usize, config: PlaneConfig, restore_delay: Duration) -> System {
     let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(&dir.path().join("data")).unwrap();
-    let plane = Plane::open(store, config).await.unwrap();
+    let store = SqliteStore::open(&dir.path().join("data")).unwrap();
+    let plane = Plane::open(std::sync::Arc::new(store), config)
+        .await
+        .unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let stop = CancellationToken::new();
@@ -47,7 +49,8 @@ pub async fn system_with(workers: usize, config: PlaneConfig, restore_delay: Dur
         let plane = plane.clone();
         let stop = stop.clone();
         tokio::spawn(async move {
-            valet_control::serve(listener, plane, async move { stop.cancelled().await })
+            let stopped = async move { stop.cancelled().await };
+            valet_control::serve(listener, plane, stopped, Duration::from_secs(10))
                 .await
                 .unwrap();
         })

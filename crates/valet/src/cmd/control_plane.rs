@@ -1,28 +1,54 @@
 //! `valet control-plane`.
 
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use tokio::net::TcpListener;
-use valet_control::{Plane, PlaneConfig, Store};
+use tokio_util::sync::CancellationToken;
+use valet_control::{Plane, PlaneConfig, SqliteStore, Store};
 
+use crate::EXIT_CONFIG;
 use crate::cli::{ControlPlaneArgs, OnOff};
 
+/// Parses an optional listen address: empty is off.
+pub(crate) fn optional_listen(
+    flag: &str,
+    value: &str,
+) -> Result<Option<std::net::SocketAddr>, String> {
+    if value.is_empty() {
+        return Ok(None);
+    }
+    value.parse().map(Some).map_err(|_| {
+        format!(
+            "invalid configuration: {flag}={value}: must be <ip>:<port> (port 0 picks one), or empty to turn it off"
+        )
+    })
+}
+
 pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
-    let store = match Store::open(&args.data_dir) {
+    let metrics_listen = match optional_listen("--metrics-listen", &args.metrics_listen) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("valet control-plane: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let store = match SqliteStore::open(&args.data_dir) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("valet control-plane: {e}");
             return ExitCode::FAILURE;
         }
     };
+    let database = store.describe();
     let config = PlaneConfig {
         capacity_wait: args.capacity_wait == OnOff::On,
         templates: args.templates.clone(),
         restore_timeout: args.restore_timeout,
-        checkpoint_timeout: args.restore_timeout,
+        checkpoint_timeout: args.checkpoint_timeout,
         rejoin_grace: args.rejoin_grace,
     };
-    let plane = match Plane::open(store.clone(), config).await {
+    let plane = match Plane::open(Arc::new(store), config).await {
         Ok(p) => p,
         Err(e) => {
             eprintln!("valet control-plane: {e}");
@@ -36,17 +62,48 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let stop_metrics = CancellationToken::new();
+    let metrics = match metrics_listen {
+        Some(at) => match TcpListener::bind(at).await {
+            Ok(l) => {
+                let bound = l
+                    .local_addr()
+                    .map_or_else(|_| at.to_string(), |a| a.to_string());
+                println!("listening metrics {bound}");
+                Some(valet_control::admin::spawn(
+                    l,
+                    plane.clone(),
+                    stop_metrics.clone(),
+                ))
+            }
+            Err(e) => {
+                eprintln!("valet control-plane: cannot listen on --metrics-listen={at}: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+        None => None,
+    };
     let addr = listener
         .local_addr()
         .map_or_else(|_| args.listen.to_string(), |a| a.to_string());
     println!("listening control-plane {addr}");
     tracing::info!(
         %addr,
-        database = %store.path().display(),
+        %database,
         capacity_wait = args.capacity_wait == OnOff::On,
         "control plane serving"
     );
-    let result = valet_control::serve(listener, plane.clone(), crate::signal::terminated()).await;
+    let result = valet_control::serve(
+        listener,
+        plane.clone(),
+        crate::signal::terminated(),
+        args.shutdown_timeout,
+    )
+    .await;
+    stop_metrics.cancel();
+    if let Some(m) = metrics {
+        let _ = m.await;
+    }
     match result {
         Ok(()) => {
             tracing::info!("control plane stopped");

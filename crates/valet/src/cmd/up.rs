@@ -3,8 +3,8 @@
 
 use std::process::ExitCode;
 
+use valet_cluster::{Cluster, ClusterConfig, PoolSpec};
 use valet_control::{ActorKey, PlaneConfig};
-use valet_load::cluster::{Cluster, ClusterConfig, PoolSpec};
 
 use crate::EXIT_CONFIG;
 use crate::cli::{OnOff, UpArgs};
@@ -62,9 +62,14 @@ async fn up(mut args: UpArgs) -> Result<(), UpError> {
         .resolve()
         .map_err(|e| UpError::Config(e.to_string()))?;
 
+    let metrics_listen =
+        crate::cmd::control_plane::optional_listen("--metrics-listen", &args.metrics_listen)
+            .map_err(UpError::Config)?;
     let cluster = Cluster::start(ClusterConfig {
         data_dir: args.data_dir.clone(),
         listen: args.control_plane_listen,
+        metrics_listen,
+        shutdown_timeout: args.shutdown_timeout,
         plane: PlaneConfig {
             capacity_wait: args.capacity_wait == OnOff::On,
             ..PlaneConfig::default()
@@ -87,6 +92,9 @@ async fn up(mut args: UpArgs) -> Result<(), UpError> {
     .map_err(UpError::Start)?;
     let cp_addr = cluster.addr;
     println!("listening control-plane {cp_addr}");
+    if let Some(m) = cluster.metrics_addr {
+        println!("listening metrics {m}");
+    }
     let plane = cluster.plane.clone();
     let n = args.workers;
 

@@ -289,6 +289,8 @@ pub struct Up {
     pub router: SocketAddr,
     pub admin: SocketAddr,
     pub extproc: Option<SocketAddr>,
+    /// The control plane's probes and metrics.
+    pub metrics: SocketAddr,
     pub dir: tempfile::TempDir,
 }
 
@@ -314,6 +316,8 @@ impl Up {
             "--admin-listen",
             "127.0.0.1:0",
             "--extproc-listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
             "127.0.0.1:0",
             "--data-dir",
             data.to_str().unwrap(),
@@ -351,6 +355,7 @@ impl Up {
             router: found["router"],
             admin: found["admin"],
             extproc: found.get("extproc").copied(),
+            metrics: found["metrics"],
             dir,
         }
     }

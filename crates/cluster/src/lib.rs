@@ -1,14 +1,19 @@
-//! An embedded cluster: the reference control plane serving gRPC on loopback, with
-//! in-process workers attached to it. `valet up`, the scenarios and the tests that
-//! need a real control plane all start it the same way.
+//! An embedded cluster: the reference control plane serving gRPC on loopback (and its
+//! probes and metrics, if asked), with in-process workers attached to it. `valet up`,
+//! the scenarios and the tests that need a real control plane all start it the same
+//! way.
+
+#![forbid(unsafe_code)]
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use valet_control::{Plane, PlaneConfig, Store};
+use valet_control::plane::DEFAULT_SHUTDOWN_TIMEOUT;
+use valet_control::{Plane, PlaneConfig, SqliteStore};
 use valet_worker::{Worker, WorkerConfig};
 
 /// How long workers may take to join their pools.
@@ -49,6 +54,10 @@ pub struct ClusterConfig {
     pub restore_delay: Duration,
     /// The workers to start.
     pub pools: Vec<PoolSpec>,
+    /// Where the control plane serves `/metrics`, `/healthz` and `/readyz`, if at all.
+    pub metrics_listen: Option<SocketAddr>,
+    /// How long the control plane's shutdown waits for operations in progress.
+    pub shutdown_timeout: Duration,
 }
 
 impl ClusterConfig {
@@ -61,6 +70,8 @@ impl ClusterConfig {
             plane: PlaneConfig::default(),
             restore_delay: Duration::ZERO,
             pools: vec![PoolSpec::new("counter", workers)],
+            metrics_listen: None,
+            shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
         }
     }
 }
@@ -72,10 +83,13 @@ pub struct Cluster {
     pub plane: Plane,
     /// Where it serves gRPC.
     pub addr: SocketAddr,
+    /// Where it serves its probes and metrics, if it does.
+    pub metrics_addr: Option<SocketAddr>,
     /// Its workers, in the order of the pool specs.
     pub workers: Vec<Worker>,
     stop: CancellationToken,
     server: tokio::task::JoinHandle<()>,
+    metrics: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Cluster {
@@ -85,8 +99,8 @@ impl Cluster {
     /// # Errors
     /// When a part cannot start, naming it.
     pub async fn start(config: ClusterConfig) -> Result<Self, String> {
-        let store = Store::open(&config.data_dir).map_err(|e| e.to_string())?;
-        let plane = Plane::open(store, config.plane.clone())
+        let store = SqliteStore::open(&config.data_dir).map_err(|e| e.to_string())?;
+        let plane = Plane::open(Arc::new(store), config.plane.clone())
             .await
             .map_err(|e| e.to_string())?;
         let listener = TcpListener::bind(config.listen)
@@ -94,11 +108,23 @@ impl Cluster {
             .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
         let stop = CancellationToken::new();
+        let (metrics, metrics_addr) = match config.metrics_listen {
+            Some(at) => {
+                let l = TcpListener::bind(at)
+                    .await
+                    .map_err(|e| format!("cannot listen on --metrics-listen={at}: {e}"))?;
+                let bound = l.local_addr().map_err(|e| e.to_string())?;
+                let task = valet_control::admin::spawn(l, plane.clone(), stop.child_token());
+                (Some(task), Some(bound))
+            }
+            None => (None, None),
+        };
         let server = {
             let (plane, stop) = (plane.clone(), stop.clone());
+            let timeout = config.shutdown_timeout;
             tokio::spawn(async move {
                 let shutdown = async move { stop.cancelled().await };
-                if let Err(e) = valet_control::serve(listener, plane, shutdown).await {
+                if let Err(e) = valet_control::serve(listener, plane, shutdown, timeout).await {
                     tracing::error!(error = %e, "control plane failed");
                 }
             })
@@ -131,9 +157,11 @@ impl Cluster {
         Ok(Self {
             plane,
             addr,
+            metrics_addr,
             workers,
             stop,
             server,
+            metrics,
         })
     }
 
@@ -142,13 +170,17 @@ impl Cluster {
         format!("http://{}", self.addr)
     }
 
-    /// Stops the workers, then the control plane.
+    /// Shuts the control plane down cleanly (waiters answered, operations in progress
+    /// finished, workers detached), then stops the workers.
     pub async fn shutdown(self) {
+        self.stop.cancel();
+        let _ = self.server.await;
+        if let Some(m) = self.metrics {
+            let _ = m.await;
+        }
         for w in self.workers {
             w.shutdown().await;
         }
-        self.stop.cancel();
-        let _ = self.server.await;
         self.plane.close().await;
     }
 }

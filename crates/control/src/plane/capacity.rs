@@ -1,0 +1,195 @@
+//! Capacity: first-come queues per pool, and the hand-off of a freed worker to the
+//! oldest waiter.
+//!
+//! A waiting resume holds a [`Ticket`]; its queue entry goes when the ticket does, on
+//! every path. A worker handed over (or picked free) is a [`Reservation`] until the
+//! claim is durable; a reservation dropped unused passes its worker on to the next
+//! waiter, so a waiter cancelled during a hand-off never strands the worker.
+//!
+//! Rule: a [`Reservation`] is never dropped while the state lock is held (its drop
+//! takes the lock).
+
+use std::sync::atomic::Ordering;
+
+use tokio::sync::oneshot;
+
+use super::{Plane, Slot, State};
+use crate::model::ActorKey;
+
+/// A queue entry: a resume waiting for a worker of its pool.
+#[derive(Debug)]
+pub(crate) struct Waiter {
+    id: u64,
+    actor: ActorKey,
+    tx: oneshot::Sender<Reservation>,
+}
+
+impl Waiter {
+    /// Whether its resume still waits.
+    pub(crate) fn is_live(&self) -> bool {
+        !self.tx.is_closed()
+    }
+}
+
+/// A resume's place in its pool's queue; it leaves the queue when dropped.
+#[derive(Debug)]
+pub(crate) struct Ticket {
+    plane: Plane,
+    pool: String,
+    id: u64,
+    rx: Option<oneshot::Receiver<Reservation>>,
+}
+
+impl Ticket {
+    /// Resolves when a worker is handed to this ticket. Cancel-safe.
+    pub(crate) async fn handed(&mut self) -> Option<Reservation> {
+        match self.rx.as_mut() {
+            Some(rx) => rx.await.ok(),
+            None => None,
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        {
+            let mut st = self.plane.lock();
+            if let Some(q) = st.queues.get_mut(&self.pool)
+                && let Some(pos) = q.iter().position(|w| w.id == self.id)
+            {
+                q.remove(pos);
+            }
+        }
+        // Outside the lock: a worker handed to this ticket and never taken is passed on
+        // by its reservation's drop.
+        drop(self.rx.take());
+    }
+}
+
+/// A worker promised to one actor's activation, before the claim is durable.
+#[derive(Debug)]
+pub(crate) struct Reservation {
+    plane: Plane,
+    worker: String,
+    actor: ActorKey,
+    settled: bool,
+}
+
+impl Reservation {
+    /// The worker.
+    pub(crate) fn worker(&self) -> &str {
+        &self.worker
+    }
+
+    /// The claim is durable: the worker's slot follows the actor's row from now on.
+    pub(crate) fn claimed(mut self) {
+        self.settled = true;
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        let freed = {
+            let mut st = self.plane.lock();
+            match st.workers.get_mut(&self.worker) {
+                Some(w) if w.slot == Slot::Reserved(self.actor.clone()) => {
+                    w.slot = Slot::Free;
+                    true
+                }
+                _ => false,
+            }
+        };
+        if freed {
+            self.plane.hand_off(&self.worker);
+        }
+    }
+}
+
+impl State {
+    /// A free worker of `pool`, if any.
+    pub(crate) fn free_worker(&self, pool: &str) -> Option<String> {
+        self.workers
+            .iter()
+            .find(|(_, w)| w.pool == pool && w.slot == Slot::Free)
+            .map(|(id, _)| id.clone())
+    }
+}
+
+impl Plane {
+    /// Reserves free `worker` for `actor`.
+    pub(crate) fn reserve(&self, st: &mut State, worker: &str, actor: &ActorKey) -> Reservation {
+        if let Some(w) = st.workers.get_mut(worker) {
+            w.slot = Slot::Reserved(actor.clone());
+        }
+        Reservation {
+            plane: self.clone(),
+            worker: worker.to_owned(),
+            actor: actor.clone(),
+            settled: false,
+        }
+    }
+
+    /// Queues `actor` for the next worker of `pool` to free.
+    pub(crate) fn enqueue(&self, st: &mut State, pool: &str, actor: &ActorKey) -> Ticket {
+        let id = st.id();
+        let (tx, rx) = oneshot::channel();
+        st.queues
+            .entry(pool.to_owned())
+            .or_default()
+            .push_back(Waiter {
+                id,
+                actor: actor.clone(),
+                tx,
+            });
+        self.inner.stats.queued.fetch_add(1, Ordering::Relaxed);
+        Ticket {
+            plane: self.clone(),
+            pool: pool.to_owned(),
+            id,
+            rx: Some(rx),
+        }
+    }
+
+    /// Hands free `worker` to the oldest live waiter of its pool, if any; otherwise it
+    /// stays free. Call only after the change that freed it is durable, and never with
+    /// the state lock held.
+    pub(crate) fn hand_off(&self, worker: &str) {
+        loop {
+            let (waiter, reservation) = {
+                let mut st = self.lock();
+                let Some(w) = st.workers.get(worker) else {
+                    return;
+                };
+                if w.slot != Slot::Free {
+                    return;
+                }
+                let pool = w.pool.clone();
+                let Some(waiter) = st.queues.get_mut(&pool).and_then(|q| q.pop_front()) else {
+                    return;
+                };
+                let reservation = self.reserve(&mut st, worker, &waiter.actor);
+                (waiter, reservation)
+            };
+            match waiter.tx.send(reservation) {
+                Ok(()) => {
+                    self.inner.stats.handoffs.fetch_add(1, Ordering::Relaxed);
+                    self.metrics().handoff();
+                    return;
+                }
+                Err(mut unused) => {
+                    // That waiter left: take the worker back and try the next one.
+                    unused.settled = true;
+                    let mut st = self.lock();
+                    if let Some(w) = st.workers.get_mut(worker)
+                        && w.slot == Slot::Reserved(unused.actor.clone())
+                    {
+                        w.slot = Slot::Free;
+                    }
+                }
+            }
+        }
+    }
+}

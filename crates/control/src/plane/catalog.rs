@@ -1,0 +1,242 @@
+//! The catalog: atespaces and actor records (create, read, list, delete).
+
+use tonic::Status;
+use valet_proto::ateapi;
+
+use super::{DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, Op, OpKind, OpTarget, Plane, aborted, not_found};
+use crate::model::{self, ActorKey, ActorStatus};
+use crate::store::{ActorRow, Batch};
+
+impl Plane {
+    /// `CreateAtespace`.
+    pub async fn create_atespace(&self, name: &str) -> Result<ateapi::Atespace, Status> {
+        model::check_name("atespace", name)?;
+        let plane = self.clone();
+        let name = name.to_owned();
+        self.detached(async move {
+            let op = {
+                let mut st = plane.lock();
+                let target = OpTarget::Atespace(name.clone());
+                if st.atespaces.contains(&name) || st.ops.contains_key(&target) {
+                    return Err(Status::already_exists(format!(
+                        "atespace {name} already exists"
+                    )));
+                }
+                Op::take(&plane, &mut st, target, OpKind::Busy("creating"))
+            };
+            let batch = Batch {
+                put_atespaces: vec![name.clone()],
+                ..Batch::default()
+            };
+            plane.finish(op, batch).await?;
+            Ok(ateapi::Atespace { name })
+        })
+        .await
+    }
+
+    /// `GetAtespace`.
+    pub fn get_atespace(&self, name: &str) -> Result<ateapi::Atespace, Status> {
+        model::check_name("atespace", name)?;
+        if self.lock().atespaces.contains(name) {
+            Ok(ateapi::Atespace {
+                name: name.to_owned(),
+            })
+        } else {
+            Err(Status::not_found(format!("atespace {name} not found")))
+        }
+    }
+
+    /// `ListAtespaces`.
+    pub fn list_atespaces(&self) -> Vec<ateapi::Atespace> {
+        self.lock()
+            .atespaces
+            .iter()
+            .map(|n| ateapi::Atespace { name: n.clone() })
+            .collect()
+    }
+
+    /// `DeleteAtespace`: only an empty one.
+    pub async fn delete_atespace(&self, name: &str) -> Result<(), Status> {
+        model::check_name("atespace", name)?;
+        let plane = self.clone();
+        let name = name.to_owned();
+        self.detached(async move {
+            let op = {
+                let mut st = plane.lock();
+                if !st.atespaces.contains(&name) {
+                    return Err(Status::not_found(format!("atespace {name} not found")));
+                }
+                let target = OpTarget::Atespace(name.clone());
+                let busy_inside = st
+                    .ops
+                    .keys()
+                    .any(|t| matches!(t, OpTarget::Actor(k) if k.atespace() == name));
+                if st.ops.contains_key(&target) || busy_inside {
+                    return Err(aborted());
+                }
+                if st.actors.keys().any(|k| k.atespace() == name) {
+                    return Err(Status::failed_precondition(format!(
+                        "atespace {name} still has actors; delete them first"
+                    )));
+                }
+                Op::take(&plane, &mut st, target, OpKind::Busy("deleting"))
+            };
+            let batch = Batch {
+                delete_atespaces: vec![name.clone()],
+                ..Batch::default()
+            };
+            plane.finish(op, batch).await
+        })
+        .await
+    }
+
+    /// `CreateActor`: a SUSPENDED actor of `template_name` (whose pool it runs in).
+    pub async fn create_actor(
+        &self,
+        key: ActorKey,
+        template_namespace: &str,
+        template_name: &str,
+        selector: Vec<(String, String)>,
+    ) -> Result<ateapi::Actor, Status> {
+        let template = self.template(template_name).ok_or_else(|| {
+            Status::failed_precondition(format!(
+                "ActorTemplate {template_namespace}/{template_name} not found"
+            ))
+        })?;
+        let row = ActorRow {
+            atespace: key.atespace().to_owned(),
+            name: key.name().to_owned(),
+            uid: format!("{:016x}", rand::random::<u64>()),
+            template_namespace: template_namespace.to_owned(),
+            template: template.name().to_owned(),
+            pool: template.pool().to_owned(),
+            status: ActorStatus::Suspended,
+            version: 1,
+            worker: None,
+            selector,
+            revert_pending: false,
+        };
+        let plane = self.clone();
+        self.detached(async move {
+            let op = {
+                let mut st = plane.lock();
+                if !st.atespaces.contains(key.atespace()) {
+                    return Err(Status::failed_precondition(format!(
+                        "atespace {} not found; create it first",
+                        key.atespace()
+                    )));
+                }
+                if st
+                    .ops
+                    .contains_key(&OpTarget::Atespace(key.atespace().to_owned()))
+                {
+                    return Err(aborted());
+                }
+                if st.actors.contains_key(&key) || st.busy(&key).is_some() {
+                    return Err(Status::already_exists(format!(
+                        "actor {key} already exists"
+                    )));
+                }
+                Op::take(
+                    &plane,
+                    &mut st,
+                    OpTarget::Actor(key),
+                    OpKind::Busy("creating"),
+                )
+            };
+            plane.finish(op, Batch::put([row.clone()])).await?;
+            Ok(plane.lock().to_proto(&row))
+        })
+        .await
+    }
+
+    /// `GetActor`.
+    pub fn get_actor(&self, key: &ActorKey) -> Result<ateapi::Actor, Status> {
+        let st = self.lock();
+        let row = st.actors.get(key).ok_or_else(|| not_found(key))?;
+        Ok(st.to_proto(row))
+    }
+
+    /// One page of actors, ordered by `atespace/name`; `page_size` is clamped to
+    /// [`MAX_PAGE_SIZE`].
+    pub fn list_actors(
+        &self,
+        atespace: &str,
+        page_size: i32,
+        page_token: &str,
+    ) -> Result<(Vec<ateapi::Actor>, String), Status> {
+        if !atespace.is_empty() {
+            model::check_name("atespace", atespace)?;
+        }
+        let size = match usize::try_from(page_size) {
+            Ok(0) | Err(_) => DEFAULT_PAGE_SIZE,
+            Ok(n) => n.min(MAX_PAGE_SIZE),
+        };
+        let after = if page_token.is_empty() {
+            None
+        } else {
+            let (a, n) = page_token
+                .split_once('/')
+                .ok_or_else(|| Status::invalid_argument("invalid page_token"))?;
+            Some(ActorKey::new(a, n).map_err(|_| Status::invalid_argument("invalid page_token"))?)
+        };
+        let st = self.lock();
+        let mut page = Vec::with_capacity(size.min(st.actors.len()));
+        let mut last = None;
+        let mut more = false;
+        let range = match &after {
+            Some(k) => st.actors.range((
+                std::ops::Bound::Excluded(k.clone()),
+                std::ops::Bound::Unbounded,
+            )),
+            None => st.actors.range(..),
+        };
+        for (k, row) in range {
+            if !atespace.is_empty() && k.atespace() != atespace {
+                continue;
+            }
+            if page.len() == size {
+                more = true;
+                break;
+            }
+            page.push(st.to_proto(row));
+            last = Some(k.clone());
+        }
+        let token = match (more, last) {
+            (true, Some(k)) => k.to_string(),
+            _ => String::new(),
+        };
+        Ok((page, token))
+    }
+
+    /// `DeleteActor`: only SUSPENDED or CRASHED actors.
+    pub async fn delete_actor(&self, key: ActorKey) -> Result<(), Status> {
+        let plane = self.clone();
+        self.detached(async move {
+            let op = {
+                let mut st = plane.lock();
+                let status = st.actors.get(&key).ok_or_else(|| not_found(&key))?.status;
+                if st.busy(&key).is_some() {
+                    return Err(aborted());
+                }
+                if !matches!(status, ActorStatus::Suspended | ActorStatus::Crashed) {
+                    return Err(Status::failed_precondition(format!(
+                        "actor {key} is {status}; only SUSPENDED or CRASHED actors can be deleted"
+                    )));
+                }
+                Op::take(
+                    &plane,
+                    &mut st,
+                    OpTarget::Actor(key.clone()),
+                    OpKind::Busy("deleting"),
+                )
+            };
+            let batch = Batch {
+                delete_actors: vec![key],
+                ..Batch::default()
+            };
+            plane.finish(op, batch).await
+        })
+        .await
+    }
+}

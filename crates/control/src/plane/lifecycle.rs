@@ -1,0 +1,409 @@
+//! An actor's life on a worker: resume (claim a worker, restore, RUNNING), suspend
+//! (checkpoint, free the worker), revert, and settling an actor an earlier operation
+//! left half-way (a write that failed after the worker acted).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tonic::Status;
+use valet_proto::ateapi;
+use valet_proto::worker::{self as wk, worker_command::Command};
+
+use super::capacity::{Reservation, Ticket};
+use super::{
+    Op, OpKind, OpTarget, Outcome, Plane, aborted, crashed, no_room, not_found, shutting_down,
+    slot_of,
+};
+use crate::link::LinkError;
+use crate::model::{ActorKey, ActorStatus, Template};
+use crate::store::{ActorRow, Batch};
+
+/// How a resume gets its worker.
+enum Start {
+    Reserved(Reservation),
+    Queued(Ticket, Duration),
+}
+
+/// Why a resume's activation produced no outcome.
+enum NoOutcome {
+    /// Every caller left while it waited for capacity.
+    CallersLeft,
+}
+
+impl Plane {
+    /// `ResumeActor`: see `control-plane.md`. Returns the actor and whether this call
+    /// did the activation.
+    pub async fn resume_actor(
+        &self,
+        key: ActorKey,
+        wait_for_capacity: Option<Duration>,
+    ) -> Result<(ateapi::Actor, bool), Status> {
+        let started = Instant::now();
+        let stats = &self.inner.stats;
+        stats.resume_calls.fetch_add(1, Ordering::Relaxed);
+        *stats
+            .per_actor
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(key.clone())
+            .or_default() += 1;
+        self.inner.changed.send_modify(|v| *v += 1);
+        let wait = wait_for_capacity.filter(|d| !d.is_zero() && self.config().capacity_wait);
+        let result = self.resume(&key, wait).await;
+        self.metrics().resumed(&result, started.elapsed());
+        result
+    }
+
+    async fn resume(&self, key: &ActorKey, wait: Option<Duration>) -> Outcome {
+        // A resume that joined a wait whose callers all left just before it joined
+        // finds no outcome: it starts over (at most once more).
+        for _ in 0..2 {
+            let mut outcome = {
+                let mut st = self.lock();
+                let row = st.actors.get(key).ok_or_else(|| not_found(key))?;
+                match st.busy(key) {
+                    Some(OpKind::Resuming {
+                        outcome,
+                        joinable: true,
+                    }) => outcome.subscribe(),
+                    Some(_) => return Err(aborted()),
+                    None => match row.status {
+                        ActorStatus::Running => {
+                            let connected = row
+                                .worker
+                                .as_ref()
+                                .is_some_and(|w| st.workers.contains_key(w));
+                            if !connected {
+                                return Err(Status::unavailable(format!(
+                                    "the worker of actor {key} has not re-attached yet"
+                                )));
+                            }
+                            return Ok((st.to_proto(row), false));
+                        }
+                        ActorStatus::Crashed => return Err(crashed()),
+                        ActorStatus::Suspended
+                        | ActorStatus::Resuming
+                        | ActorStatus::Suspending => {
+                            if self.is_shutting_down() {
+                                return Err(shutting_down());
+                            }
+                            let tx = Arc::new(watch::Sender::new(None));
+                            let rx = tx.subscribe();
+                            let op = Op::take(
+                                self,
+                                &mut st,
+                                OpTarget::Actor(key.clone()),
+                                OpKind::Resuming {
+                                    outcome: Arc::clone(&tx),
+                                    joinable: true,
+                                },
+                            );
+                            drop(st);
+                            self.spawn_activation(op, key.clone(), wait, tx);
+                            rx
+                        }
+                    },
+                }
+            };
+            if let Ok(o) = outcome.wait_for(Option::is_some).await {
+                return o.clone().expect("waited for Some");
+            }
+        }
+        Err(Status::unavailable(format!(
+            "the resume of actor {key} was abandoned; try again"
+        )))
+    }
+
+    fn spawn_activation(
+        &self,
+        op: Op,
+        key: ActorKey,
+        wait: Option<Duration>,
+        tx: Arc<watch::Sender<Option<Outcome>>>,
+    ) {
+        let plane = self.clone();
+        self.inner.tasks.spawn(async move {
+            // The operation lock is released inside, before the outcome is published,
+            // so a caller that sees it can operate on the actor at once.
+            if let Ok(outcome) = plane.activate(op, &key, wait, &tx).await {
+                tx.send_replace(Some(outcome));
+            }
+        });
+    }
+
+    /// One activation: settle what an earlier operation left half-way, get a worker
+    /// (free, or handed over from the queue), claim it durably, restore, and record the
+    /// result.
+    async fn activate(
+        &self,
+        op: Op,
+        key: &ActorKey,
+        wait: Option<Duration>,
+        tx: &watch::Sender<Option<Outcome>>,
+    ) -> Result<Outcome, NoOutcome> {
+        let Some(row) = self.lock().actors.get(key).cloned() else {
+            return Ok(Err(not_found(key)));
+        };
+        let row = if row.status.is_transitional() {
+            match self.settle(&op, row).await {
+                Ok(r) => r,
+                Err(e) => return Ok(Err(e)),
+            }
+        } else {
+            row
+        };
+        let start = {
+            let mut st = self.lock();
+            match st.free_worker(&row.pool) {
+                Some(w) => Start::Reserved(self.reserve(&mut st, &w, key)),
+                None => match wait {
+                    Some(d) => Start::Queued(self.enqueue(&mut st, &row.pool, key), d),
+                    None => return Ok(Err(no_room())),
+                },
+            }
+        };
+        let reservation = match start {
+            Start::Reserved(r) => r,
+            Start::Queued(mut ticket, wait) => {
+                let handed = tokio::select! {
+                    r = ticket.handed() => r,
+                    () = tokio::time::sleep(wait) => None,
+                    () = tx.closed() => return Err(NoOutcome::CallersLeft),
+                    () = self.inner.shutdown.cancelled() => return Ok(Err(shutting_down())),
+                };
+                match handed {
+                    Some(r) => r,
+                    None => return Ok(Err(no_room())),
+                }
+            }
+        };
+        op.stop_joining();
+        self.inner.stats.activations.fetch_add(1, Ordering::Relaxed);
+        let claimed = row.moved(ActorStatus::Resuming, Some(reservation.worker().to_owned()));
+        if let Err(e) = self.step(&op, Batch::put([claimed.clone()])).await {
+            // The reservation passes the worker on as it drops.
+            return Ok(Err(e));
+        }
+        reservation.claimed();
+        let started = Instant::now();
+        let result = self.restore(key, &claimed).await;
+        self.metrics().operation("restore", started.elapsed());
+        Ok(self.after_restore(op, key, claimed, result).await)
+    }
+
+    async fn restore(&self, key: &ActorKey, row: &ActorRow) -> Result<(), LinkError> {
+        let worker = row.worker.clone().unwrap_or_default();
+        let Some(link) = self
+            .lock()
+            .workers
+            .get(&worker)
+            .map(|w| Arc::clone(&w.link))
+        else {
+            return Err(LinkError::Gone);
+        };
+        let app = self
+            .template(&row.template)
+            .map_or("counter", Template::app)
+            .to_owned();
+        let cmd = Command::Restore(wk::Restore {
+            actor: Some(slot_of(key, row)),
+            revert: row.revert_pending,
+            app,
+        });
+        link.call(cmd, self.config().restore_timeout).await
+    }
+
+    async fn after_restore(
+        &self,
+        op: Op,
+        key: &ActorKey,
+        claimed: ActorRow,
+        result: Result<(), LinkError>,
+    ) -> Outcome {
+        let worker = claimed.worker.clone().unwrap_or_default();
+        match result {
+            Ok(()) => {
+                let mut running = claimed.moved(ActorStatus::Running, claimed.worker.clone());
+                running.revert_pending = false;
+                self.finish(op, Batch::put([running.clone()])).await?;
+                tracing::info!(actor = %key, worker, "actor RUNNING");
+                Ok((self.lock().to_proto(&running), true))
+            }
+            Err(LinkError::Gone) => {
+                tracing::warn!(actor = %key, worker, "worker went away during restore");
+                let back = claimed.moved(ActorStatus::Suspended, None);
+                self.finish(op, Batch::put([back])).await?;
+                Err(Status::unavailable(format!(
+                    "the worker restoring actor {key} went away"
+                )))
+            }
+            Err(e) => {
+                tracing::warn!(actor = %key, worker, error = %e, "restore failed; actor CRASHED");
+                self.evict(&worker, key, &claimed);
+                let crashed_row = claimed.moved(ActorStatus::Crashed, None);
+                self.finish(op, Batch::put([crashed_row])).await?;
+                Err(crashed())
+            }
+        }
+    }
+
+    /// Tells `worker` to drop `key`, if it is attached (no answer awaited).
+    fn evict(&self, worker: &str, key: &ActorKey, row: &ActorRow) {
+        if let Some(w) = self.lock().workers.get(worker) {
+            w.link.notify(Command::Evict(wk::Evict {
+                actor: Some(slot_of(key, row)),
+            }));
+        }
+    }
+
+    /// An actor an earlier operation left half-way (RESUMING or SUSPENDING with no
+    /// operation on it: a write failed after the worker acted) goes back to SUSPENDED
+    /// from its last snapshot, as a restart would do, freeing its worker.
+    async fn settle(&self, op: &Op, row: ActorRow) -> Result<ActorRow, Status> {
+        let key = row.key();
+        if let Some(worker) = &row.worker {
+            self.evict(worker, &key, &row);
+        }
+        let back = row.moved(ActorStatus::Suspended, None);
+        self.step(op, Batch::put([back.clone()])).await?;
+        tracing::warn!(actor = %key, was = %row.status, "actor left half-way by an earlier operation; back to SUSPENDED from its last snapshot");
+        Ok(back)
+    }
+
+    /// `SuspendActor`: RUNNING → SUSPENDING → checkpoint → SUSPENDED, freeing the worker
+    /// (a capacity event). A suspended actor is left as it is.
+    pub async fn suspend_actor(&self, key: ActorKey) -> Result<ateapi::Actor, Status> {
+        let plane = self.clone();
+        self.detached(async move {
+            let started = Instant::now();
+            let (op, row) = {
+                let mut st = plane.lock();
+                let row = st.actors.get(&key).ok_or_else(|| not_found(&key))?.clone();
+                if st.busy(&key).is_some() {
+                    return Err(aborted());
+                }
+                match row.status {
+                    ActorStatus::Suspended => return Ok(st.to_proto(&row)),
+                    ActorStatus::Running | ActorStatus::Resuming | ActorStatus::Suspending => {}
+                    ActorStatus::Crashed => {
+                        return Err(Status::failed_precondition(format!(
+                            "actor {key} is {}; only RUNNING actors can be suspended",
+                            row.status
+                        )));
+                    }
+                }
+                let op = Op::take(
+                    &plane,
+                    &mut st,
+                    OpTarget::Actor(key.clone()),
+                    OpKind::Busy("suspending"),
+                );
+                (op, row)
+            };
+            if row.status.is_transitional() {
+                let back = plane.settle(&op, row).await?;
+                drop(op);
+                return Ok(plane.lock().to_proto(&back));
+            }
+            let suspending = row.moved(ActorStatus::Suspending, row.worker.clone());
+            plane.step(&op, Batch::put([suspending.clone()])).await?;
+            let result = plane.checkpoint(&key, &suspending).await;
+            let outcome = plane.after_checkpoint(op, &key, suspending, result).await;
+            plane.metrics().operation("suspend", started.elapsed());
+            outcome
+        })
+        .await
+    }
+
+    async fn checkpoint(&self, key: &ActorKey, row: &ActorRow) -> Result<(), LinkError> {
+        let worker = row.worker.clone().unwrap_or_default();
+        let Some(link) = self
+            .lock()
+            .workers
+            .get(&worker)
+            .map(|w| Arc::clone(&w.link))
+        else {
+            return Err(LinkError::Gone);
+        };
+        let full = self
+            .template(&row.template)
+            .is_some_and(Template::full_snapshot);
+        let cmd = Command::Checkpoint(wk::Checkpoint {
+            actor: Some(slot_of(key, row)),
+            full,
+        });
+        link.call(cmd, self.config().checkpoint_timeout).await
+    }
+
+    async fn after_checkpoint(
+        &self,
+        op: Op,
+        key: &ActorKey,
+        suspending: ActorRow,
+        result: Result<(), LinkError>,
+    ) -> Result<ateapi::Actor, Status> {
+        let worker = suspending.worker.clone().unwrap_or_default();
+        match result {
+            Ok(()) | Err(LinkError::Gone) => {
+                if result.is_err() {
+                    tracing::warn!(actor = %key, worker, "worker went away during checkpoint; actor back to its last snapshot");
+                }
+                let done = suspending.moved(ActorStatus::Suspended, None);
+                self.finish(op, Batch::put([done.clone()])).await?;
+                tracing::info!(actor = %key, worker, "actor SUSPENDED");
+                Ok(self.lock().to_proto(&done))
+            }
+            Err(e) => {
+                tracing::warn!(actor = %key, worker, error = %e, "checkpoint failed; actor CRASHED");
+                self.evict(&worker, key, &suspending);
+                let done = suspending.moved(ActorStatus::Crashed, None);
+                self.finish(op, Batch::put([done])).await?;
+                Err(Status::internal(format!(
+                    "checkpoint of actor {key} failed: {e}"
+                )))
+            }
+        }
+    }
+
+    /// `RevertActor`: CRASHED → SUSPENDED; its next restore starts from the last good
+    /// snapshot.
+    pub async fn revert_actor(&self, key: ActorKey) -> Result<ateapi::Actor, Status> {
+        let plane = self.clone();
+        self.detached(async move {
+            let (op, row) = {
+                let mut st = plane.lock();
+                let row = st.actors.get(&key).ok_or_else(|| not_found(&key))?.clone();
+                match st.busy(&key) {
+                    Some(OpKind::Resuming { .. }) => {
+                        return Err(Status::failed_precondition(format!(
+                            "actor {key} is STATUS_RESUMING; wait for the resume to finish"
+                        )));
+                    }
+                    Some(OpKind::Busy(_)) => return Err(aborted()),
+                    None => {}
+                }
+                if row.status != ActorStatus::Crashed {
+                    return Err(Status::failed_precondition(format!(
+                        "actor {key} is {}; only CRASHED actors can be reverted",
+                        row.status
+                    )));
+                }
+                let op = Op::take(
+                    &plane,
+                    &mut st,
+                    OpTarget::Actor(key.clone()),
+                    OpKind::Busy("reverting"),
+                );
+                (op, row)
+            };
+            let mut reverted = row.moved(ActorStatus::Suspended, None);
+            reverted.revert_pending = true;
+            plane.finish(op, Batch::put([reverted.clone()])).await?;
+            Ok(plane.lock().to_proto(&reverted))
+        })
+        .await
+    }
+}

@@ -1,0 +1,268 @@
+//! Workers joining and leaving their pools, and the rejoin grace after a restart.
+//!
+//! A worker that leaves (its stream ended) takes nothing with it: its actor goes back
+//! to SUSPENDED from its last snapshot through an operation of its own, unless an
+//! operation on that actor is in progress (which then sees the worker gone).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tonic::Status;
+use valet_proto::ateapi;
+use valet_proto::worker::{self as wk, worker_command::Command};
+
+use super::{Op, OpKind, OpTarget, Plane, Slot, WorkerRec};
+use crate::link::WorkerLink;
+use crate::model::{self, ActorKey, ActorStatus, NAMESPACE};
+use crate::store::{ActorRow, Batch};
+
+impl Plane {
+    /// A worker attached (or re-attached). Returns whether it keeps the actor it
+    /// reported; one it may not keep is evicted.
+    pub(crate) fn worker_joined(
+        &self,
+        join: &wk::Join,
+        link: Arc<WorkerLink>,
+    ) -> Result<bool, Status> {
+        if join.worker_id.is_empty() || join.worker_id.len() > 128 {
+            return Err(Status::invalid_argument(
+                "worker_id must be 1-128 characters",
+            ));
+        }
+        model::check_name("pool", &join.pool)?;
+        let app_addr: SocketAddr = join.app_address.parse().map_err(|_| {
+            Status::invalid_argument(format!("app_address {:?} is not ip:port", join.app_address))
+        })?;
+        let hosting = match &join.hosting {
+            Some(h) if !h.name.is_empty() => Some(ActorKey::new(&h.atespace, &h.name)?),
+            _ => None,
+        };
+        let id = join.worker_id.clone();
+        let (kept, stale, free) = {
+            let mut st = self.lock();
+            let previous = st.workers.remove(&id);
+            if let Some(old) = &previous {
+                old.link.close();
+            }
+            let kept = hosting.filter(|k| {
+                st.actors.get(k).is_some_and(|r| {
+                    r.status == ActorStatus::Running && r.worker.as_deref() == Some(id.as_str())
+                }) && st.busy(k).is_none()
+            });
+            if let (Some(h), None) = (&join.hosting, &kept)
+                && !h.name.is_empty()
+            {
+                link.notify(Command::Evict(wk::Evict {
+                    actor: Some(h.clone()),
+                }));
+            }
+            // A reservation made on the previous stream stays with its activation.
+            let slot = match (&kept, previous.map(|p| p.slot)) {
+                (Some(k), _) => Slot::Hosting(k.clone()),
+                (None, Some(Slot::Reserved(k))) => Slot::Reserved(k),
+                _ => Slot::Free,
+            };
+            let free = slot == Slot::Free;
+            st.workers.insert(
+                id.clone(),
+                WorkerRec {
+                    pool: join.pool.clone(),
+                    app_addr,
+                    slot,
+                    link,
+                },
+            );
+            tracing::info!(
+                worker = %id,
+                pool = %join.pool,
+                app = %app_addr,
+                hosting = ?kept.as_ref().map(ToString::to_string),
+                workers = st.pool_size(&join.pool),
+                "worker joined pool"
+            );
+            // Actors the records place on this worker that it no longer hosts (it
+            // restarted) go back to SUSPENDED from their last snapshot.
+            let stale: Vec<ActorRow> = st
+                .actors
+                .iter()
+                .filter(|(k, r)| {
+                    r.status == ActorStatus::Running
+                        && r.worker.as_deref() == Some(id.as_str())
+                        && kept.as_ref() != Some(*k)
+                        && st.busy(k).is_none()
+                })
+                .map(|(_, r)| r.clone())
+                .collect();
+            let ops: Vec<Op> = stale
+                .iter()
+                .map(|r| {
+                    Op::take(
+                        self,
+                        &mut st,
+                        OpTarget::Actor(r.key()),
+                        OpKind::Busy("releasing"),
+                    )
+                })
+                .collect();
+            (kept, (ops, stale), free)
+        };
+        let (ops, rows) = stale;
+        if !rows.is_empty() {
+            self.spawn_release(ops, rows, "worker re-attached without it");
+        }
+        if free {
+            self.hand_off(&id);
+        }
+        Ok(kept.is_some())
+    }
+
+    /// Writes `rows` back to SUSPENDED (worker released) under their operation locks,
+    /// detached.
+    fn spawn_release(&self, ops: Vec<Op>, rows: Vec<ActorRow>, why: &'static str) {
+        let rows: Vec<ActorRow> = rows
+            .into_iter()
+            .map(|r| r.moved(ActorStatus::Suspended, None))
+            .collect();
+        let plane = self.clone();
+        self.inner.tasks.spawn(async move {
+            let keys: Vec<String> = rows.iter().map(|r| r.key().to_string()).collect();
+            if plane.finish_all(ops, Batch::put(rows)).await.is_ok() {
+                for actor in keys {
+                    tracing::warn!(%actor, why, "actor back to SUSPENDED from its last snapshot");
+                }
+            }
+        });
+    }
+
+    /// A worker's stream ended: the pool shrinks and its actor goes back to SUSPENDED
+    /// from its last snapshot (unless an operation in progress on it handles that).
+    pub(crate) fn worker_left(&self, worker: &str, link: &Arc<WorkerLink>) {
+        let released = {
+            let mut st = self.lock();
+            let current = st
+                .workers
+                .get(worker)
+                .is_some_and(|w| Arc::ptr_eq(&w.link, link));
+            if !current {
+                return;
+            }
+            let rec = st.workers.remove(worker).expect("checked above");
+            let left = st.pool_size(&rec.pool);
+            let mut released = None;
+            if let Slot::Hosting(key) = &rec.slot
+                && st.busy(key).is_none()
+                && let Some(row) = st.actors.get(key)
+                && row.status == ActorStatus::Running
+            {
+                let row = row.clone();
+                let op = Op::take(
+                    self,
+                    &mut st,
+                    OpTarget::Actor(key.clone()),
+                    OpKind::Busy("releasing"),
+                );
+                released = Some((op, row));
+            }
+            tracing::warn!(
+                worker,
+                pool = %rec.pool,
+                workers_left = left,
+                actor = ?released.as_ref().map(|(_, r)| r.key().to_string()),
+                "worker left its pool"
+            );
+            released
+        };
+        if let Some((op, row)) = released {
+            self.spawn_release(vec![op], vec![row], "its worker left");
+        }
+    }
+
+    /// After `rejoin_grace`, RUNNING actors whose worker has not re-attached go back to
+    /// SUSPENDED. Cancelled by shutdown.
+    pub(super) fn spawn_rejoin_deadline(&self) {
+        let plane = self.clone();
+        let grace = self.config().rejoin_grace;
+        self.inner.chores.spawn(async move {
+            tokio::select! {
+                () = tokio::time::sleep(grace) => {}
+                () = plane.inner.shutdown.cancelled() => return,
+            }
+            let (ops, rows) = {
+                let mut st = plane.lock();
+                let stale: Vec<ActorRow> = st
+                    .actors
+                    .iter()
+                    .filter(|(k, r)| {
+                        r.status == ActorStatus::Running
+                            && st.busy(k).is_none()
+                            && !r
+                                .worker
+                                .as_ref()
+                                .is_some_and(|w| st.workers.contains_key(w))
+                    })
+                    .map(|(_, r)| r.clone())
+                    .collect();
+                let ops: Vec<Op> = stale
+                    .iter()
+                    .map(|r| {
+                        Op::take(
+                            &plane,
+                            &mut st,
+                            OpTarget::Actor(r.key()),
+                            OpKind::Busy("releasing"),
+                        )
+                    })
+                    .collect();
+                (ops, stale)
+            };
+            if !rows.is_empty() {
+                plane.spawn_release(ops, rows, "its worker did not re-attach after the restart");
+            }
+        });
+    }
+
+    /// Tells every attached worker to detach: it keeps its actor running and attaches
+    /// again when a control plane comes back.
+    pub(super) fn detach_workers(&self) {
+        let links: Vec<Arc<WorkerLink>> = self
+            .lock()
+            .workers
+            .values()
+            .map(|w| Arc::clone(&w.link))
+            .collect();
+        for link in links {
+            link.detach();
+        }
+    }
+
+    /// `ListWorkers`.
+    pub fn list_workers(&self) -> Vec<ateapi::Worker> {
+        let st = self.lock();
+        st.workers
+            .iter()
+            .map(|(id, w)| {
+                let actor = match &w.slot {
+                    Slot::Hosting(k) | Slot::Reserved(k) => st.actors.get(k).map(|r| (k, r)),
+                    Slot::Free => None,
+                };
+                ateapi::Worker {
+                    worker_namespace: NAMESPACE.into(),
+                    worker_pool: w.pool.clone(),
+                    worker_pod: id.clone(),
+                    actor_namespace: actor
+                        .map(|(_, r)| r.template_namespace.clone())
+                        .unwrap_or_default(),
+                    actor_template: actor.map(|(_, r)| r.template.clone()).unwrap_or_default(),
+                    actor_id: actor.map(|(k, _)| k.name().to_owned()).unwrap_or_default(),
+                    ip: w.app_addr.to_string(),
+                    version: actor.map(|(_, r)| r.version).unwrap_or_default(),
+                    worker_pod_uid: id.clone(),
+                    node_name: "localhost".into(),
+                    actor_atespace: actor
+                        .map(|(k, _)| k.atespace().to_owned())
+                        .unwrap_or_default(),
+                }
+            })
+            .collect()
+    }
+}

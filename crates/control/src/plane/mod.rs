@@ -1,0 +1,615 @@
+//! The reference control plane's state machine, split along its seams:
+//!
+//! - [`op`]: the per-actor operation lock ([`op::Op`], released on drop) and the one
+//!   method that orders every step ([`Plane::step`] / [`Plane::finish`]: durable write,
+//!   then memory, then the lock, then freed workers to the oldest waiters);
+//! - [`capacity`]: first-come capacity queues, whose entries are tickets removed on
+//!   drop, and reservations that pass a worker on when not used;
+//! - [`catalog`]: atespaces and actor records;
+//! - [`lifecycle`]: resume (restore), suspend (checkpoint), revert, and settling an
+//!   actor an earlier step left half-way;
+//! - [`membership`]: workers joining and leaving, the rejoin grace after a restart.
+//!
+//! Memory is the working copy; the [`Store`] is the record. Every mutating RPC runs
+//! detached on the plane's task tracker, so a caller that goes away never leaves an
+//! operation half-done. The state lock is a plain mutex, never held across an `.await`.
+
+mod capacity;
+mod catalog;
+mod lifecycle;
+mod membership;
+mod op;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::{oneshot, watch};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tonic::Status;
+use valet_proto::ateapi;
+use valet_proto::worker as wk;
+
+use crate::link::WorkerLink;
+use crate::metrics::PlaneMetrics;
+use crate::model::{self, ActorKey, ActorStatus, NAMESPACE, Template};
+use crate::store::{ActorRow, Batch, Store, StoreError};
+
+pub(crate) use capacity::Waiter;
+pub(crate) use op::{Op, OpKind, OpTarget};
+
+/// Largest `ListActors` page; bigger requests are clamped.
+pub const MAX_PAGE_SIZE: usize = 1000;
+/// `ListActors` page size when none is asked.
+pub const DEFAULT_PAGE_SIZE: usize = 100;
+
+/// How the control plane behaves.
+#[derive(Debug, Clone)]
+pub struct PlaneConfig {
+    /// Honour `wait_for_capacity` (`--capacity-wait`); off behaves like a server
+    /// without the extension.
+    pub capacity_wait: bool,
+    /// Known templates (the `counter` and `echo` templates are always there).
+    pub templates: Vec<Template>,
+    /// How long a worker may take to restore an actor.
+    pub restore_timeout: Duration,
+    /// How long a worker may take to checkpoint an actor.
+    pub checkpoint_timeout: Duration,
+    /// After a restart, how long a RUNNING actor's worker has to re-attach before the
+    /// actor is released to SUSPENDED.
+    pub rejoin_grace: Duration,
+}
+
+/// Default `--restore-timeout` and `--checkpoint-timeout`.
+pub const DEFAULT_WORKER_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default `--rejoin-grace`.
+pub const DEFAULT_REJOIN_GRACE: Duration = Duration::from_secs(10);
+/// Default `--shutdown-timeout`.
+pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl Default for PlaneConfig {
+    fn default() -> Self {
+        Self {
+            capacity_wait: true,
+            templates: vec![Template::counter()],
+            restore_timeout: DEFAULT_WORKER_TIMEOUT,
+            checkpoint_timeout: DEFAULT_WORKER_TIMEOUT,
+            rejoin_grace: DEFAULT_REJOIN_GRACE,
+        }
+    }
+}
+
+/// Counters of the control plane's own work, for tests and benchmarks.
+#[derive(Debug, Default)]
+pub(crate) struct Stats {
+    resume_calls: AtomicU64,
+    activations: AtomicU64,
+    handoffs: AtomicU64,
+    queued: AtomicU64,
+    per_actor: Mutex<HashMap<ActorKey, u64>>,
+}
+
+/// A copy of the plane's counters.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StatsSnapshot {
+    /// `ResumeActor` calls received.
+    pub resume_calls: u64,
+    /// Resumes that restored an actor on a worker.
+    pub activations: u64,
+    /// Workers handed to a capacity waiter the moment they freed.
+    pub handoffs: u64,
+    /// Resumes that waited in a capacity queue.
+    pub queued: u64,
+}
+
+/// What a resume comes to: the actor and whether this call activated it.
+pub(crate) type Outcome = Result<(ateapi::Actor, bool), Status>;
+
+/// What a worker's slot holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Slot {
+    /// Nothing: the worker has room.
+    Free,
+    /// Promised to an activation whose claim is not durable yet.
+    Reserved(ActorKey),
+    /// The actor the records place on it.
+    Hosting(ActorKey),
+}
+
+#[derive(Debug)]
+pub(crate) struct WorkerRec {
+    pub(crate) pool: String,
+    pub(crate) app_addr: SocketAddr,
+    pub(crate) slot: Slot,
+    pub(crate) link: Arc<WorkerLink>,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct State {
+    pub(crate) atespaces: BTreeSet<String>,
+    pub(crate) actors: BTreeMap<ActorKey, ActorRow>,
+    pub(crate) ops: HashMap<OpTarget, (u64, OpKind)>,
+    pub(crate) workers: BTreeMap<String, WorkerRec>,
+    pub(crate) queues: HashMap<String, VecDeque<Waiter>>,
+    pub(crate) next_id: u64,
+}
+
+impl State {
+    fn id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    fn pool_size(&self, pool: &str) -> usize {
+        self.workers.values().filter(|w| w.pool == pool).count()
+    }
+
+    pub(crate) fn busy(&self, key: &ActorKey) -> Option<&OpKind> {
+        self.ops
+            .get(&OpTarget::Actor(key.clone()))
+            .map(|(_, kind)| kind)
+    }
+
+    /// The actor as the wire shows it: its worker's address only while RUNNING.
+    pub(crate) fn to_proto(&self, row: &ActorRow) -> ateapi::Actor {
+        let worker = row
+            .worker
+            .as_ref()
+            .and_then(|id| self.workers.get(id).map(|w| (id, w)));
+        let running = row.status == ActorStatus::Running;
+        let (pod, ip, port) = match worker {
+            Some((id, w)) if running => (
+                id.clone(),
+                w.app_addr.ip().to_string(),
+                u32::from(w.app_addr.port()),
+            ),
+            Some((id, _)) => (id.clone(), String::new(), 0),
+            None => (row.worker.clone().unwrap_or_default(), String::new(), 0),
+        };
+        ateapi::Actor {
+            actor_id: row.name.clone(),
+            version: row.version,
+            actor_template_namespace: row.template_namespace.clone(),
+            actor_template_name: row.template.clone(),
+            status: row.status.wire(),
+            ateom_pod_namespace: if pod.is_empty() {
+                String::new()
+            } else {
+                NAMESPACE.into()
+            },
+            ateom_pod_name: pod,
+            ateom_pod_ip: ip,
+            ateom_pod_uid: row.uid.clone(),
+            worker_selector: Some(ateapi::Selector {
+                match_labels: row.selector.iter().cloned().collect(),
+            }),
+            worker_pool_name: row.pool.clone(),
+            atespace: row.atespace.clone(),
+            worker_port: port,
+        }
+    }
+
+    /// Applies a durable batch to memory; returns the workers it freed. The one place
+    /// worker slots follow actor rows.
+    fn apply(&mut self, batch: &Batch) -> Vec<String> {
+        let mut freed = Vec::new();
+        for name in &batch.put_atespaces {
+            self.atespaces.insert(name.clone());
+        }
+        for row in &batch.put_actors {
+            let key = row.key();
+            let before = self.actors.get(&key).and_then(|r| r.worker.clone());
+            if before != row.worker {
+                if let Some(w) = before {
+                    self.free_slot(&w, &key, &mut freed);
+                }
+                if let Some(w) = &row.worker
+                    && let Some(rec) = self.workers.get_mut(w)
+                {
+                    rec.slot = Slot::Hosting(key.clone());
+                }
+            }
+            self.actors.insert(key, row.clone());
+        }
+        for key in &batch.delete_actors {
+            if let Some(w) = self.actors.remove(key).and_then(|r| r.worker) {
+                self.free_slot(&w, key, &mut freed);
+            }
+        }
+        for name in &batch.delete_atespaces {
+            self.atespaces.remove(name);
+        }
+        freed
+    }
+
+    fn free_slot(&mut self, worker: &str, key: &ActorKey, freed: &mut Vec<String>) {
+        if let Some(rec) = self.workers.get_mut(worker)
+            && matches!(&rec.slot, Slot::Hosting(k) | Slot::Reserved(k) if k == key)
+        {
+            rec.slot = Slot::Free;
+            freed.push(worker.to_owned());
+        }
+    }
+}
+
+/// The reference control plane. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Plane {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Inner {
+    state: Mutex<State>,
+    /// Bumped whenever the state changes, so observers wait without polling.
+    changed: watch::Sender<u64>,
+    store: Arc<dyn Store>,
+    config: PlaneConfig,
+    templates: HashMap<String, Template>,
+    stats: Stats,
+    metrics: PlaneMetrics,
+    /// Operations, activations and releases: shutdown waits for them.
+    tasks: TaskTracker,
+    /// Background chores (the rejoin grace): shutdown cancels them.
+    chores: TaskTracker,
+    /// The readers of workers' attach streams: they end with the streams.
+    links: TaskTracker,
+    /// Cancelled when the plane shuts down.
+    shutdown: CancellationToken,
+}
+
+fn db_error(e: &StoreError) -> Status {
+    tracing::error!(error = %e, "database write failed");
+    Status::internal("control-plane database write failed")
+}
+
+fn shutting_down() -> Status {
+    Status::unavailable("the control plane is shutting down")
+}
+
+impl Plane {
+    /// Loads the store, resolves what an unclean stop left half-way, and returns the
+    /// plane.
+    ///
+    /// Recovery: actors left RESUMING or SUSPENDING go back to SUSPENDED from their
+    /// last snapshot; RUNNING actors keep their worker for `rejoin_grace`, then go back
+    /// to SUSPENDED if it has not re-attached.
+    ///
+    /// # Errors
+    /// When the store cannot be read or written.
+    pub async fn open(store: Arc<dyn Store>, config: PlaneConfig) -> Result<Self, StoreError> {
+        let loaded = store.load().await?;
+        let mut templates: HashMap<String, Template> = config
+            .templates
+            .iter()
+            .map(|t| (t.name().to_owned(), t.clone()))
+            .collect();
+        for builtin in [Template::counter(), Template::echo()] {
+            templates
+                .entry(builtin.name().to_owned())
+                .or_insert(builtin);
+        }
+        let mut recovered = Vec::new();
+        let mut state = State {
+            atespaces: loaded.atespaces.into_iter().collect(),
+            ..State::default()
+        };
+        for row in loaded.actors {
+            let row = if row.status.is_transitional() {
+                tracing::warn!(
+                    actor = %row.key(),
+                    was = %row.status,
+                    "recovered actor left mid-operation; back to SUSPENDED from its last snapshot"
+                );
+                let back = row.moved(ActorStatus::Suspended, None);
+                recovered.push(back.clone());
+                back
+            } else {
+                row
+            };
+            state.actors.insert(row.key(), row);
+        }
+        store.write(Batch::put(recovered)).await?;
+        let plane = Self {
+            inner: Arc::new(Inner {
+                state: Mutex::new(state),
+                changed: watch::Sender::new(0),
+                store,
+                config,
+                templates,
+                stats: Stats::default(),
+                metrics: PlaneMetrics::new(),
+                tasks: TaskTracker::new(),
+                chores: TaskTracker::new(),
+                links: TaskTracker::new(),
+                shutdown: CancellationToken::new(),
+            }),
+        };
+        plane.spawn_rejoin_deadline();
+        Ok(plane)
+    }
+
+    pub(crate) fn lock(&self) -> StateGuard<'_> {
+        StateGuard {
+            guard: Some(self.inner.state.lock().unwrap_or_else(|e| e.into_inner())),
+            dirty: false,
+            changed: &self.inner.changed,
+        }
+    }
+
+    pub(crate) fn config(&self) -> &PlaneConfig {
+        &self.inner.config
+    }
+
+    pub(crate) fn template(&self, name: &str) -> Option<&Template> {
+        self.inner.templates.get(name)
+    }
+
+    pub(crate) fn metrics(&self) -> &PlaneMetrics {
+        &self.inner.metrics
+    }
+
+    /// The plane's `/metrics` text.
+    pub fn render_metrics(&self) -> String {
+        let (pools, waiters) = {
+            let st = self.lock();
+            let mut pools: BTreeMap<String, (usize, usize)> = BTreeMap::new();
+            for w in st.workers.values() {
+                let e = pools.entry(w.pool.clone()).or_default();
+                e.0 += 1;
+                if w.slot == Slot::Free {
+                    e.1 += 1;
+                }
+            }
+            let waiters: Vec<(String, usize)> = st
+                .queues
+                .iter()
+                .map(|(pool, q)| (pool.clone(), q.iter().filter(|w| w.is_live()).count()))
+                .collect();
+            (pools, waiters)
+        };
+        self.inner.metrics.render(&pools, &waiters)
+    }
+
+    /// Whether the plane has begun shutting down.
+    pub fn is_shutting_down(&self) -> bool {
+        self.inner.shutdown.is_cancelled()
+    }
+
+    /// Runs a mutating operation detached on the plane's task tracker and waits for its
+    /// result: a caller that goes away (deadline, reset) never cuts it short, so it
+    /// finishes or rolls back as a unit.
+    pub(crate) async fn detached<T, F>(&self, op: F) -> Result<T, Status>
+    where
+        T: Send + 'static,
+        F: Future<Output = Result<T, Status>> + Send + 'static,
+    {
+        if self.is_shutting_down() {
+            return Err(shutting_down());
+        }
+        let (tx, rx) = oneshot::channel();
+        self.inner.tasks.spawn(async move {
+            let _ = tx.send(op.await);
+        });
+        rx.await
+            .unwrap_or_else(|_| Err(Status::internal("operation ended without a result")))
+    }
+
+    /// One step of operation `op`, in the order every step follows: the durable write,
+    /// then the change in memory, then any worker it freed handed to the oldest waiter
+    /// of its pool. Nothing is applied or handed off unless the write was durable; on a
+    /// failed write memory is as before and the caller gets `Internal`.
+    pub(crate) async fn step(&self, op: &Op, batch: Batch) -> Result<(), Status> {
+        let _ = op;
+        let freed = self.write_and_apply(batch).await?;
+        self.hand_off_all(freed);
+        Ok(())
+    }
+
+    /// The last step of operation `op`: the durable write, then the change in memory,
+    /// then the operation lock released, then any freed worker handed off. On a failed
+    /// write the lock is released all the same and memory is as before.
+    pub(crate) async fn finish(&self, op: Op, batch: Batch) -> Result<(), Status> {
+        self.finish_all(vec![op], batch).await
+    }
+
+    /// [`Self::finish`] for one write that ends several operations at once.
+    pub(crate) async fn finish_all(&self, ops: Vec<Op>, batch: Batch) -> Result<(), Status> {
+        let freed = self.write_and_apply(batch).await;
+        drop(ops);
+        self.hand_off_all(freed?);
+        Ok(())
+    }
+
+    async fn write_and_apply(&self, batch: Batch) -> Result<Vec<String>, Status> {
+        self.inner
+            .store
+            .write(batch.clone())
+            .await
+            .map_err(|e| db_error(&e))?;
+        Ok(self.lock().apply(&batch))
+    }
+
+    fn hand_off_all(&self, freed: Vec<String>) {
+        for worker in freed {
+            self.hand_off(&worker);
+        }
+    }
+
+    /// Waits until `cond` holds, re-checking whenever the state changes; false if
+    /// `timeout` passes first.
+    pub async fn wait_until(&self, timeout: Duration, cond: impl Fn(&Plane) -> bool) -> bool {
+        let mut changes = self.inner.changed.subscribe();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            changes.mark_unchanged();
+            if cond(self) {
+                return true;
+            }
+            match tokio::time::timeout_at(deadline, changes.changed()).await {
+                Ok(Ok(())) => {}
+                _ => return cond(self),
+            }
+        }
+    }
+
+    /// The status of an actor now, if it exists.
+    pub fn status_of(&self, atespace: &str, name: &str) -> Option<ateapi::actor::Status> {
+        let key = ActorKey::new(atespace, name).ok()?;
+        let st = self.lock();
+        st.actors
+            .get(&key)
+            .and_then(|r| ateapi::actor::Status::try_from(r.status.wire()).ok())
+    }
+
+    /// Whether an operation holds `atespace/name` now.
+    pub fn is_busy(&self, atespace: &str, name: &str) -> bool {
+        ActorKey::new(atespace, name)
+            .ok()
+            .is_some_and(|k| self.lock().busy(&k).is_some())
+    }
+
+    /// Operations in progress now, on actors and atespaces.
+    pub fn operations_in_progress(&self) -> usize {
+        self.lock().ops.len()
+    }
+
+    /// Counters of the plane's own work.
+    pub fn stats(&self) -> StatsSnapshot {
+        let s = &self.inner.stats;
+        StatsSnapshot {
+            resume_calls: s.resume_calls.load(Ordering::Relaxed),
+            activations: s.activations.load(Ordering::Relaxed),
+            handoffs: s.handoffs.load(Ordering::Relaxed),
+            queued: s.queued.load(Ordering::Relaxed),
+        }
+    }
+
+    /// `ResumeActor` calls received for one actor.
+    pub fn resume_calls_for(&self, atespace: &str, name: &str) -> u64 {
+        let Ok(key) = ActorKey::new(atespace, name) else {
+            return 0;
+        };
+        let per = self
+            .inner
+            .stats
+            .per_actor
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        per.get(&key).copied().unwrap_or(0)
+    }
+
+    /// Capacity waiters queued in `pool` now.
+    pub fn waiters(&self, pool: &str) -> usize {
+        self.lock()
+            .queues
+            .get(pool)
+            .map_or(0, |q| q.iter().filter(|w| w.is_live()).count())
+    }
+
+    /// Workers attached to `pool` now, and how many of them are free.
+    pub fn pool(&self, pool: &str) -> (usize, usize) {
+        let st = self.lock();
+        let all = st.pool_size(pool);
+        let free = st
+            .workers
+            .values()
+            .filter(|w| w.pool == pool && w.slot == Slot::Free)
+            .count();
+        (all, free)
+    }
+
+    /// The clean shutdown: capacity waiters are answered `Unavailable` at once (the
+    /// router parks and retries); restores and checkpoints in progress get up to
+    /// `timeout`; then every attached worker is told to detach (it keeps its actor
+    /// running and re-attaches when a control plane comes back on the same data dir).
+    pub async fn shutdown(&self, timeout: Duration) {
+        self.inner.shutdown.cancel();
+        self.inner.chores.close();
+        self.inner.chores.wait().await;
+        self.inner.tasks.close();
+        let in_progress: Vec<String> = self
+            .lock()
+            .ops
+            .iter()
+            .map(|(target, (_, kind))| format!("{target} {}", kind.name()))
+            .collect();
+        if !in_progress.is_empty() {
+            tracing::info!(
+                operations = ?in_progress,
+                timeout = ?timeout,
+                "waiting for operations in progress"
+            );
+        }
+        if tokio::time::timeout(timeout, self.inner.tasks.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                operations = self.inner.tasks.len(),
+                "operations still in progress after the shutdown timeout; the next start resolves them"
+            );
+        }
+        self.detach_workers();
+    }
+
+    /// Runs the reader of a worker's attach stream; it ends with the stream.
+    pub(crate) fn spawn_link(&self, reader: impl Future<Output = ()> + Send + 'static) {
+        self.inner.links.spawn(reader);
+    }
+
+    /// Waits until every background task has ended (tests).
+    pub async fn close(&self) {
+        self.inner.shutdown.cancel();
+        self.inner.chores.close();
+        self.inner.chores.wait().await;
+        self.inner.tasks.close();
+        self.inner.tasks.wait().await;
+    }
+}
+
+/// The state lock; on release after a mutation it tells [`Plane::wait_until`]
+/// observers. No `.await` while it is held.
+pub(crate) struct StateGuard<'a> {
+    guard: Option<MutexGuard<'a, State>>,
+    dirty: bool,
+    changed: &'a watch::Sender<u64>,
+}
+
+impl std::ops::Deref for StateGuard<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        self.guard.as_ref().expect("held until drop")
+    }
+}
+
+impl std::ops::DerefMut for StateGuard<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        self.dirty = true;
+        self.guard.as_mut().expect("held until drop")
+    }
+}
+
+impl Drop for StateGuard<'_> {
+    fn drop(&mut self) {
+        // Release the state first, then wake observers.
+        drop(self.guard.take());
+        if self.dirty {
+            self.changed.send_modify(|v| *v += 1);
+        }
+    }
+}
+
+pub(crate) fn slot_of(key: &ActorKey, row: &ActorRow) -> wk::ActorSlot {
+    wk::ActorSlot {
+        atespace: key.atespace().to_owned(),
+        name: key.name().to_owned(),
+        snapshot_key: format!("{}/{}/{}", key.atespace(), key.name(), row.uid),
+    }
+}
+
+pub(crate) use model::{aborted, crashed, no_room, not_found};

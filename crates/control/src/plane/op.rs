@@ -1,0 +1,105 @@
+//! The operation lock of one actor (or atespace): taken for an operation's whole life,
+//! released when its [`Op`] is dropped, on every path including a panic or a cancelled
+//! future. The order of an operation's steps lives in [`super::Plane::step`] and
+//! [`super::Plane::finish`].
+
+use std::sync::Arc;
+
+use tokio::sync::watch;
+
+use super::{Inner, Outcome, Plane, State};
+use crate::model::ActorKey;
+
+/// What an operation locks.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum OpTarget {
+    Actor(ActorKey),
+    Atespace(String),
+}
+
+impl std::fmt::Display for OpTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            OpTarget::Actor(k) => write!(f, "actor {k}"),
+            OpTarget::Atespace(a) => write!(f, "atespace {a}"),
+        }
+    }
+}
+
+/// What holds a lock, as other callers see it.
+#[derive(Debug, Clone)]
+pub(crate) enum OpKind {
+    /// Refuses other operations with `Aborted`.
+    Busy(&'static str),
+    /// A resume: waiting in its pool's queue while `joinable`, when later resumes join
+    /// it and get its outcome; restoring after that.
+    Resuming {
+        outcome: Arc<watch::Sender<Option<Outcome>>>,
+        joinable: bool,
+    },
+}
+
+impl OpKind {
+    /// What the operation is doing, for logs.
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            OpKind::Busy(what) => what,
+            OpKind::Resuming { joinable: true, .. } => "waiting for capacity",
+            OpKind::Resuming {
+                joinable: false, ..
+            } => "resuming",
+        }
+    }
+}
+
+/// A held operation lock.
+#[derive(Debug)]
+pub(crate) struct Op {
+    inner: Arc<Inner>,
+    target: OpTarget,
+    id: u64,
+}
+
+impl Op {
+    /// Locks `target` for an operation of `kind`. The caller has checked, under the same
+    /// state lock, that nothing holds it.
+    pub(crate) fn take(plane: &Plane, st: &mut State, target: OpTarget, kind: OpKind) -> Self {
+        let id = st.id();
+        let previous = st.ops.insert(target.clone(), (id, kind));
+        debug_assert!(previous.is_none(), "{target:?} was already locked");
+        Self {
+            inner: Arc::clone(&plane.inner),
+            target,
+            id,
+        }
+    }
+
+    /// The resume is past its capacity wait: later resumes no longer join it.
+    pub(crate) fn stop_joining(&self) {
+        let plane = Plane {
+            inner: Arc::clone(&self.inner),
+        };
+        let mut st = plane.lock();
+        if let Some((id, OpKind::Resuming { joinable, .. })) = st.ops.get_mut(&self.target)
+            && *id == self.id
+        {
+            *joinable = false;
+        }
+    }
+}
+
+impl Drop for Op {
+    fn drop(&mut self) {
+        let plane = Plane {
+            inner: Arc::clone(&self.inner),
+        };
+        let mut st = plane.lock();
+        if st
+            .ops
+            .get(&self.target)
+            .is_some_and(|(id, _)| *id == self.id)
+        {
+            st.ops.remove(&self.target);
+        }
+    }
+}

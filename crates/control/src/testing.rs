@@ -1,0 +1,252 @@
+//! Doubles for tests of the plane (feature `testing`): an in-memory store whose writes
+//! a test can hold or fail, a gate in front of any store, and a worker on the Attach
+//! interface whose every answer the test gives. They run on tokio's paused clock.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::{mpsc, watch};
+use tonic::Status;
+use valet_proto::worker::{self as wk, WorkerCommand, worker_command::Command};
+
+use crate::link::WorkerLink;
+use crate::model::ActorKey;
+use crate::plane::Plane;
+use crate::store::{ActorRow, Batch, Loaded, Store, StoreError, StoreFuture};
+
+/// Holds writes until released: every write waits at the gate while it is closed, and
+/// tests see how many wait.
+#[derive(Debug)]
+pub struct Gate {
+    closed: watch::Sender<bool>,
+    waiting: watch::Sender<usize>,
+    fail: Mutex<bool>,
+}
+
+impl Default for Gate {
+    fn default() -> Self {
+        Self {
+            closed: watch::Sender::new(false),
+            waiting: watch::Sender::new(0),
+            fail: Mutex::new(false),
+        }
+    }
+}
+
+impl Gate {
+    /// From now on writes wait until [`Self::open`].
+    pub fn close(&self) {
+        self.closed.send_replace(true);
+    }
+
+    /// Lets every waiting write (and later ones) through.
+    pub fn open(&self) {
+        self.closed.send_replace(false);
+    }
+
+    /// Makes writes fail (`true`) or succeed again.
+    pub fn fail(&self, fail: bool) {
+        *self.fail.lock().unwrap_or_else(|e| e.into_inner()) = fail;
+    }
+
+    /// Waits until `n` writes wait at the gate.
+    pub async fn until_waiting(&self, n: usize) {
+        let mut rx = self.waiting.subscribe();
+        let _ = rx.wait_for(|w| *w >= n).await;
+    }
+
+    async fn pass(&self) -> Result<(), StoreError> {
+        let mut closed = self.closed.subscribe();
+        if *closed.borrow() {
+            self.waiting.send_modify(|n| *n += 1);
+            let _ = closed.wait_for(|c| !*c).await;
+            self.waiting.send_modify(|n| *n -= 1);
+        }
+        if *self.fail.lock().unwrap_or_else(|e| e.into_inner()) {
+            return Err(StoreError::Refused("the test made writes fail".into()));
+        }
+        Ok(())
+    }
+}
+
+/// What a [`MemoryStore`] holds: atespaces and actors.
+type Records = (BTreeSet<String>, BTreeMap<ActorKey, ActorRow>);
+
+/// A store in memory, for the paused clock (the SQLite store runs on the blocking
+/// pool, whose work the paused clock does not wait for). Clones share their data.
+#[derive(Debug, Clone, Default)]
+pub struct MemoryStore {
+    data: Arc<Mutex<Records>>,
+    /// The gate every write passes.
+    pub gate: Arc<Gate>,
+}
+
+impl MemoryStore {
+    /// One actor as stored.
+    pub fn actor(&self, key: &ActorKey) -> Option<ActorRow> {
+        self.data
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .1
+            .get(key)
+            .cloned()
+    }
+}
+
+impl Store for MemoryStore {
+    fn load(&self) -> StoreFuture<'_, Loaded> {
+        Box::pin(async move {
+            let data = self.data.lock().unwrap_or_else(|e| e.into_inner());
+            Ok(Loaded {
+                atespaces: data.0.iter().cloned().collect(),
+                actors: data.1.values().cloned().collect(),
+            })
+        })
+    }
+
+    fn write(&self, batch: Batch) -> StoreFuture<'_, ()> {
+        Box::pin(async move {
+            self.gate.pass().await?;
+            let mut data = self.data.lock().unwrap_or_else(|e| e.into_inner());
+            for a in batch.put_atespaces {
+                data.0.insert(a);
+            }
+            for row in batch.put_actors {
+                data.1.insert(row.key(), row);
+            }
+            for key in batch.delete_actors {
+                data.1.remove(&key);
+            }
+            for a in batch.delete_atespaces {
+                data.0.remove(&a);
+            }
+            Ok(())
+        })
+    }
+
+    fn describe(&self) -> String {
+        "memory".into()
+    }
+}
+
+/// Any store behind a [`Gate`].
+#[derive(Debug)]
+pub struct Gated<S> {
+    inner: S,
+    /// The gate every write passes.
+    pub gate: Arc<Gate>,
+}
+
+impl<S: Store> Gated<S> {
+    /// `inner` behind a new, open gate.
+    pub fn new(inner: S) -> Self {
+        Self {
+            inner,
+            gate: Arc::default(),
+        }
+    }
+}
+
+impl<S: Store> Store for Gated<S> {
+    fn load(&self) -> StoreFuture<'_, Loaded> {
+        self.inner.load()
+    }
+
+    fn write(&self, batch: Batch) -> StoreFuture<'_, ()> {
+        Box::pin(async move {
+            self.gate.pass().await?;
+            self.inner.write(batch).await
+        })
+    }
+
+    fn describe(&self) -> String {
+        format!("gated {}", self.inner.describe())
+    }
+}
+
+/// A command the plane sent a [`FakeWorker`].
+#[derive(Debug, Clone)]
+pub struct Received {
+    /// The id to answer with.
+    pub id: u64,
+    /// The command.
+    pub command: Command,
+}
+
+/// A worker the test drives: attached to the plane as a real worker's stream would
+/// be, with each command answered by the test.
+#[derive(Debug)]
+pub struct FakeWorker {
+    plane: Plane,
+    id: String,
+    link: Arc<WorkerLink>,
+    rx: mpsc::Receiver<Result<WorkerCommand, Status>>,
+}
+
+impl FakeWorker {
+    /// Attaches worker `id` to `pool`, reporting `hosting`; also returns whether the
+    /// plane let it keep that actor.
+    ///
+    /// # Errors
+    /// The plane's refusal of the join.
+    pub fn attach(
+        plane: &Plane,
+        id: &str,
+        pool: &str,
+        app: SocketAddr,
+        hosting: Option<&ActorKey>,
+    ) -> Result<(Self, bool), Status> {
+        let (tx, rx) = mpsc::channel(64);
+        let link = Arc::new(WorkerLink::new(tx));
+        let join = wk::Join {
+            worker_id: id.to_owned(),
+            pool: pool.to_owned(),
+            app_address: app.to_string(),
+            hosting: hosting.map(|k| wk::ActorSlot {
+                atespace: k.atespace().to_owned(),
+                name: k.name().to_owned(),
+                snapshot_key: String::new(),
+            }),
+        };
+        let kept = plane.worker_joined(&join, Arc::clone(&link))?;
+        Ok((
+            Self {
+                plane: plane.clone(),
+                id: id.to_owned(),
+                link,
+                rx,
+            },
+            kept,
+        ))
+    }
+
+    /// The next command; `None` once the plane ended the stream (it told the worker to
+    /// detach).
+    pub async fn next(&mut self) -> Option<Received> {
+        loop {
+            let cmd = self.rx.recv().await?.ok()?;
+            if let Some(command) = cmd.command {
+                return Some(Received {
+                    id: cmd.id,
+                    command,
+                });
+            }
+        }
+    }
+
+    /// Answers command `id`.
+    pub fn answer(&self, id: u64, result: Result<(), &str>) {
+        self.link.deliver(wk::Reply {
+            id,
+            ok: result.is_ok(),
+            error: result.err().unwrap_or_default().to_owned(),
+        });
+    }
+
+    /// The worker's stream ends (the process died).
+    pub fn leave(self) {
+        self.link.close();
+        self.plane.worker_left(&self.id, &self.link);
+    }
+}
