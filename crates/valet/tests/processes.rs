@@ -479,3 +479,83 @@ async fn a_restore_outlives_its_router() {
         running.ateom_pod_name
     );
 }
+
+/// SIGTERM the real control plane with two workers hosting actors and a resume waiting
+/// for capacity: the waiter gets `Unavailable`, the process exits 0, the workers keep
+/// their actors; restarted on the same data dir, both actors are RUNNING again without
+/// a restore, their memory counts intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_control_plane_keeps_actors_running() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let snaps = dir.path().join("snapshots");
+    let flags = ["--metrics-listen", "127.0.0.1:0"];
+    let mut cp = control_plane(&data, "127.0.0.1:0", &flags).await;
+    let addr = cp.addr;
+    let metrics = cp.addrs["metrics"];
+    let c = client(addr);
+    let _w1 = worker(addr, &snaps, "w1").await;
+    let _w2 = worker(addr, &snaps, "w2").await;
+    two_workers_and_demo(&c).await;
+    let mut at = HashMap::new();
+    for a in ["demo/p1", "demo/p2", "demo/p3"] {
+        create(&c, a).await.unwrap();
+    }
+    for a in ["demo/p1", "demo/p2"] {
+        let actor = resume(&c, a).await.unwrap();
+        let (code, _) = http_get(addr_of(&actor), "/", &[("x-actor-ref", a)]).await;
+        assert_eq!(code, 200);
+        at.insert(a, addr_of(&actor));
+    }
+    let waiter = {
+        let c = c.clone();
+        tokio::spawn(async move {
+            c.clone()
+                .resume_actor(ateapi::ResumeActorRequest {
+                    actor_ref: common::aref("demo/p3"),
+                    wait_for_capacity: Some(Duration::from_secs(60).try_into().unwrap()),
+                    ..Default::default()
+                })
+                .await
+        })
+    };
+    eventually("p3 waits for capacity", WITHIN, || async {
+        let text = http_get(metrics, "/metrics", &[]).await.1;
+        let waiting = valet_router::metrics::sample_of(
+            &text,
+            "valet_control_waiters",
+            &[("pool", "counter")],
+        );
+        (waiting == 1.0).then_some(())
+    })
+    .await;
+
+    cp.terminate();
+    let err = waiter.await.unwrap().unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+    assert_eq!(cp.exit_code(WITHIN).await, Some(0));
+    for (a, worker) in &at {
+        let (code, body) = http_get(*worker, "/", &[("x-actor-ref", a)]).await;
+        assert_eq!(code, 200, "{a} keeps running on its worker");
+        assert!(body.contains("preserved memory count: 2 "), "{body}");
+    }
+
+    let _cp = control_plane(&data, &addr.to_string(), &flags).await;
+    eventually("both workers back with their actors", WITHIN, || async {
+        let workers = c.clone().list_workers(()).await.ok()?.into_inner().workers;
+        let hosting = workers.iter().filter(|w| !w.actor_id.is_empty()).count();
+        (workers.len() == 2 && hosting == 2).then_some(())
+    })
+    .await;
+    for (a, worker) in &at {
+        let actor = get(&c, a).await.unwrap();
+        assert_eq!(status(&actor), S::Running, "{a}");
+        assert_eq!(addr_of(&actor), *worker, "{a} on the same worker");
+        let (code, body) = http_get(*worker, "/", &[("x-actor-ref", a)]).await;
+        assert_eq!(code, 200);
+        assert!(
+            body.contains("preserved memory count: 3 "),
+            "{a}: no restore, memory intact: {body}"
+        );
+    }
+}

@@ -135,7 +135,9 @@ impl Plane {
     }
 
     /// A worker's stream ended: the pool shrinks and its actor goes back to SUSPENDED
-    /// from its last snapshot (unless an operation in progress on it handles that).
+    /// from its last snapshot (unless an operation in progress on it handles that). A
+    /// worker that leaves because the plane is shutting down (it was told to detach)
+    /// keeps its actor: the records still place it there for the next start.
     pub(crate) fn worker_left(&self, worker: &str, link: &Arc<WorkerLink>) {
         let released = {
             let mut st = self.lock();
@@ -150,6 +152,7 @@ impl Plane {
             let left = st.pool_size(&rec.pool);
             let mut released = None;
             if let Slot::Hosting(key) = &rec.slot
+                && !self.is_shutting_down()
                 && st.busy(key).is_none()
                 && let Some(row) = st.actors.get(key)
                 && row.status == ActorStatus::Running

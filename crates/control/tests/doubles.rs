@@ -1,0 +1,269 @@
+//! The plane's timeouts, its rejoin grace and its shutdown, on tokio's paused clock,
+//! with a scripted worker (the worker double) and an in-memory store.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tonic::Code;
+use valet_control::plane::PlaneConfig;
+use valet_control::store::{ActorRow, Batch, Store};
+use valet_control::testing::{FakeWorker, MemoryStore, Received};
+use valet_control::{ActorKey, ActorStatus, Plane};
+use valet_proto::ateapi::actor::Status as S;
+use valet_proto::worker::worker_command::Command;
+
+const APP: &str = "127.0.0.1:9001";
+
+fn key(name: &str) -> ActorKey {
+    ActorKey::new("demo", name).unwrap()
+}
+
+fn config() -> PlaneConfig {
+    PlaneConfig {
+        restore_timeout: Duration::from_secs(5),
+        checkpoint_timeout: Duration::from_secs(7),
+        rejoin_grace: Duration::from_secs(10),
+        ..PlaneConfig::default()
+    }
+}
+
+async fn plane_with(store: &MemoryStore, actors: &[&str]) -> Plane {
+    let plane = Plane::open(Arc::new(store.clone()), config())
+        .await
+        .unwrap();
+    plane.create_atespace("demo").await.unwrap();
+    for a in actors {
+        plane
+            .create_actor(key(a), "default", "counter", Vec::new())
+            .await
+            .unwrap();
+    }
+    plane
+}
+
+fn app() -> SocketAddr {
+    APP.parse().unwrap()
+}
+
+async fn expect(w: &mut FakeWorker, what: &str) -> Received {
+    let r = w
+        .next()
+        .await
+        .unwrap_or_else(|| panic!("no {what}: stream ended"));
+    let name = match &r.command {
+        Command::Restore(_) => "restore",
+        Command::Checkpoint(_) => "checkpoint",
+        Command::Evict(_) => "evict",
+        Command::Detach(_) => "detach",
+        Command::Welcome(_) => "welcome",
+    };
+    assert_eq!(name, what, "{r:?}");
+    r
+}
+
+/// A restore the worker never answers fails at `--restore-timeout`: the actor is
+/// CRASHED, the worker told to drop it and free again.
+#[tokio::test(start_paused = true)]
+async fn restore_timeout_crashes_the_actor() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a"]).await;
+    let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    let start = Instant::now();
+    let resume = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
+    };
+    expect(&mut w, "restore").await;
+    let err = resume.await.unwrap().unwrap_err();
+    assert_eq!(start.elapsed(), Duration::from_secs(5));
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert_eq!(plane.status_of("demo", "a"), Some(S::Crashed));
+    assert_eq!(store.actor(&key("a")).unwrap().status, ActorStatus::Crashed);
+    expect(&mut w, "evict").await;
+    assert_eq!(plane.pool("counter"), (1, 1), "the worker is free again");
+}
+
+/// A checkpoint the worker never answers fails at `--checkpoint-timeout`: CRASHED.
+#[tokio::test(start_paused = true)]
+async fn checkpoint_timeout_crashes_the_actor() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a"]).await;
+    let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    let resume = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
+    };
+    let r = expect(&mut w, "restore").await;
+    w.answer(r.id, Ok(()));
+    resume.await.unwrap().unwrap();
+    let start = Instant::now();
+    let suspend = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.suspend_actor(key("a")).await })
+    };
+    expect(&mut w, "checkpoint").await;
+    let err = suspend.await.unwrap().unwrap_err();
+    assert_eq!(start.elapsed(), Duration::from_secs(7));
+    assert_eq!(err.code(), Code::Internal);
+    assert_eq!(
+        err.message(),
+        "checkpoint of actor demo/a failed: worker did not answer within 7s"
+    );
+    assert_eq!(plane.status_of("demo", "a"), Some(S::Crashed));
+    expect(&mut w, "evict").await;
+}
+
+fn running_on(name: &str, worker: &str) -> ActorRow {
+    ActorRow {
+        atespace: "demo".into(),
+        name: name.into(),
+        uid: format!("uid-{name}"),
+        template_namespace: "default".into(),
+        template: "counter".into(),
+        pool: "counter".into(),
+        status: ActorStatus::Running,
+        version: 3,
+        worker: Some(worker.into()),
+        selector: Vec::new(),
+        revert_pending: false,
+    }
+}
+
+/// After a restart, a RUNNING actor whose worker does not re-attach within the grace
+/// goes back to SUSPENDED; one whose worker re-attaches reporting it keeps running.
+#[tokio::test(start_paused = true)]
+async fn rejoin_grace_after_a_restart() {
+    let store = MemoryStore::default();
+    store
+        .write(Batch {
+            put_atespaces: vec!["demo".into()],
+            put_actors: vec![running_on("gone", "w1"), running_on("kept", "w2")],
+            ..Batch::default()
+        })
+        .await
+        .unwrap();
+    let plane = Plane::open(Arc::new(store.clone()), config())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (_w2, kept) =
+        FakeWorker::attach(&plane, "w2", "counter", app(), Some(&key("kept"))).unwrap();
+    assert!(kept, "its worker re-attached with it");
+    tokio::time::sleep(Duration::from_millis(4999)).await;
+    assert_eq!(
+        plane.status_of("demo", "gone"),
+        Some(S::Running),
+        "still within the grace"
+    );
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(1), |p| p.status_of("demo", "gone")
+                == Some(S::Suspended))
+            .await
+    );
+    assert_eq!(
+        store.actor(&key("gone")).unwrap().status,
+        ActorStatus::Suspended
+    );
+    assert_eq!(plane.status_of("demo", "kept"), Some(S::Running));
+    assert_eq!(
+        store.actor(&key("kept")).unwrap().status,
+        ActorStatus::Running
+    );
+}
+
+/// Shutdown answers capacity waiters `Unavailable` at once, gives a restore in progress
+/// up to the shutdown timeout, then tells the worker to detach and ends its stream.
+#[tokio::test(start_paused = true)]
+async fn shutdown_answers_waiters_waits_for_restores_and_detaches_workers() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a", "b"]).await;
+    let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    let restoring = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
+    };
+    let restore = expect(&mut w, "restore").await;
+    let waiting = {
+        let plane = plane.clone();
+        tokio::spawn(async move {
+            plane
+                .resume_actor(key("b"), Some(Duration::from_secs(60)))
+                .await
+        })
+    };
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(1), |p| p.waiters("counter") == 1)
+            .await
+    );
+
+    let start = Instant::now();
+    let shutdown = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.shutdown(Duration::from_secs(3)).await })
+    };
+    let err = waiting.await.unwrap().unwrap_err();
+    assert_eq!(
+        start.elapsed(),
+        Duration::ZERO,
+        "the waiter is answered at once"
+    );
+    assert_eq!(
+        (err.code(), err.message()),
+        (Code::Unavailable, "the control plane is shutting down")
+    );
+    assert!(plane.is_shutting_down());
+    let refused = plane.suspend_actor(key("a")).await.unwrap_err();
+    assert_eq!(refused.code(), Code::Unavailable, "no new operation starts");
+
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    w.answer(restore.id, Ok(()));
+    let (actor, resumed) = restoring.await.unwrap().unwrap();
+    assert!(resumed);
+    assert_eq!(actor.status, S::Running as i32);
+    shutdown.await.unwrap();
+    assert_eq!(
+        start.elapsed(),
+        Duration::from_secs(1),
+        "no longer than the restore"
+    );
+    expect(&mut w, "detach").await;
+    assert!(w.next().await.is_none(), "the stream ends");
+    w.leave();
+    plane.close().await;
+    assert_eq!(
+        store.actor(&key("a")).unwrap().status,
+        ActorStatus::Running,
+        "a worker told to detach keeps its actor on the record"
+    );
+}
+
+/// A restore that outlasts the shutdown timeout is left to the next start.
+#[tokio::test(start_paused = true)]
+async fn shutdown_waits_at_most_its_timeout() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a"]).await;
+    let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    let _restoring = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
+    };
+    expect(&mut w, "restore").await;
+    let start = Instant::now();
+    plane.shutdown(Duration::from_secs(3)).await;
+    assert_eq!(start.elapsed(), Duration::from_secs(3));
+    expect(&mut w, "detach").await;
+    assert_eq!(
+        store.actor(&key("a")).unwrap().status,
+        ActorStatus::Resuming,
+        "recorded mid-restore: the next start settles it"
+    );
+    let reopened = Plane::open(Arc::new(store.clone()), config())
+        .await
+        .unwrap();
+    assert_eq!(reopened.status_of("demo", "a"), Some(S::Suspended));
+}
