@@ -278,6 +278,9 @@ impl workers_server::Workers for WorkersService {
                     Ok(Some(wk::WorkerEvent {
                         event: Some(Event::Reply(reply)),
                     })) => link.deliver(reply),
+                    Ok(Some(wk::WorkerEvent {
+                        event: Some(Event::Activity(activity)),
+                    })) => plane.activity(&join.worker_id, &link, &activity),
                     Ok(Some(_)) => {}
                     Ok(None) | Err(_) => break,
                 }

@@ -22,6 +22,9 @@ pub(crate) enum LinkError {
     /// The worker answered that the command failed.
     #[error("{0}")]
     Failed(String),
+    /// A policy's checkpoint found the actor busy (not idle since the mark it named).
+    #[error("the actor is busy")]
+    Busy,
 }
 
 /// What the control plane sends on a worker's stream.
@@ -86,6 +89,7 @@ impl WorkerLink {
         }
         match tokio::time::timeout(timeout, reply_rx).await {
             Ok(Ok(reply)) if reply.ok => Ok(()),
+            Ok(Ok(reply)) if reply.busy => Err(LinkError::Busy),
             Ok(Ok(reply)) => Err(LinkError::Failed(reply.error)),
             Ok(Err(_)) => Err(LinkError::Gone),
             Err(_) => {

@@ -19,6 +19,8 @@ pub(crate) struct PlaneMetrics {
     registry: Registry,
     resumes: Counter<u64>,
     handoffs: Counter<u64>,
+    evictions: Counter<u64>,
+    idle_suspensions: Counter<u64>,
     waiters: Gauge<i64>,
     workers: Gauge<i64>,
     operation: Histogram<f64>,
@@ -38,6 +40,16 @@ impl PlaneMetrics {
             handoffs: meter
                 .u64_counter("valet.control.handoffs")
                 .with_description("Freed workers handed to the oldest capacity waiter.")
+                .build(),
+            evictions: meter
+                .u64_counter("valet.control.evictions")
+                .with_description(
+                    "Idle actors checkpointed to free a worker for a waiting one, by pool.",
+                )
+                .build(),
+            idle_suspensions: meter
+                .u64_counter("valet.control.idle_suspensions")
+                .with_description("Actors suspended for being idle, by pool.")
                 .build(),
             waiters: meter
                 .i64_gauge("valet.control.waiters")
@@ -83,6 +95,16 @@ impl PlaneMetrics {
 
     pub(crate) fn handoff(&self) {
         self.handoffs.add(1, &[]);
+    }
+
+    pub(crate) fn evicted(&self, pool: &str) {
+        self.evictions
+            .add(1, &[KeyValue::new("pool", pool.to_owned())]);
+    }
+
+    pub(crate) fn idle_suspended(&self, pool: &str) {
+        self.idle_suspensions
+            .add(1, &[KeyValue::new("pool", pool.to_owned())]);
     }
 
     pub(crate) fn operation(&self, op: &'static str, took: Duration) {

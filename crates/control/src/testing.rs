@@ -241,7 +241,32 @@ impl FakeWorker {
             id,
             ok: result.is_ok(),
             error: result.err().unwrap_or_default().to_owned(),
+            busy: false,
         });
+    }
+
+    /// Answers a policy's checkpoint `id`: the actor is busy.
+    pub fn answer_busy(&self, id: u64) {
+        self.link.deliver(wk::Reply {
+            id,
+            ok: false,
+            error: "the actor is busy".into(),
+            busy: true,
+        });
+    }
+
+    /// Reports what hosted `actor` is doing: `in_flight` requests, activity `mark`.
+    pub fn report(&self, actor: &ActorKey, in_flight: u32, mark: u64) {
+        let activity = wk::Activity {
+            actor: Some(wk::ActorSlot {
+                atespace: actor.atespace().to_owned(),
+                name: actor.name().to_owned(),
+                snapshot_key: String::new(),
+            }),
+            in_flight,
+            mark,
+        };
+        self.plane.activity(&self.id, &self.link, &activity);
     }
 
     /// The worker's stream ends (the process died).

@@ -243,7 +243,10 @@ fn books(
             (*o, n as u64)
         })
         .collect();
-    let router_total = m.sample("atenet_router_requests_total", &[]) as u64;
+    // A request replayed after its actor moved is decided twice.
+    let replayed = m.sample("atenet_router_requests_replayed_total", &[]) as u64;
+    let router_total =
+        (m.sample("atenet_router_requests_total", &[]) as u64).saturating_sub(replayed);
     let canceled = decided(408);
     let lot = router.lot();
     let mut text = String::new();
@@ -297,7 +300,7 @@ fn books(
     let unseen = router_total.saturating_sub(canceled + seen);
     let _ = writeln!(
         text,
-        "router: {router_total} decided: {} (routed counted as 200), {canceled} x 408 (client gone)",
+        "router: {router_total} requests decided: {} (routed counted as 200), {canceled} x 408 (client gone); {replayed} replayed after their actor moved",
         router_line.join(", ")
     );
     let parked_total = lot.admitted_total();

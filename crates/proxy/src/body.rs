@@ -101,7 +101,7 @@ impl Held {
         let body = RequestBody {
             frames: self.frames,
             rest: self.rest,
-            charge: self.charge,
+            charge: Some(self.charge),
             failure: self.failure,
         };
         (body, failure)
@@ -139,8 +139,25 @@ fn caller_end(e: &hyper::Error) -> CallerEnd {
 pub(crate) struct RequestBody {
     frames: VecDeque<Frame<Bytes>>,
     rest: Option<Incoming>,
-    charge: Charge,
+    charge: Option<Charge>,
     failure: Failure,
+}
+
+impl RequestBody {
+    /// A body of `bytes`, all held (a replayed request's).
+    pub(crate) fn whole(bytes: Bytes) -> Self {
+        let frames = if bytes.is_empty() {
+            VecDeque::new()
+        } else {
+            VecDeque::from([Frame::data(bytes)])
+        };
+        Self {
+            frames,
+            rest: None,
+            charge: None,
+            failure: Failure::default(),
+        }
+    }
 }
 
 impl Body for RequestBody {
@@ -153,12 +170,14 @@ impl Body for RequestBody {
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let this = self.get_mut();
         if let Some(frame) = this.frames.pop_front() {
-            if let Some(data) = frame.data_ref() {
-                this.charge.release(data.len() as u64);
+            if let (Some(data), Some(charge)) = (frame.data_ref(), this.charge.as_mut()) {
+                charge.release(data.len() as u64);
             }
             return Poll::Ready(Some(Ok(frame)));
         }
-        this.charge.release(u64::MAX);
+        if let Some(charge) = this.charge.as_mut() {
+            charge.release(u64::MAX);
+        }
         let Some(rest) = this.rest.as_mut() else {
             return Poll::Ready(None);
         };

@@ -7,6 +7,7 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode, Uri, Version};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
+use hyper::body::Body as _;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioIo;
@@ -85,92 +86,189 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-/// Sends `req` to the route's worker and streams the answer back. A protocol upgrade
-/// the worker accepts (101) is spliced through in both directions. A forward that fails
-/// because the client's body did (`failure`) is the client's 400, otherwise the
-/// worker's 502.
-pub(crate) async fn forward(
-    client: &Client<HttpConnector, RequestBody>,
-    tunnels: &Tunnels,
-    mut req: Request<RequestBody>,
+/// The largest declared body of a request that may be sent again after the worker
+/// answered 421 (the actor moved): such a body is held until the worker's answer.
+pub(crate) const REPLAY_BODY_MAX: u64 = 64 * 1024;
+
+/// A routed request on its way to a worker, ready to be sent (and, when replayable,
+/// sent again to another worker).
+pub(crate) struct Outgoing {
+    parts: http::request::Parts,
+    body: OutgoingBody,
+    /// The client's side of an upgrade, taken once.
+    client_upgrade: Option<hyper::upgrade::OnUpgrade>,
     failure: Failure,
-    route: &Route,
-    host: &str,
-    peer: SocketAddr,
-) -> Response<Body> {
-    let upgrade = (req.version() == Version::HTTP_11 && is_upgrade(req.headers()))
-        .then(|| req.headers().get(header::UPGRADE).cloned())
-        .flatten();
-    let client_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
+}
 
-    let path = req
-        .uri()
-        .path_and_query()
-        .map_or("/", |p| p.as_str())
-        .to_owned();
-    let uri: Uri = format!("http://{}{}", route.addr, path)
-        .parse()
-        .expect("a socket address and a parsed request path make a valid URI");
-    *req.uri_mut() = uri;
-    *req.version_mut() = Version::HTTP_11;
-    let headers = req.headers_mut();
-    strip_hop_by_hop(headers);
-    if let Some(up) = upgrade {
-        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-        headers.insert(header::UPGRADE, up);
-    }
-    if let Ok(h) = HeaderValue::from_str(host) {
-        headers.insert(header::HOST, h);
-    }
-    if let Ok(v) = HeaderValue::from_str(&route.actor.to_string()) {
-        headers.insert(ACTOR_REF, v);
-    }
-    let forwarded_for = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
-        Some(prior) => format!("{prior}, {}", peer.ip()),
-        None => peer.ip().to_string(),
-    };
-    if let Ok(v) = HeaderValue::from_str(&forwarded_for) {
-        headers.insert("x-forwarded-for", v);
-    }
+enum OutgoingBody {
+    /// Held whole (no body, or a declared one of at most [`REPLAY_BODY_MAX`]).
+    Held(Bytes),
+    /// Streamed: can be sent once.
+    Streamed(RequestBody),
+    /// Sent already, and not held.
+    Spent,
+}
 
-    let mut resp = match client.request(req).await {
-        Ok(r) => r,
-        Err(e) => {
-            let client_side = failure.lock().unwrap_or_else(|e| e.into_inner()).take();
-            let denial = match client_side {
-                Some(CallerEnd::MalformedBody(why)) => {
-                    tracing::debug!(actor = %route.actor, error = %why, "malformed request body");
-                    Denial::MalformedBody(route.actor.clone(), why)
-                }
-                Some(CallerEnd::Gone) => Denial::CallerGone(route.actor.clone()),
-                None => {
-                    tracing::warn!(actor = %route.actor, worker = %route.addr, error = %e, "worker unreachable");
-                    Denial::WorkerUnreachable(route.actor.clone())
-                }
-            };
-            return render(&Verdict::of(&denial));
+/// What one send to a worker came to.
+pub(crate) enum Sent {
+    /// The worker's answer (or the data plane's own verdict for a failed send).
+    Answer(Response<Body>),
+    /// The worker does not host the actor (any more): 421.
+    Moved,
+}
+
+impl Outgoing {
+    /// Prepares `req` (from `host`, client `peer`): hop-by-hop headers stripped, the
+    /// upgrade taken, `x-forwarded-for` extended; a small body is read whole so the
+    /// request can be replayed.
+    pub(crate) async fn new(
+        req: Request<RequestBody>,
+        failure: Failure,
+        route: &Route,
+        host: &str,
+        peer: SocketAddr,
+    ) -> Result<Self, Response<Body>> {
+        let (mut parts, body) = req.into_parts();
+        let upgrade = (parts.version == Version::HTTP_11 && is_upgrade(&parts.headers))
+            .then(|| parts.headers.get(header::UPGRADE).cloned())
+            .flatten();
+        let client_upgrade = upgrade
+            .as_ref()
+            .and_then(|_| parts.extensions.remove::<hyper::upgrade::OnUpgrade>());
+        let headers = &mut parts.headers;
+        strip_hop_by_hop(headers);
+        if let Some(up) = upgrade {
+            headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+            headers.insert(header::UPGRADE, up);
         }
-    };
-    if resp.status() == StatusCode::SWITCHING_PROTOCOLS
-        && let Some(client_upgrade) = client_upgrade
-    {
-        let worker_upgrade = hyper::upgrade::on(&mut resp);
-        let actor = route.actor.clone();
-        tunnels.spawn(async move {
-            match tokio::try_join!(client_upgrade, worker_upgrade) {
-                Ok((c, w)) => {
-                    let (mut c, mut w) = (TokioIo::new(c), TokioIo::new(w));
-                    if let Err(e) = tokio::io::copy_bidirectional(&mut c, &mut w).await {
-                        tracing::debug!(%actor, error = %e, "upgraded connection ended");
-                    }
+        if let Ok(h) = HeaderValue::from_str(host) {
+            headers.insert(header::HOST, h);
+        }
+        let forwarded_for = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
+            Some(prior) => format!("{prior}, {}", peer.ip()),
+            None => peer.ip().to_string(),
+        };
+        if let Ok(v) = HeaderValue::from_str(&forwarded_for) {
+            headers.insert("x-forwarded-for", v);
+        }
+        parts.version = Version::HTTP_11;
+        let small = body
+            .size_hint()
+            .upper()
+            .is_some_and(|n| n <= REPLAY_BODY_MAX);
+        let body = if small {
+            match body.collect().await {
+                Ok(all) => OutgoingBody::Held(all.to_bytes()),
+                Err(_) => {
+                    let end = failure.lock().unwrap_or_else(|e| e.into_inner()).take();
+                    let actor = route.actor.clone();
+                    let denial = match end {
+                        Some(CallerEnd::MalformedBody(why)) => Denial::MalformedBody(actor, why),
+                        Some(CallerEnd::Gone) | None => Denial::CallerGone(actor),
+                    };
+                    return Err(render(&Verdict::of(&denial)));
                 }
-                Err(e) => tracing::debug!(%actor, error = %e, "upgrade failed"),
             }
-        });
-        return resp.map(BodyExt::boxed);
+        } else {
+            OutgoingBody::Streamed(body)
+        };
+        Ok(Self {
+            parts,
+            body,
+            client_upgrade,
+            failure,
+        })
     }
-    strip_hop_by_hop(resp.headers_mut());
-    resp.map(BodyExt::boxed)
+
+    /// Whether it can be sent again after a 421.
+    pub(crate) fn replayable(&self) -> bool {
+        matches!(self.body, OutgoingBody::Held(_))
+    }
+
+    /// Sends it to `route`'s worker. A protocol upgrade the worker accepts (101) is
+    /// spliced through in both directions. A send that fails because the client's body
+    /// did is the client's 400, otherwise the worker's 502. The held body is let go
+    /// once the worker answers anything but 421.
+    pub(crate) async fn send(
+        &mut self,
+        client: &Client<HttpConnector, RequestBody>,
+        tunnels: &Tunnels,
+        route: &Route,
+    ) -> Sent {
+        let path = self
+            .parts
+            .uri
+            .path_and_query()
+            .map_or("/", |p| p.as_str())
+            .to_owned();
+        let uri: Uri = format!("http://{}{}", route.addr, path)
+            .parse()
+            .expect("a socket address and a parsed request path make a valid URI");
+        let body = match std::mem::replace(&mut self.body, OutgoingBody::Spent) {
+            OutgoingBody::Held(bytes) => {
+                let again = RequestBody::whole(bytes.clone());
+                self.body = OutgoingBody::Held(bytes);
+                again
+            }
+            OutgoingBody::Streamed(b) => b,
+            OutgoingBody::Spent => RequestBody::whole(Bytes::new()),
+        };
+        let mut req = Request::new(body);
+        *req.method_mut() = self.parts.method.clone();
+        *req.uri_mut() = uri;
+        *req.version_mut() = Version::HTTP_11;
+        *req.headers_mut() = self.parts.headers.clone();
+        if let Ok(v) = HeaderValue::from_str(&route.actor.to_string()) {
+            req.headers_mut().insert(ACTOR_REF, v);
+        }
+        let mut resp = match client.request(req).await {
+            Ok(r) => r,
+            Err(e) => {
+                let client_side = self
+                    .failure
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take();
+                let denial = match client_side {
+                    Some(CallerEnd::MalformedBody(why)) => {
+                        tracing::debug!(actor = %route.actor, error = %why, "malformed request body");
+                        Denial::MalformedBody(route.actor.clone(), why)
+                    }
+                    Some(CallerEnd::Gone) => Denial::CallerGone(route.actor.clone()),
+                    None => {
+                        tracing::warn!(actor = %route.actor, worker = %route.addr, error = %e, "worker unreachable");
+                        Denial::WorkerUnreachable(route.actor.clone())
+                    }
+                };
+                return Sent::Answer(render(&Verdict::of(&denial)));
+            }
+        };
+        if resp.status() == StatusCode::MISDIRECTED_REQUEST {
+            tracing::debug!(actor = %route.actor, worker = %route.addr, "the actor moved");
+            return Sent::Moved;
+        }
+        self.body = OutgoingBody::Spent;
+        if resp.status() == StatusCode::SWITCHING_PROTOCOLS
+            && let Some(client_upgrade) = self.client_upgrade.take()
+        {
+            let worker_upgrade = hyper::upgrade::on(&mut resp);
+            let actor = route.actor.clone();
+            tunnels.spawn(async move {
+                match tokio::try_join!(client_upgrade, worker_upgrade) {
+                    Ok((c, w)) => {
+                        let (mut c, mut w) = (TokioIo::new(c), TokioIo::new(w));
+                        if let Err(e) = tokio::io::copy_bidirectional(&mut c, &mut w).await {
+                            tracing::debug!(%actor, error = %e, "upgraded connection ended");
+                        }
+                    }
+                    Err(e) => tracing::debug!(%actor, error = %e, "upgrade failed"),
+                }
+            });
+            return Sent::Answer(resp.map(BodyExt::boxed));
+        }
+        strip_hop_by_hop(resp.headers_mut());
+        Sent::Answer(resp.map(BodyExt::boxed))
+    }
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ use valet_router::status::RouteRecord;
 use valet_router::{Decision, Denial, Router, Verdict};
 
 use crate::body::{Held, RequestBody};
-use crate::forward::{Body, forward, render};
+use crate::forward::{Body, Outgoing, Sent, render};
 
 /// Explicit input limits of the data plane.
 #[derive(Debug, Clone, Copy)]
@@ -274,20 +274,10 @@ async fn handle(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) -> Re
         Decision::Route(route) => {
             let (body, failure) = held.into_body();
             let req = Request::from_parts(parts, body);
-            (
-                forward(
-                    &shared.client,
-                    &shared.tunnels,
-                    req,
-                    failure,
-                    route,
-                    &host,
-                    peer,
-                )
-                .await,
-                Some(route.addr),
-                "routed",
-            )
+            match Outgoing::new(req, failure, route, &host, peer).await {
+                Ok(mut out) => send(shared, &mut out, route, &host, deadline).await,
+                Err(resp) => (resp, Some(route.addr), "routed"),
+            }
         }
         Decision::Deny(_, v) => (render(v), None, v.reason()),
     };
@@ -301,4 +291,31 @@ async fn handle(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) -> Re
         started.elapsed(),
     ));
     resp
+}
+
+/// Sends a routed request; when the worker answers 421 (the actor moved, say it was
+/// checkpointed as the request arrived) sends it through the pipeline once more if it
+/// can be replayed, and answers `actor moved` otherwise.
+async fn send(
+    shared: &Shared,
+    out: &mut Outgoing,
+    route: &valet_router::Route,
+    host: &str,
+    deadline: Instant,
+) -> (Response<Body>, Option<SocketAddr>, &'static str) {
+    if let Sent::Answer(resp) = out.send(&shared.client, &shared.tunnels, route).await {
+        return (resp, Some(route.addr), "routed");
+    }
+    let moved = Verdict::of(&Denial::ActorMoved(route.actor.clone()));
+    if !out.replayable() {
+        return (render(&moved), Some(route.addr), moved.reason());
+    }
+    shared.router.metrics().replayed();
+    match shared.router.decide(host, deadline).await {
+        Decision::Route(again) => match out.send(&shared.client, &shared.tunnels, &again).await {
+            Sent::Answer(resp) => (resp, Some(again.addr), "routed"),
+            Sent::Moved => (render(&moved), Some(again.addr), moved.reason()),
+        },
+        Decision::Deny(_, v) => (render(&v), None, v.reason()),
+    }
 }

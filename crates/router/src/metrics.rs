@@ -60,6 +60,7 @@ pub struct Metrics {
     requests: Counter<u64>,
     resume_attempts: Counter<u64>,
     resume_in_progress: UpDownCounter<i64>,
+    replays: Counter<u64>,
     held_bytes: UpDownCounter<i64>,
     control_plane_reachable: Gauge<i64>,
     flights_active: UpDownCounter<i64>,
@@ -126,6 +127,12 @@ impl Metrics {
             resume_in_progress: meter
                 .i64_up_down_counter("atenet.router.resume.in_progress")
                 .with_description("ResumeActor calls in progress.")
+                .build(),
+            replays: meter
+                .u64_counter("atenet.router.requests.replayed")
+                .with_description(
+                    "Requests sent through the pipeline again after the worker answered 421 (the actor moved).",
+                )
                 .build(),
             held_bytes: meter
                 .i64_up_down_counter("atenet.router.parking.held_bytes")
@@ -199,6 +206,11 @@ impl Metrics {
 
     pub(crate) fn held_bytes(&self, delta: i64) {
         self.held_bytes.add(delta, &[]);
+    }
+
+    /// Counts a request sent through the pipeline again (its actor moved).
+    pub fn replayed(&self) {
+        self.replays.add(1, &[]);
     }
 
     /// Records whether the control plane answers.

@@ -47,6 +47,9 @@ pub enum Denial {
     MalformedBody(ActorRef, String),
     /// The actor's worker could not be reached, or failed before answering.
     WorkerUnreachable(ActorRef),
+    /// The actor's worker no longer hosts it (it answered 421), and the request cannot
+    /// be sent again (its body was streamed, or it was replayed once already).
+    ActorMoved(ActorRef),
 }
 
 /// Why a request's own side ended its wait while it was parked (reported by the data
@@ -70,7 +73,8 @@ impl Denial {
             | Denial::TooManyHeaders { .. }
             | Denial::HeadersTooLarge { .. }
             | Denial::MalformedBody(..)
-            | Denial::WorkerUnreachable(_) => ParkOutcome::Error,
+            | Denial::WorkerUnreachable(_)
+            | Denial::ActorMoved(_) => ParkOutcome::Error,
             Denial::CallerGone(_) => ParkOutcome::Canceled,
             Denial::CallerDeadline(_) | Denial::ShuttingDown(_) => ParkOutcome::Timeout,
         }
@@ -167,6 +171,12 @@ impl Verdict {
                 format!("actor {actor} unreachable"),
                 "worker_unreachable",
             ),
+            Denial::ActorMoved(actor) => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("actor {actor} unavailable: actor moved"),
+                "actor_moved",
+            )
+            .retry_after(),
         }
     }
 
@@ -425,6 +435,12 @@ mod tests {
             502,
             "actor demo/p3 unreachable",
             false,
+        );
+        check(
+            &Verdict::of(&Denial::ActorMoved(actor())),
+            503,
+            "actor demo/p3 unavailable: actor moved",
+            true,
         );
         check(
             &Verdict::of(&Denial::ShuttingDown(actor())),

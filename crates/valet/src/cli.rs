@@ -263,10 +263,20 @@ pub(crate) struct UpArgs {
     #[arg(long, env = "VALET_METRICS_LISTEN", default_value = DEFAULT_UP_METRICS_LISTEN, value_name = "ADDR")]
     pub(crate) metrics_listen: String,
 
-    /// On Ctrl-C, how long the control plane waits for restores and checkpoints in
-    /// progress.
+    /// On Ctrl-C, how long checkpointing every running actor (and then the restores
+    /// and checkpoints in progress) may take; an actor not checkpointed by then comes
+    /// back from its last snapshot, with a warning.
     #[arg(long, env = "VALET_SHUTDOWN_TIMEOUT", default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) shutdown_timeout: Duration,
+
+    /// Checkpoint and suspend an actor idle this long; 0 turns it off.
+    #[arg(long, env = "VALET_IDLE_SUSPEND_AFTER", default_value = "5m", value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) idle_suspend_after: Duration,
+
+    /// While actors wait for a full pool, evict its least recently active actors idle at
+    /// least this long, one per waiting actor; 0 turns it off.
+    #[arg(long, env = "VALET_EVICT_IDLE_AFTER", default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) evict_idle_after: Duration,
 }
 
 /// Default `--metrics-listen` of `valet up`.
@@ -343,6 +353,24 @@ pub(crate) struct ControlPlaneArgs {
     /// actors go back to SUSPENDED.
     #[arg(long, env = "VALET_REJOIN_GRACE", default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) rejoin_grace: Duration,
+
+    #[command(flatten)]
+    pub(crate) policies: PolicyArgs,
+}
+
+/// The capacity that frees itself (both off by default).
+#[derive(Debug, Clone, Args)]
+pub(crate) struct PolicyArgs {
+    /// Checkpoint and suspend an actor idle this long (no request in flight, none
+    /// ended since); 0 turns it off.
+    #[arg(long, env = "VALET_IDLE_SUSPEND_AFTER", default_value = "0", value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) idle_suspend_after: Duration,
+
+    /// While actors wait for a full pool, checkpoint its least recently active actors
+    /// idle at least this long, one per waiting actor, and hand each freed worker to the
+    /// oldest waiter; 0 turns it off (a full pool answers ResourceExhausted).
+    #[arg(long, env = "VALET_EVICT_IDLE_AFTER", default_value = "0", value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) evict_idle_after: Duration,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -10,16 +10,21 @@
 
 use std::convert::Infallible;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use http::{Request, Response, StatusCode};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};
-use hyper::body::{Frame, Incoming};
+use hyper::body::{Frame, Incoming, SizeHint};
 use hyper_util::rt::TokioIo;
+use tokio_util::task::TaskTracker;
+
+use crate::traffic::{InFlight, Traffic};
 
 /// The header the router sets on every routed request.
 pub const ACTOR_REF_HEADER: &str = "x-actor-ref";
@@ -55,6 +60,8 @@ pub(crate) struct Hosted {
     data_file: PathBuf,
     /// Serializes the file counter's read-increment-write.
     file_lock: Mutex<()>,
+    /// Requests in flight, the activity mark, the checkpoint's fence.
+    pub(crate) traffic: Arc<Traffic>,
 }
 
 impl Hosted {
@@ -72,6 +79,7 @@ impl Hosted {
             memory: AtomicU64::new(memory),
             data_file,
             file_lock: Mutex::new(()),
+            traffic: Arc::default(),
         }
     }
 
@@ -113,8 +121,8 @@ pub(crate) fn write_atomically(path: &Path, content: &[u8]) -> std::io::Result<(
     std::fs::rename(&tmp, path)
 }
 
-/// The slot the app reads its hosted actor from.
-pub(crate) type Slot = Arc<Mutex<Option<Arc<Hosted>>>>;
+/// The slot the app reads its hosted actor from; the agent watches it change.
+pub(crate) type Slot = Arc<tokio::sync::watch::Sender<Option<Arc<Hosted>>>>;
 
 /// The body of every app response.
 pub(crate) type Body = BoxBody<Bytes, hyper::Error>;
@@ -131,12 +139,41 @@ fn text(status: StatusCode, body: String) -> Response<Body> {
         .expect("static parts are valid")
 }
 
-/// Answers one request for the hosted actor.
+/// A response body that keeps its request in flight until it is sent (or dropped).
+struct Guarded {
+    inner: Body,
+    _in_flight: InFlight,
+}
+
+impl hyper::body::Body for Guarded {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Answers one request for the hosted actor. It counts as in flight from admission
+/// until its response is sent (an upgraded connection: until it closes); a fenced actor
+/// (being checkpointed) turns every request away with 421.
 pub(crate) async fn handle(
     req: Request<Incoming>,
     slot: Slot,
+    tunnels: TaskTracker,
 ) -> Result<Response<Body>, Infallible> {
-    let hosted = slot.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let hosted = slot.borrow().clone();
     let named = req
         .headers()
         .get(ACTOR_REF_HEADER)
@@ -157,50 +194,80 @@ pub(crate) async fn handle(
         return Ok(text(status, "no actor hosted\n".into()));
     };
     match path {
-        "/readyz" => Ok(text(StatusCode::OK, "ok\n".into())),
-        "/whoami" => Ok(text(StatusCode::OK, format!("{}\n", hosted.actor))),
-        _ if hosted.app == App::Echo => Ok(echo(req)),
-        _ => {
+        "/readyz" => return Ok(text(StatusCode::OK, "ok\n".into())),
+        "/whoami" => return Ok(text(StatusCode::OK, format!("{}\n", hosted.actor))),
+        _ => {}
+    }
+    let Some(in_flight) = hosted.traffic.enter() else {
+        return Ok(text(
+            StatusCode::MISDIRECTED_REQUEST,
+            format!(
+                "misdirected request: actor {} is being checkpointed here\n",
+                hosted.actor
+            ),
+        ));
+    };
+    let resp = serve(req, &hosted, in_flight, &tunnels).await;
+    Ok(resp)
+}
+
+async fn serve(
+    req: Request<Incoming>,
+    hosted: &Arc<Hosted>,
+    in_flight: InFlight,
+    tunnels: &TaskTracker,
+) -> Response<Body> {
+    let resp = match hosted.app {
+        App::Echo => return echo(req, in_flight, tunnels),
+        App::Counter => {
             let counted = {
                 let hosted = Arc::clone(&hosted);
                 tokio::task::spawn_blocking(move || hosted.count()).await
             };
             match counted {
-                Ok(Ok((memory, file))) => Ok(text(
+                Ok(Ok((memory, file))) => text(
                     StatusCode::OK,
                     format!(
                         "hello from: {} | preserved memory count: {memory} | preserved file counter: {file}\n",
                         hosted.actor
                     ),
-                )),
+                ),
                 Ok(Err(e)) => {
                     tracing::warn!(actor = %hosted.actor, error = %e, "counter file update failed");
-                    Ok(text(
+                    text(
                         StatusCode::OK,
                         format!(
                             "hello from: {} | preserved memory count: {} | preserved file counter: -1\n",
                             hosted.actor,
                             hosted.memory()
                         ),
-                    ))
+                    )
                 }
-                Err(_) => Ok(text(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "internal error\n".into(),
-                )),
+                Err(_) => text(StatusCode::INTERNAL_SERVER_ERROR, "internal error\n".into()),
             }
         }
-    }
+    };
+    guarded(resp, in_flight)
 }
 
-fn echo(req: Request<Incoming>) -> Response<Body> {
+/// `resp` with its request in flight until its body is sent.
+fn guarded(resp: Response<Body>, in_flight: InFlight) -> Response<Body> {
+    resp.map(|inner| {
+        BodyExt::boxed(Guarded {
+            inner,
+            _in_flight: in_flight,
+        })
+    })
+}
+
+fn echo(req: Request<Incoming>, in_flight: InFlight, tunnels: &TaskTracker) -> Response<Body> {
     let is_websocket = req
         .headers()
         .get(http::header::UPGRADE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.eq_ignore_ascii_case("websocket"));
     if is_websocket {
-        return websocket_echo(req);
+        return websocket_echo(req, in_flight, tunnels);
     }
     if let Some(n) = req.uri().path().strip_prefix("/bytes/") {
         let Ok(n) = n.parse::<u64>() else {
@@ -212,19 +279,21 @@ fn echo(req: Request<Incoming>) -> Response<Body> {
                 format!("at most {MAX_ECHO_BYTES} bytes\n"),
             );
         }
-        return Response::builder()
+        let resp = Response::builder()
             .header(http::header::CONTENT_TYPE, "application/octet-stream")
             .header(http::header::CONTENT_LENGTH, n)
             .body(pattern_body(n))
             .expect("static parts are valid");
+        return guarded(resp, in_flight);
     }
     let mut builder = Response::builder().header("x-echo-method", req.method().as_str());
     if let Some(len) = req.headers().get(http::header::CONTENT_LENGTH) {
         builder = builder.header(http::header::CONTENT_LENGTH, len.clone());
     }
-    builder
+    let resp = builder
         .body(req.into_body().boxed())
-        .expect("static parts are valid")
+        .expect("static parts are valid");
+    guarded(resp, in_flight)
 }
 
 /// `n` bytes of the repeating pattern `0, 1, ..., 250`, streamed in 64 KiB frames.
@@ -243,7 +312,11 @@ fn pattern_body(n: u64) -> Body {
     BodyExt::boxed(StreamBody::new(futures_util::stream::iter(frames)))
 }
 
-fn websocket_echo(req: Request<Incoming>) -> Response<Body> {
+fn websocket_echo(
+    req: Request<Incoming>,
+    in_flight: InFlight,
+    tunnels: &TaskTracker,
+) -> Response<Body> {
     let Some(key) = req.headers().get("sec-websocket-key").cloned() else {
         return text(
             StatusCode::BAD_REQUEST,
@@ -251,7 +324,9 @@ fn websocket_echo(req: Request<Incoming>) -> Response<Body> {
         );
     };
     let accept = tokio_tungstenite::tungstenite::handshake::derive_accept_key(key.as_bytes());
-    tokio::spawn(async move {
+    tunnels.spawn(async move {
+        // The open connection counts as a request in flight until it closes.
+        let _in_flight = in_flight;
         let upgraded = match hyper::upgrade::on(req).await {
             Ok(u) => u,
             Err(e) => {

@@ -14,15 +14,16 @@
 #![forbid(unsafe_code)]
 
 mod app;
+mod traffic;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -32,6 +33,16 @@ use valet_proto::worker::{
 
 pub use app::{ACTOR_REF_HEADER, pattern};
 use app::{App, Hosted, Slot, read_counter, write_atomically};
+use traffic::Fence;
+
+/// Why a command was not carried out.
+#[derive(Debug)]
+enum Refusal {
+    /// It failed, for this reason.
+    Failed(String),
+    /// A policy's checkpoint found the actor busy.
+    Busy,
+}
 
 /// How a worker runs.
 #[derive(Debug, Clone)]
@@ -114,7 +125,7 @@ impl Worker {
             .worker_id
             .clone()
             .unwrap_or_else(|| format!("w-{:08x}", rand::random::<u32>()));
-        let slot: Slot = Arc::new(Mutex::new(None));
+        let slot: Slot = Arc::new(watch::Sender::new(None));
         let stop = CancellationToken::new();
         let tasks = TaskTracker::new();
         tasks.spawn(serve_app(listener, Arc::clone(&slot), stop.clone()));
@@ -146,7 +157,7 @@ impl Worker {
 
     /// The actor hosted now (`atespace/name`).
     pub fn hosting(&self) -> Option<String> {
-        lock(&self.slot).as_ref().map(|h| h.actor.clone())
+        self.slot.borrow().as_ref().map(|h| h.actor.clone())
     }
 
     /// Stops the app and the agent (the control plane sees the worker leave) and waits
@@ -158,13 +169,10 @@ impl Worker {
     }
 }
 
-fn lock(slot: &Slot) -> std::sync::MutexGuard<'_, Option<Arc<Hosted>>> {
-    slot.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 async fn serve_app(listener: TcpListener, slot: Slot, stop: CancellationToken) {
     let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
     let connections = TaskTracker::new();
+    let tunnels = TaskTracker::new();
     loop {
         let (stream, _) = tokio::select! {
             () = stop.cancelled() => break,
@@ -180,9 +188,11 @@ async fn serve_app(listener: TcpListener, slot: Slot, stop: CancellationToken) {
         let slot = Arc::clone(&slot);
         let builder = builder.clone();
         let stop = stop.clone();
+        let tunnels = tunnels.clone();
         connections.spawn(async move {
-            let service =
-                hyper::service::service_fn(move |req| app::handle(req, Arc::clone(&slot)));
+            let service = hyper::service::service_fn(move |req| {
+                app::handle(req, Arc::clone(&slot), tunnels.clone())
+            });
             let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
             tokio::pin!(conn);
             tokio::select! {
@@ -192,7 +202,72 @@ async fn serve_app(listener: TcpListener, slot: Slot, stop: CancellationToken) {
         });
     }
     connections.close();
-    let _ = tokio::time::timeout(Duration::from_secs(5), connections.wait()).await;
+    tunnels.close();
+    let closed = async {
+        connections.wait().await;
+        tunnels.wait().await;
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(5), closed).await;
+}
+
+/// How often a busy actor's activity is reported at most.
+const BUSY_REPORT_EVERY: Duration = Duration::from_secs(1);
+
+/// Reports the hosted actor's activity on `tx`: at once when it becomes idle, at most
+/// once a second otherwise. Ends when `tx` closes.
+async fn report_activity(
+    mut slot: watch::Receiver<Option<Arc<Hosted>>>,
+    tx: mpsc::Sender<wk::WorkerEvent>,
+) {
+    loop {
+        let hosted = slot.borrow_and_update().clone();
+        let Some(hosted) = hosted else {
+            if slot.changed().await.is_err() {
+                return;
+            }
+            continue;
+        };
+        let mut gauge = hosted.traffic.watch();
+        let mut last: Option<(tokio::time::Instant, bool)> = None;
+        loop {
+            let g = *gauge.borrow_and_update();
+            let idle = g.in_flight == 0;
+            let due = match last {
+                None => tokio::time::Instant::now(),
+                // The first idle report after a busy one goes at once.
+                Some((_, was_busy)) if idle && was_busy => tokio::time::Instant::now(),
+                Some((at, _)) => at + BUSY_REPORT_EVERY,
+            };
+            if tokio::time::Instant::now() >= due {
+                let (atespace, name) = hosted.actor.split_once('/').unwrap_or_default();
+                let event = wk::WorkerEvent {
+                    event: Some(Event::Activity(wk::Activity {
+                        actor: Some(wk::ActorSlot {
+                            atespace: atespace.to_owned(),
+                            name: name.to_owned(),
+                            snapshot_key: hosted.snapshot_key.clone(),
+                        }),
+                        in_flight: g.in_flight,
+                        mark: g.mark,
+                    })),
+                };
+                if tx.send(event).await.is_err() {
+                    return;
+                }
+                last = Some((tokio::time::Instant::now(), !idle));
+                tokio::select! {
+                    r = gauge.changed() => if r.is_err() { break },
+                    r = slot.changed() => if r.is_err() { return } else { break },
+                }
+            } else {
+                tokio::select! {
+                    () = tokio::time::sleep_until(due) => {}
+                    r = gauge.changed() => if r.is_err() { break },
+                    r = slot.changed() => if r.is_err() { return } else { break },
+                }
+            }
+        }
+    }
 }
 
 struct Agent {
@@ -239,7 +314,7 @@ impl Agent {
             .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
         let mut client = WorkersClient::new(channel);
         let (tx, rx) = mpsc::channel(16);
-        let hosting = lock(&self.slot).as_ref().map(|h| {
+        let hosting = self.slot.borrow().as_ref().map(|h| {
             let (atespace, name) = h.actor.split_once('/').unwrap_or_default();
             wk::ActorSlot {
                 atespace: atespace.to_owned(),
@@ -260,10 +335,15 @@ impl Agent {
         .map_err(|_| tonic::Status::internal("event channel closed"))?;
         let mut inbound = client.attach(ReceiverStream::new(rx)).await?.into_inner();
         tracing::info!(worker = %self.id, pool = %self.config.pool, "attached to the control plane");
+        let reporter = report_activity(self.slot.subscribe(), tx.clone());
+        tokio::pin!(reporter);
         loop {
             let cmd = tokio::select! {
                 () = stop.cancelled() => return Ok(()),
                 m = inbound.message() => m?,
+                () = &mut reporter => {
+                    return Err(tonic::Status::unavailable("control plane stream closed"));
+                }
             };
             let Some(cmd) = cmd else {
                 return Err(tonic::Status::unavailable(
@@ -273,13 +353,13 @@ impl Agent {
             let Some(command) = cmd.command else { continue };
             let result = match command {
                 Command::Welcome(w) => {
-                    if !w.hosting_kept && lock(&self.slot).is_some() {
+                    if !w.hosting_kept && self.slot.borrow().is_some() {
                         tracing::warn!(worker = %self.id, "control plane did not keep our actor; evicting");
-                        lock(&self.slot).take();
+                        self.slot.send_replace(None);
                     }
                     continue;
                 }
-                Command::Restore(r) => self.restore(r).await,
+                Command::Restore(r) => self.restore(r).await.map_err(Refusal::Failed),
                 Command::Checkpoint(c) => self.checkpoint(c).await,
                 Command::Evict(e) => {
                     self.evict(e);
@@ -298,12 +378,18 @@ impl Agent {
                 Ok(()) => wk::Reply {
                     id: cmd.id,
                     ok: true,
-                    error: String::new(),
+                    ..Default::default()
                 },
-                Err(error) => wk::Reply {
+                Err(Refusal::Failed(error)) => wk::Reply {
                     id: cmd.id,
-                    ok: false,
                     error,
+                    ..Default::default()
+                },
+                Err(Refusal::Busy) => wk::Reply {
+                    id: cmd.id,
+                    busy: true,
+                    error: "the actor is busy".into(),
+                    ..Default::default()
                 },
             };
             if tx
@@ -319,7 +405,7 @@ impl Agent {
     }
 
     fn hosting(&self) -> Option<String> {
-        lock(&self.slot).as_ref().map(|h| h.actor.clone())
+        self.slot.borrow().as_ref().map(|h| h.actor.clone())
     }
 
     fn actor_dir(&self, slot: &wk::ActorSlot) -> Result<PathBuf, String> {
@@ -337,7 +423,7 @@ impl Agent {
         let slot = r.actor.ok_or("restore without an actor")?;
         let app = App::from_name(&r.app)?;
         let actor = format!("{}/{}", slot.atespace, slot.name);
-        if let Some(h) = lock(&self.slot).as_ref() {
+        if let Some(h) = self.slot.borrow().as_ref() {
             if h.actor == actor {
                 return Ok(());
             }
@@ -360,26 +446,49 @@ impl Agent {
             memory,
             dir.join("data").join("counter"),
         );
-        *lock(&self.slot) = Some(Arc::new(hosted));
+        self.slot.send_replace(Some(Arc::new(hosted)));
         tracing::info!(worker = %self.id, %actor, "restored");
         Ok(())
     }
 
-    async fn checkpoint(&self, c: wk::Checkpoint) -> Result<(), String> {
-        let slot = c.actor.ok_or("checkpoint without an actor")?;
+    /// Fences the actor (a policy's checkpoint only if it is idle since the mark it
+    /// names; an explicit one once its requests in flight have ended), then snapshots it
+    /// and lets it go.
+    async fn checkpoint(&self, c: wk::Checkpoint) -> Result<(), Refusal> {
+        let slot = c
+            .actor
+            .ok_or(Refusal::Failed("checkpoint without an actor".into()))?;
         let actor = format!("{}/{}", slot.atespace, slot.name);
-        let hosted = lock(&self.slot).clone();
+        let hosted = self.slot.borrow().clone();
         let Some(hosted) = hosted.filter(|h| h.actor == actor) else {
-            return Err(format!("worker does not host {actor}"));
+            return Err(Refusal::Failed(format!("worker does not host {actor}")));
         };
-        let dir = self.actor_dir(&slot)?;
+        let dir = self.actor_dir(&slot).map_err(Refusal::Failed)?;
+        let fence = match c.fence {
+            Some(wk::checkpoint::Fence::IdleSince(mark)) => Fence::IdleSince(mark),
+            Some(wk::checkpoint::Fence::WaitIdle(_)) | None => Fence::WaitIdle,
+        };
+        if hosted.traffic.fence(fence).await.is_err() {
+            tracing::debug!(worker = %self.id, %actor, "checkpoint refused: the actor is busy");
+            return Err(Refusal::Busy);
+        }
         let memory = hosted.memory();
         let full = c.full;
-        tokio::task::spawn_blocking(move || take_snapshot(&dir, full, memory))
+        let taken = tokio::task::spawn_blocking(move || take_snapshot(&dir, full, memory))
             .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| format!("checkpoint of {actor} failed: {e}"))?;
-        lock(&self.slot).take();
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.map_err(|e| format!("checkpoint of {actor} failed: {e}")));
+        if let Err(e) = taken {
+            hosted.traffic.unfence();
+            return Err(Refusal::Failed(e));
+        }
+        self.slot.send_if_modified(|h| {
+            let ours = h.as_ref().is_some_and(|h| h.actor == actor);
+            if ours {
+                h.take();
+            }
+            ours
+        });
         tracing::info!(worker = %self.id, %actor, full, "checkpointed");
         Ok(())
     }
@@ -387,9 +496,14 @@ impl Agent {
     fn evict(&self, e: wk::Evict) {
         let Some(slot) = e.actor else { return };
         let actor = format!("{}/{}", slot.atespace, slot.name);
-        let mut hosted = lock(&self.slot);
-        if hosted.as_ref().is_some_and(|h| h.actor == actor) {
-            hosted.take();
+        let evicted = self.slot.send_if_modified(|h| {
+            let ours = h.as_ref().is_some_and(|h| h.actor == actor);
+            if ours {
+                h.take();
+            }
+            ours
+        });
+        if evicted {
             tracing::info!(worker = %self.id, %actor, "evicted");
         }
     }

@@ -29,6 +29,11 @@ impl Waiter {
     pub(crate) fn is_live(&self) -> bool {
         !self.tx.is_closed()
     }
+
+    /// The actor it waits for.
+    pub(crate) fn actor(&self) -> &ActorKey {
+        &self.actor
+    }
 }
 
 /// A resume's place in its pool's queue; it leaves the queue when dropped.

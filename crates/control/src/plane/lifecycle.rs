@@ -27,6 +27,26 @@ enum Start {
     Queued(Ticket, Duration),
 }
 
+/// How a checkpoint fences the actor on its worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fence {
+    /// An explicit suspend: the worker waits for the requests in flight to end.
+    WaitIdle,
+    /// A policy's: only if the actor is idle since this activity mark.
+    IdleSince(u64),
+}
+
+/// How a checkpoint ended.
+#[derive(Debug)]
+pub(crate) enum Checkpointed {
+    /// The actor is SUSPENDED.
+    Suspended(ateapi::Actor),
+    /// A policy's checkpoint found it busy: it is RUNNING still.
+    Busy,
+    /// It failed (the actor is CRASHED, or a write failed).
+    Failed(Status),
+}
+
 /// Why a resume's activation produced no outcome.
 enum NoOutcome {
     /// Every caller left while it waited for capacity.
@@ -81,7 +101,11 @@ impl Plane {
                                     "the worker of actor {key} has not re-attached yet"
                                 )));
                             }
-                            return Ok((st.to_proto(row), false));
+                            let actor = st.to_proto(row);
+                            if let Some(a) = st.activity.get_mut(key) {
+                                a.touch();
+                            }
+                            return Ok((actor, false));
                         }
                         ActorStatus::Crashed => return Err(crashed()),
                         ActorStatus::Suspended
@@ -161,10 +185,19 @@ impl Plane {
                 Some(w) => Start::Reserved(self.reserve(&mut st, &w, key)),
                 None => match wait {
                     Some(d) => Start::Queued(self.enqueue(&mut st, &row.pool, key), d),
-                    None => return Ok(Err(no_room())),
+                    None => {
+                        st.refused
+                            .insert(key.clone(), (row.pool.clone(), Instant::now()));
+                        drop(st);
+                        self.wake_policies();
+                        return Ok(Err(no_room()));
+                    }
                 },
             }
         };
+        if matches!(start, Start::Queued(..)) {
+            self.wake_policies();
+        }
         let reservation = match start {
             Start::Reserved(r) => r,
             Start::Queued(mut ticket, wait) => {
@@ -188,6 +221,7 @@ impl Plane {
             return Ok(Err(e));
         }
         reservation.claimed();
+        self.lock().refused.remove(key);
         let started = Instant::now();
         let result = self.restore(key, &claimed).await;
         self.metrics().operation("restore", started.elapsed());
@@ -228,6 +262,9 @@ impl Plane {
             Ok(()) => {
                 let mut running = claimed.moved(ActorStatus::Running, claimed.worker.clone());
                 running.revert_pending = false;
+                self.lock()
+                    .activity
+                    .insert(key.clone(), super::policy::Activity::restored());
                 self.finish(op, Batch::put([running.clone()])).await?;
                 tracing::info!(actor = %key, worker, "actor RUNNING");
                 Ok((self.lock().to_proto(&running), true))
@@ -308,17 +345,54 @@ impl Plane {
                 drop(op);
                 return Ok(plane.lock().to_proto(&back));
             }
-            let suspending = row.moved(ActorStatus::Suspending, row.worker.clone());
-            plane.step(&op, Batch::put([suspending.clone()])).await?;
-            let result = plane.checkpoint(&key, &suspending).await;
-            let outcome = plane.after_checkpoint(op, &key, suspending, result).await;
+            let ended = plane.checkpoint_actor(op, &key, row, Fence::WaitIdle).await;
             plane.metrics().operation("suspend", started.elapsed());
-            outcome
+            match ended {
+                Checkpointed::Suspended(actor) => Ok(actor),
+                Checkpointed::Failed(e) => Err(e),
+                Checkpointed::Busy => Err(aborted()),
+            }
         })
         .await
     }
 
-    async fn checkpoint(&self, key: &ActorKey, row: &ActorRow) -> Result<(), LinkError> {
+    /// Checkpoints RUNNING `row` under `op`: SUSPENDING, the worker's checkpoint fenced
+    /// as `fence`, then SUSPENDED with its worker freed; CRASHED when the checkpoint
+    /// fails; back to RUNNING when a policy's checkpoint finds the actor busy.
+    pub(super) async fn checkpoint_actor(
+        &self,
+        op: Op,
+        key: &ActorKey,
+        row: ActorRow,
+        fence: Fence,
+    ) -> Checkpointed {
+        let suspending = row.moved(ActorStatus::Suspending, row.worker.clone());
+        if let Err(e) = self.step(&op, Batch::put([suspending.clone()])).await {
+            return Checkpointed::Failed(e);
+        }
+        let result = self.checkpoint(key, &suspending, fence).await;
+        if matches!(result, Err(LinkError::Busy)) {
+            let back = suspending.moved(ActorStatus::Running, suspending.worker.clone());
+            if let Some(a) = self.lock().activity.get_mut(key) {
+                a.touch();
+            }
+            return match self.finish(op, Batch::put([back])).await {
+                Ok(()) => Checkpointed::Busy,
+                Err(e) => Checkpointed::Failed(e),
+            };
+        }
+        match self.after_checkpoint(op, key, suspending, result).await {
+            Ok(actor) => Checkpointed::Suspended(actor),
+            Err(e) => Checkpointed::Failed(e),
+        }
+    }
+
+    async fn checkpoint(
+        &self,
+        key: &ActorKey,
+        row: &ActorRow,
+        fence: Fence,
+    ) -> Result<(), LinkError> {
         let worker = row.worker.clone().unwrap_or_default();
         let Some(link) = self
             .lock()
@@ -331,9 +405,14 @@ impl Plane {
         let full = self
             .template(&row.template)
             .is_some_and(Template::full_snapshot);
+        let fence = match fence {
+            Fence::WaitIdle => wk::checkpoint::Fence::WaitIdle(true),
+            Fence::IdleSince(mark) => wk::checkpoint::Fence::IdleSince(mark),
+        };
         let cmd = Command::Checkpoint(wk::Checkpoint {
             actor: Some(slot_of(key, row)),
             full,
+            fence: Some(fence),
         });
         link.call(cmd, self.config().checkpoint_timeout).await
     }
@@ -366,6 +445,37 @@ impl Plane {
                 )))
             }
         }
+    }
+
+    /// Suspends every RUNNING actor at once, each waiting for its requests in flight;
+    /// returns the actors still not suspended after `timeout`.
+    pub async fn checkpoint_all(&self, timeout: Duration) -> Vec<String> {
+        let running: Vec<ActorKey> = self
+            .lock()
+            .actors
+            .iter()
+            .filter(|(_, r)| r.status == ActorStatus::Running)
+            .map(|(k, _)| k.clone())
+            .collect();
+        let mut suspends = tokio::task::JoinSet::new();
+        for key in running.clone() {
+            let plane = self.clone();
+            suspends.spawn(async move { plane.suspend_actor(key).await });
+        }
+        let _ = tokio::time::timeout(timeout, async {
+            while suspends.join_next().await.is_some() {}
+        })
+        .await;
+        let st = self.lock();
+        running
+            .iter()
+            .filter(|k| {
+                st.actors
+                    .get(*k)
+                    .is_none_or(|r| r.status != ActorStatus::Suspended)
+            })
+            .map(ToString::to_string)
+            .collect()
     }
 
     /// `RevertActor`: CRASHED → SUSPENDED; its next restore starts from the last good

@@ -8,7 +8,9 @@
 //! - [`catalog`]: atespaces and actor records;
 //! - [`lifecycle`]: resume (restore), suspend (checkpoint), revert, and settling an
 //!   actor an earlier step left half-way;
-//! - [`membership`]: workers joining and leaving, the rejoin grace after a restart.
+//! - [`membership`]: workers joining and leaving, the rejoin grace after a restart;
+//! - [`policy`]: what each actor is doing (reported by its worker), and the capacity
+//!   that frees itself: idle suspension and demand eviction.
 //!
 //! Memory is the working copy; the [`Store`] is the record. Every mutating RPC runs
 //! detached on the plane's task tracker, so a caller that goes away never leaves an
@@ -19,6 +21,7 @@ mod catalog;
 mod lifecycle;
 mod membership;
 mod op;
+mod policy;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::future::Future;
@@ -62,6 +65,11 @@ pub struct PlaneConfig {
     /// After a restart, how long a RUNNING actor's worker has to re-attach before the
     /// actor is released to SUSPENDED.
     pub rejoin_grace: Duration,
+    /// Suspend an actor idle this long (`--idle-suspend-after`); zero: never.
+    pub idle_suspend_after: Duration,
+    /// While actors wait for a full pool, evict its least recently active actors idle
+    /// at least this long (`--evict-idle-after`); zero: never.
+    pub evict_idle_after: Duration,
 }
 
 /// Default `--restore-timeout` and `--checkpoint-timeout`.
@@ -79,6 +87,8 @@ impl Default for PlaneConfig {
             restore_timeout: DEFAULT_WORKER_TIMEOUT,
             checkpoint_timeout: DEFAULT_WORKER_TIMEOUT,
             rejoin_grace: DEFAULT_REJOIN_GRACE,
+            idle_suspend_after: Duration::ZERO,
+            evict_idle_after: Duration::ZERO,
         }
     }
 }
@@ -136,6 +146,11 @@ pub(crate) struct State {
     pub(crate) workers: BTreeMap<String, WorkerRec>,
     pub(crate) queues: HashMap<String, VecDeque<Waiter>>,
     pub(crate) next_id: u64,
+    /// What each RUNNING actor is doing, as its worker reports it.
+    pub(crate) activity: HashMap<ActorKey, policy::Activity>,
+    /// Actors refused with `ResourceExhausted` lately, and when: demand for eviction
+    /// from routers that poll instead of waiting.
+    pub(crate) refused: HashMap<ActorKey, (String, tokio::time::Instant)>,
 }
 
 impl State {
@@ -190,6 +205,16 @@ impl State {
             worker_pool_name: row.pool.clone(),
             atespace: row.atespace.clone(),
             worker_port: port,
+            idle_for: self
+                .activity
+                .get(&row.key())
+                .filter(|a| running && a.in_flight == 0)
+                .and_then(|a| a.since.elapsed().try_into().ok()),
+            busy: running
+                && self
+                    .activity
+                    .get(&row.key())
+                    .is_some_and(|a| a.in_flight > 0),
         }
     }
 
@@ -213,9 +238,14 @@ impl State {
                     rec.slot = Slot::Hosting(key.clone());
                 }
             }
+            if row.status != ActorStatus::Running {
+                self.activity.remove(&key);
+            }
             self.actors.insert(key, row.clone());
         }
         for key in &batch.delete_actors {
+            self.activity.remove(key);
+            self.refused.remove(key);
             if let Some(w) = self.actors.remove(key).and_then(|r| r.worker) {
                 self.free_slot(&w, key, &mut freed);
             }
@@ -260,6 +290,8 @@ pub(crate) struct Inner {
     links: TaskTracker,
     /// Cancelled when the plane shuts down.
     shutdown: CancellationToken,
+    /// Wakes the policies (idle suspension, eviction) when their inputs change.
+    policy: tokio::sync::Notify,
 }
 
 fn db_error(e: &StoreError) -> Status {
@@ -327,9 +359,11 @@ impl Plane {
                 chores: TaskTracker::new(),
                 links: TaskTracker::new(),
                 shutdown: CancellationToken::new(),
+                policy: tokio::sync::Notify::new(),
             }),
         };
         plane.spawn_rejoin_deadline();
+        plane.spawn_policies();
         Ok(plane)
     }
 
@@ -438,6 +472,7 @@ impl Plane {
         for worker in freed {
             self.hand_off(&worker);
         }
+        self.wake_policies();
     }
 
     /// Waits until `cond` holds, re-checking whenever the state changes; false if

@@ -47,6 +47,8 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         restore_timeout: args.restore_timeout,
         checkpoint_timeout: args.checkpoint_timeout,
         rejoin_grace: args.rejoin_grace,
+        idle_suspend_after: args.policies.idle_suspend_after,
+        evict_idle_after: args.policies.evict_idle_after,
     };
     let plane = match Plane::open(Arc::new(store), config).await {
         Ok(p) => p,

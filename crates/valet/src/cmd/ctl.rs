@@ -239,8 +239,34 @@ async fn execute(mut c: ControlClient<Channel>, args: &CtlArgs) -> Result<String
 }
 
 const ACTOR_HEADER: &[&str] = &[
-    "ACTOR", "STATUS", "TEMPLATE", "WORKER", "ADDRESS", "VERSION",
+    "ACTOR", "STATUS", "TEMPLATE", "WORKER", "ADDRESS", "VERSION", "ACTIVITY",
 ];
+
+/// What a running actor is doing: `busy`, `idle 12s`; `-` when it is not running.
+fn activity(a: &ateapi::Actor) -> String {
+    if a.status != ateapi::actor::Status::Running as i32 {
+        return "-".into();
+    }
+    if a.busy {
+        return "busy".into();
+    }
+    match a
+        .idle_for
+        .and_then(|d| std::time::Duration::try_from(d).ok())
+    {
+        Some(d) => format!("idle {}", idle_text(d)),
+        None => "-".into(),
+    }
+}
+
+fn idle_text(d: std::time::Duration) -> String {
+    let s = d.as_secs();
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m{}s", s / 60, s % 60),
+        _ => format!("{}h{}m", s / 3600, s % 3600 / 60),
+    }
+}
 
 fn status_name(status: i32) -> String {
     ateapi::actor::Status::try_from(status)
@@ -268,6 +294,7 @@ fn actor_row(a: &ateapi::Actor) -> Vec<String> {
         },
         address(a),
         a.version.to_string(),
+        activity(a),
     ]
 }
 
@@ -282,6 +309,11 @@ fn actor_json(a: &ateapi::Actor) -> Value {
         "worker": if a.ateom_pod_name.is_empty() { Value::Null } else { json!(a.ateom_pod_name) },
         "address": if a.ateom_pod_ip.is_empty() { Value::Null } else { json!(address(a)) },
         "version": a.version,
+        "busy": a.busy,
+        "idle_seconds": a
+            .idle_for
+            .and_then(|d| std::time::Duration::try_from(d).ok())
+            .map(|d| d.as_secs_f64()),
     })
 }
 

@@ -72,6 +72,8 @@ async fn up(mut args: UpArgs) -> Result<(), UpError> {
         shutdown_timeout: args.shutdown_timeout,
         plane: PlaneConfig {
             capacity_wait: args.capacity_wait == OnOff::On,
+            idle_suspend_after: args.idle_suspend_after,
+            evict_idle_after: args.evict_idle_after,
             ..PlaneConfig::default()
         },
         restore_delay: args.restore_delay,
@@ -151,6 +153,7 @@ async fn up(mut args: UpArgs) -> Result<(), UpError> {
 
     crate::signal::terminated().await;
     running.drain().await;
+    cluster.checkpoint_all(args.shutdown_timeout).await;
     cluster.shutdown().await;
     tracing::info!("valet up stopped");
     Ok(())

@@ -1,0 +1,304 @@
+//! What each RUNNING actor is doing, and the capacity that frees itself.
+//!
+//! Workers report their actor's activity (requests in flight, an activity mark that
+//! changes at every start and end); a restore and a resume of a running actor count as
+//! activity too. Two policies act on it, both off unless configured:
+//!
+//! - **idle suspension** (`--idle-suspend-after`): an actor idle that long is
+//!   checkpointed and suspended;
+//! - **demand eviction** (`--evict-idle-after`): while actors wait for a pool (capacity
+//!   waiters, and actors refused `ResourceExhausted` in the last [`REFUSED_FOR`]), the
+//!   least recently active running actors of that pool idle at least that long are
+//!   checkpointed, one per waiting actor not already covered by a free worker or one
+//!   being freed, and each freed worker goes to the oldest waiter.
+//!
+//! Every policy checkpoint names the activity mark it was decided on; the worker
+//! refuses it (busy) unless the actor has stayed idle since, so a policy never cuts a
+//! request short or loses its effect.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use tokio::time::Instant;
+use valet_proto::worker as wk;
+
+use super::lifecycle::{Checkpointed, Fence};
+use super::{Op, OpKind, OpTarget, Plane, Slot};
+use crate::link::WorkerLink;
+use crate::model::{ActorKey, ActorStatus};
+
+/// How long a `ResourceExhausted` refusal counts as demand for eviction.
+pub(crate) const REFUSED_FOR: Duration = Duration::from_secs(5);
+
+/// What one RUNNING actor is doing, as the plane knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Activity {
+    /// Requests in flight at the last report.
+    pub(crate) in_flight: u32,
+    /// The worker's activity mark at the last report.
+    pub(crate) mark: u64,
+    /// The last activity: when it became idle, or its last busy report.
+    pub(crate) since: Instant,
+}
+
+impl Activity {
+    /// Just restored: idle since now, at the worker's first mark.
+    pub(crate) fn restored() -> Self {
+        Self {
+            in_flight: 0,
+            mark: 0,
+            since: Instant::now(),
+        }
+    }
+
+    /// Counts as activity now (a resume of the running actor, a refused checkpoint).
+    pub(crate) fn touch(&mut self) {
+        self.since = Instant::now();
+    }
+
+    /// How long it has been idle, if it is.
+    fn idle_for(&self, now: Instant) -> Option<Duration> {
+        (self.in_flight == 0).then(|| now.saturating_duration_since(self.since))
+    }
+}
+
+/// Why a policy checkpoints an actor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Why {
+    Idle,
+    Evict,
+}
+
+impl Why {
+    fn op(self) -> &'static str {
+        match self {
+            Why::Idle => "idle-suspending",
+            Why::Evict => "evicting",
+        }
+    }
+}
+
+impl Plane {
+    /// A worker reported its actor's activity.
+    pub(crate) fn activity(
+        &self,
+        worker: &str,
+        link: &std::sync::Arc<WorkerLink>,
+        report: &wk::Activity,
+    ) {
+        let Some(slot) = &report.actor else { return };
+        let Ok(key) = ActorKey::new(&slot.atespace, &slot.name) else {
+            return;
+        };
+        let became_idle = {
+            let mut st = self.lock();
+            let current = st.workers.get(worker).is_some_and(|w| {
+                std::sync::Arc::ptr_eq(&w.link, link) && w.slot == Slot::Hosting(key.clone())
+            });
+            if !current {
+                return;
+            }
+            let now = Instant::now();
+            let a = st.activity.entry(key).or_insert_with(Activity::restored);
+            let was_idle = a.in_flight == 0;
+            if report.in_flight > 0 || report.mark != a.mark || !was_idle {
+                a.since = now;
+            }
+            a.in_flight = report.in_flight;
+            a.mark = report.mark;
+            report.in_flight == 0 && !was_idle
+        };
+        if became_idle {
+            self.wake_policies();
+        }
+    }
+
+    /// Re-evaluates the policies now.
+    pub(crate) fn wake_policies(&self) {
+        self.inner.policy.notify_one();
+    }
+
+    /// Runs the policies, if any is configured, until shutdown.
+    pub(super) fn spawn_policies(&self) {
+        let c = self.config();
+        if c.idle_suspend_after.is_zero() && c.evict_idle_after.is_zero() {
+            return;
+        }
+        let plane = self.clone();
+        self.inner.chores.spawn(async move {
+            loop {
+                let next = plane.policy_pass(Instant::now());
+                let sleep = async {
+                    match next {
+                        Some(at) => tokio::time::sleep_until(at).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    () = sleep => {}
+                    () = plane.inner.policy.notified() => {}
+                    () = plane.inner.shutdown.cancelled() => return,
+                }
+            }
+        });
+    }
+
+    /// Starts the checkpoints the policies call for now; returns when the next actor
+    /// crosses a threshold, if one will.
+    fn policy_pass(&self, now: Instant) -> Option<Instant> {
+        let idle_after = self.config().idle_suspend_after;
+        let evict_after = self.config().evict_idle_after;
+        let mut starts: Vec<(Op, ActorKey, Why, u64, std::time::Duration)> = Vec::new();
+        let mut next: Option<Instant> = None;
+        let mut soonest = |at: Instant| next = Some(next.map_or(at, |n: Instant| n.min(at)));
+        {
+            let mut st = self.lock();
+            st.refused
+                .retain(|_, (_, at)| now.saturating_duration_since(*at) < REFUSED_FOR);
+            // Running, unlocked actors by pool, least recently active first.
+            let mut idle: BTreeMap<String, Vec<(Instant, ActorKey, u64, Duration)>> =
+                BTreeMap::new();
+            for (key, row) in &st.actors {
+                if row.status != ActorStatus::Running || st.busy(key).is_some() {
+                    continue;
+                }
+                let Some(a) = st.activity.get(key) else {
+                    continue;
+                };
+                let Some(for_) = a.idle_for(now) else {
+                    continue;
+                };
+                idle.entry(row.pool.clone()).or_default().push((
+                    a.since,
+                    key.clone(),
+                    a.mark,
+                    for_,
+                ));
+            }
+            for list in idle.values_mut() {
+                list.sort();
+            }
+            if !evict_after.is_zero() {
+                for (pool, list) in &idle {
+                    let wanted = st.eviction_demand(pool);
+                    let mut taken = 0;
+                    for (since, key, mark, for_) in list {
+                        if *for_ < evict_after {
+                            if wanted > 0 {
+                                soonest(*since + evict_after);
+                            }
+                            continue;
+                        }
+                        if taken == wanted {
+                            break;
+                        }
+                        taken += 1;
+                        let op = Op::take(
+                            self,
+                            &mut st,
+                            OpTarget::Actor(key.clone()),
+                            OpKind::Busy(Why::Evict.op()),
+                        );
+                        starts.push((op, key.clone(), Why::Evict, *mark, *for_));
+                    }
+                }
+            }
+            if !idle_after.is_zero() {
+                for (since, key, mark, for_) in idle.values().flatten() {
+                    if st.busy(key).is_some() {
+                        continue;
+                    }
+                    if *for_ < idle_after {
+                        soonest(*since + idle_after);
+                        continue;
+                    }
+                    let op = Op::take(
+                        self,
+                        &mut st,
+                        OpTarget::Actor(key.clone()),
+                        OpKind::Busy(Why::Idle.op()),
+                    );
+                    starts.push((op, key.clone(), Why::Idle, *mark, *for_));
+                }
+            }
+        }
+        for (op, key, why, mark, idle_for) in starts {
+            self.spawn_policy_checkpoint(op, key, why, mark, idle_for);
+        }
+        next
+    }
+
+    fn spawn_policy_checkpoint(
+        &self,
+        op: Op,
+        key: ActorKey,
+        why: Why,
+        mark: u64,
+        idle_for: Duration,
+    ) {
+        let plane = self.clone();
+        self.inner.tasks.spawn(async move {
+            let Some(row) = plane.lock().actors.get(&key).cloned() else {
+                return;
+            };
+            let pool = row.pool.clone();
+            match why {
+                Why::Evict => tracing::info!(actor = %key, %pool, ?idle_for, "evicting the least recently active actor for a waiting one"),
+                Why::Idle => tracing::info!(actor = %key, %pool, ?idle_for, "suspending an idle actor"),
+            }
+            match plane
+                .checkpoint_actor(op, &key, row, Fence::IdleSince(mark))
+                .await
+            {
+                Checkpointed::Suspended(_) => match why {
+                    Why::Evict => plane.metrics().evicted(&pool),
+                    Why::Idle => plane.metrics().idle_suspended(&pool),
+                },
+                Checkpointed::Busy => {
+                    tracing::debug!(actor = %key, "the actor turned busy; left running");
+                }
+                Checkpointed::Failed(e) => {
+                    tracing::warn!(actor = %key, error = %e.message(), "policy checkpoint failed");
+                }
+            }
+            plane.wake_policies();
+        });
+    }
+}
+
+impl super::State {
+    /// How many more actors of `pool` to evict now: the distinct actors waiting for it
+    /// (queued, or refused lately), less its free workers and the workers being freed.
+    fn eviction_demand(&self, pool: &str) -> usize {
+        let mut waiting: BTreeSet<&ActorKey> = self
+            .queues
+            .get(pool)
+            .into_iter()
+            .flatten()
+            .filter(|w| w.is_live())
+            .map(|w| w.actor())
+            .collect();
+        for (key, (p, _)) in &self.refused {
+            let idle_again = self.actors.get(key).is_some_and(|r| {
+                matches!(r.status, ActorStatus::Suspended) && self.busy(key).is_none()
+            });
+            if p == pool && idle_again {
+                waiting.insert(key);
+            }
+        }
+        let free = self
+            .workers
+            .values()
+            .filter(|w| w.pool == pool && w.slot == Slot::Free)
+            .count();
+        let freeing = self
+            .ops
+            .iter()
+            .filter(|(target, (_, kind))| {
+                matches!(kind, OpKind::Busy("evicting" | "idle-suspending" | "suspending"))
+                    && matches!(target, OpTarget::Actor(k) if self.actors.get(k).is_some_and(|r| r.pool == pool))
+            })
+            .count();
+        waiting.len().saturating_sub(free + freeing)
+    }
+}
