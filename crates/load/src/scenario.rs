@@ -525,3 +525,76 @@ pub async fn fast_path(
         budget_s: None,
     })
 }
+
+/// Demand eviction: a pool of `workers` full of actors idle at least `evict_after`;
+/// `requests` requests, one after another, each to another suspended actor: each parks
+/// on the full pool until the control plane evicts the least recently active idle
+/// actor for it. Reports the time from each request to its 200, and the evictions.
+pub async fn eviction(
+    sys: &System,
+    workers: usize,
+    requests: usize,
+    evict_after: Duration,
+) -> Result<Report, String> {
+    let client = HttpClient::new(DOMAIN);
+    let holders: Vec<String> = (1..=workers).map(|i| format!("demo/h{i}")).collect();
+    let parked: Vec<String> = (1..=requests).map(|i| format!("demo/e{i}")).collect();
+    for a in holders.iter().chain(&parked) {
+        sys.fresh(a).await?;
+    }
+    let t0 = Instant::now();
+    for h in &holders {
+        let r = one(&client, sys, t0, "holder", h).await;
+        if r.status != 200 {
+            return Err(format!("holder {h} not served: {} {}", r.status, r.body));
+        }
+    }
+    // Every holder idle at least the threshold (the last one served is the youngest).
+    let youngest = holders.last().ok_or("no workers")?;
+    loop {
+        if sys
+            .idle_for(youngest)
+            .await
+            .is_some_and(|d| d >= evict_after)
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let evictions = |sys: &System| {
+        sys.control_plane_metrics()
+            .map(|m| valet_telemetry::sample_of(&m, "valet_control_evictions_total", &[]))
+    };
+    let before = evictions(sys);
+    let mut records = Vec::new();
+    for a in &parked {
+        records.push(one(&client, sys, t0, "evicted-for", a).await);
+    }
+    let after = evictions(sys);
+    let s = Summary::of(&records);
+    let mut text = format!(
+        "{workers} workers full of actors idle >= {}; {requests} requests one after another, each to a suspended actor\n",
+        secs(evict_after)
+    );
+    if let Some(l) = &s.ok {
+        let _ = writeln!(
+            text,
+            "{} of {} returned 200: request to 200 median {}, p90 {}, p99 {}, max {}",
+            s.count(200),
+            s.total,
+            secs(l.median),
+            secs(l.p90),
+            secs(l.p99),
+            secs(l.max)
+        );
+    }
+    if let (Some(b), Some(a)) = (before, after) {
+        let _ = writeln!(text, "evictions: {}", a - b);
+    }
+    Ok(Report {
+        name: "eviction".into(),
+        text,
+        records,
+        budget_s: None,
+    })
+}

@@ -193,7 +193,15 @@ pub async fn soak(sys: &System, opts: &SoakOpts) -> Result<Report, String> {
     }
     records.sort_by_key(|r| r.start);
     let quiet = quiesce(&router, opts.budget + Duration::from_secs(40)).await;
-    let (text, balanced) = books(&router, &tally, suspends, opts, quiet);
+    let (mut text, balanced) = books(&router, &tally, suspends, opts, quiet);
+    if let Some(m) = sys.control_plane_metrics() {
+        let evictions = valet_telemetry::sample_of(&m, "valet_control_evictions_total", &[]);
+        let _ = writeln!(
+            text,
+            "evictions: {evictions} ({:.2}/s)",
+            evictions / started.elapsed().as_secs_f64()
+        );
+    }
     let report = Report {
         name: "soak".into(),
         text: text.clone(),

@@ -34,6 +34,9 @@ pub struct SystemOpts {
     /// Run the router as this `valet` binary in its own process (to measure its
     /// memory); in this process when `None`.
     pub router_exe: Option<PathBuf>,
+    /// The control plane's `--evict-idle-after` (zero, as for the seed's figures:
+    /// off).
+    pub evict_idle_after: Duration,
 }
 
 impl Default for SystemOpts {
@@ -44,6 +47,7 @@ impl Default for SystemOpts {
             capacity_wait: true,
             router_flags: Vec::new(),
             router_exe: None,
+            evict_idle_after: Duration::ZERO,
         }
     }
 }
@@ -92,6 +96,7 @@ impl System {
         let cluster = Cluster::start(ClusterConfig {
             plane: PlaneConfig {
                 capacity_wait: opts.capacity_wait,
+                evict_idle_after: opts.evict_idle_after,
                 ..PlaneConfig::default()
             },
             restore_delay: opts.restore_delay,
@@ -262,6 +267,25 @@ impl System {
         self.cluster
             .as_ref()
             .map(|c| c.plane.resume_calls_for(key.atespace(), key.name()))
+    }
+
+    /// The embedded control plane's `/metrics` text, when it runs in this process.
+    pub fn control_plane_metrics(&self) -> Option<String> {
+        self.cluster.as_ref().map(|c| c.plane.render_metrics())
+    }
+
+    /// How long `actor` has been idle, when it runs and is idle.
+    pub async fn idle_for(&self, actor: &str) -> Option<Duration> {
+        let mut c = self.ctl.clone();
+        let a = c
+            .get_actor(ateapi::GetActorRequest {
+                actor_ref: aref(actor),
+            })
+            .await
+            .ok()?
+            .into_inner()
+            .actor?;
+        a.idle_for.and_then(|d| Duration::try_from(d).ok())
     }
 
     /// The embedded router, when it runs in this process.

@@ -17,6 +17,7 @@ async fn embedded(workers: usize, capacity_wait: bool, extra: &[&str]) -> System
         capacity_wait,
         router_flags,
         router_exe: None,
+        ..SystemOpts::default()
     })
     .await
     .unwrap()
@@ -200,6 +201,7 @@ async fn soak_books_balance() {
         capacity_wait: true,
         router_flags: vec!["--parked-request-budget".into(), "2s".into()],
         router_exe: None,
+        ..SystemOpts::default()
     })
     .await
     .unwrap();
@@ -221,5 +223,32 @@ async fn soak_books_balance() {
             && report.records.iter().any(|r| r.status == 0),
         "served and abandoned requests both happened"
     );
+    sys.shutdown().await;
+}
+
+/// The eviction scenario in small: two workers full of idle actors, two requests each
+/// served after one eviction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eviction_shape() {
+    let sys = System::embedded(&SystemOpts {
+        workers: 2,
+        restore_delay: Duration::from_millis(10),
+        router_flags: vec!["--parked-request-budget".into(), "5s".into()],
+        evict_idle_after: Duration::from_millis(300),
+        ..SystemOpts::default()
+    })
+    .await
+    .unwrap();
+    let r = scenario::eviction(&sys, 2, 2, Duration::from_millis(300))
+        .await
+        .unwrap();
+    let served: Vec<u16> = r
+        .records
+        .iter()
+        .filter(|r| r.label == "evicted-for")
+        .map(|r| r.status)
+        .collect();
+    assert_eq!(served, vec![200, 200], "{}", r.text);
+    assert!(r.text.contains("evictions: 2"), "{}", r.text);
     sys.shutdown().await;
 }

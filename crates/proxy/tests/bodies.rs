@@ -279,3 +279,90 @@ async fn malformed_chunked_body_is_400() {
         "{body}"
     );
 }
+
+/// A worker stand-in that answers 421 (the actor moved) to the first `moved` requests
+/// and then echoes each request's body.
+async fn moving_upstream(moved: usize) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let left = Arc::new(std::sync::atomic::AtomicUsize::new(moved));
+    tokio::spawn(async move {
+        loop {
+            let (s, _) = listener.accept().await.unwrap();
+            let left = Arc::clone(&left);
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req: http::Request<Incoming>| {
+                    let left = Arc::clone(&left);
+                    async move {
+                        let body = req.into_body().collect().await?.to_bytes();
+                        let moved = left
+                            .fetch_update(
+                                std::sync::atomic::Ordering::SeqCst,
+                                std::sync::atomic::Ordering::SeqCst,
+                                |n| n.checked_sub(1),
+                            )
+                            .is_ok();
+                        let mut resp = http::Response::new(Full::new(body));
+                        if moved {
+                            *resp.status_mut() = http::StatusCode::MISDIRECTED_REQUEST;
+                        }
+                        Ok::<_, hyper::Error>(resp)
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    port
+}
+
+/// A worker's 421 (its actor moved) sends a small request through the pipeline again,
+/// body and all, once; a request whose body was streamed (too large to hold), or one
+/// that meets a second 421, gets 503 `actor moved` with Retry-After. No 421 reaches the
+/// client.
+#[tokio::test]
+async fn a_moved_actor_is_resolved_again() {
+    let upstream = moving_upstream(1).await;
+    let (cp, mut calls) = Scripted::new();
+    let (router, server) = serve(cp, &[]).await;
+    let addr = server.local_addr();
+
+    let small = pattern(1000, 3);
+    let req = tokio::spawn(post(addr, "p1", small.clone()));
+    calls.next().await.running(upstream);
+    calls.next().await.running(upstream);
+    let (status, body) = req.await.unwrap();
+    assert_eq!((status, body == small), (200, true));
+    assert_eq!(
+        router
+            .metrics()
+            .sample("atenet_router_requests_replayed_total", &[]),
+        1.0
+    );
+
+    let upstream = moving_upstream(2).await;
+    let req = tokio::spawn(post(addr, "p2", small));
+    calls.next().await.running(upstream);
+    calls.next().await.running(upstream);
+    let (status, body) = req.await.unwrap();
+    assert_eq!(
+        (status, String::from_utf8(body).unwrap().as_str()),
+        (503, "actor demo/p2 unavailable: actor moved")
+    );
+
+    let upstream = moving_upstream(1).await;
+    let big = pattern(100 * 1024, 4);
+    let req = tokio::spawn(post(addr, "p3", big));
+    calls.next().await.running(upstream);
+    let (status, body) = req.await.unwrap();
+    assert_eq!(
+        (status, String::from_utf8(body).unwrap().as_str()),
+        (503, "actor demo/p3 unavailable: actor moved")
+    );
+    assert!(
+        calls.try_next().is_none(),
+        "a streamed body is never replayed"
+    );
+}

@@ -95,6 +95,9 @@ pub(crate) enum Scenario {
     /// A small pool saturated for --duration (10m) with clients that give up and actors
     /// suspended at random; fails unless the router's books balance at the end.
     Soak,
+    /// Demand eviction: --runs requests, one after another, each parked on a full pool
+    /// of idle actors until the control plane evicts one (--evict-idle-after, 10s).
+    Eviction,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -164,6 +167,19 @@ pub(crate) struct ScenarioArgs {
     /// Requests of the parked-scale scenario.
     #[arg(long, default_value_t = 10_000)]
     pub(crate) requests: usize,
+    /// Runs of the eviction scenario (and workers of its pool).
+    #[arg(long, default_value_t = 50)]
+    pub(crate) runs: usize,
+    /// The control plane's --evict-idle-after for the eviction scenario and the soak
+    /// (the seed's experiments always run with it off).
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) evict_idle_after: Option<Duration>,
+    /// Workers of the soak's pool (its actors: --actors).
+    #[arg(long, default_value_t = 2)]
+    pub(crate) workers: usize,
+    /// Actors of the soak.
+    #[arg(long, default_value_t = 8)]
+    pub(crate) actors: usize,
     /// Body of each parked-scale request (a POST when > 0); bytes, or with KiB, MiB.
     #[arg(long, default_value = "0", value_parser = valet_router::config::parse_bytes, value_name = "BYTES")]
     pub(crate) body: u64,
@@ -272,6 +288,16 @@ pub(crate) struct UpArgs {
     /// Checkpoint and suspend an actor idle this long; 0 turns it off.
     #[arg(long, env = "VALET_IDLE_SUSPEND_AFTER", default_value = "5m", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) idle_suspend_after: Duration,
+
+    /// Declares an actor template: NAME, NAME:data or NAME:full (the snapshot a suspend
+    /// takes); `counter:full` makes the demo's actors keep their memory count.
+    #[arg(
+        long = "template",
+        env = "VALET_TEMPLATES",
+        value_delimiter = ',',
+        value_name = "NAME[:data|full]"
+    )]
+    pub(crate) templates: Vec<valet_control::Template>,
 
     /// While actors wait for a full pool, evict its least recently active actors idle at
     /// least this long, one per waiting actor; 0 turns it off.

@@ -221,7 +221,7 @@ async fn serve(
         App::Echo => return echo(req, in_flight, tunnels),
         App::Counter => {
             let counted = {
-                let hosted = Arc::clone(&hosted);
+                let hosted = Arc::clone(hosted);
                 tokio::task::spawn_blocking(move || hosted.count()).await
             };
             match counted {

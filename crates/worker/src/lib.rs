@@ -213,8 +213,8 @@ async fn serve_app(listener: TcpListener, slot: Slot, stop: CancellationToken) {
 /// How often a busy actor's activity is reported at most.
 const BUSY_REPORT_EVERY: Duration = Duration::from_secs(1);
 
-/// Reports the hosted actor's activity on `tx`: at once when it becomes idle, at most
-/// once a second otherwise. Ends when `tx` closes.
+/// Reports the hosted actor's activity on `tx`: at once when it turns idle or busy, at
+/// most once a second while it stays either. Ends when `tx` closes.
 async fn report_activity(
     mut slot: watch::Receiver<Option<Arc<Hosted>>>,
     tx: mpsc::Sender<wk::WorkerEvent>,
@@ -234,8 +234,8 @@ async fn report_activity(
             let idle = g.in_flight == 0;
             let due = match last {
                 None => tokio::time::Instant::now(),
-                // The first idle report after a busy one goes at once.
-                Some((_, was_busy)) if idle && was_busy => tokio::time::Instant::now(),
+                // A turn from busy to idle, or from idle to busy, goes at once.
+                Some((_, was_busy)) if idle == was_busy => tokio::time::Instant::now(),
                 Some((at, _)) => at + BUSY_REPORT_EVERY,
             };
             if tokio::time::Instant::now() >= due {

@@ -40,7 +40,7 @@ pub(crate) enum Fence {
 #[derive(Debug)]
 pub(crate) enum Checkpointed {
     /// The actor is SUSPENDED.
-    Suspended(ateapi::Actor),
+    Suspended(Box<ateapi::Actor>),
     /// A policy's checkpoint found it busy: it is RUNNING still.
     Busy,
     /// It failed (the actor is CRASHED, or a write failed).
@@ -348,7 +348,7 @@ impl Plane {
             let ended = plane.checkpoint_actor(op, &key, row, Fence::WaitIdle).await;
             plane.metrics().operation("suspend", started.elapsed());
             match ended {
-                Checkpointed::Suspended(actor) => Ok(actor),
+                Checkpointed::Suspended(actor) => Ok(*actor),
                 Checkpointed::Failed(e) => Err(e),
                 Checkpointed::Busy => Err(aborted()),
             }
@@ -382,7 +382,7 @@ impl Plane {
             };
         }
         match self.after_checkpoint(op, key, suspending, result).await {
-            Ok(actor) => Checkpointed::Suspended(actor),
+            Ok(actor) => Checkpointed::Suspended(Box::new(actor)),
             Err(e) => Checkpointed::Failed(e),
         }
     }

@@ -63,6 +63,12 @@ impl Plane {
                 _ => Slot::Free,
             };
             let free = slot == Slot::Free;
+            if let Some(k) = &kept {
+                // Idle since it re-attached, until its worker reports otherwise.
+                st.activity
+                    .entry(k.clone())
+                    .or_insert_with(super::policy::Activity::restored);
+            }
             st.workers.insert(
                 id.clone(),
                 WorkerRec {

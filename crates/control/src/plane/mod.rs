@@ -238,7 +238,7 @@ impl State {
                     rec.slot = Slot::Hosting(key.clone());
                 }
             }
-            if row.status != ActorStatus::Running {
+            if !matches!(row.status, ActorStatus::Running | ActorStatus::Suspending) {
                 self.activity.remove(&key);
             }
             self.actors.insert(key, row.clone());

@@ -90,7 +90,7 @@ impl Plane {
         let Ok(key) = ActorKey::new(&slot.atespace, &slot.name) else {
             return;
         };
-        let became_idle = {
+        let wake = {
             let mut st = self.lock();
             let current = st.workers.get(worker).is_some_and(|w| {
                 std::sync::Arc::ptr_eq(&w.link, link) && w.slot == Slot::Hosting(key.clone())
@@ -101,14 +101,16 @@ impl Plane {
             let now = Instant::now();
             let a = st.activity.entry(key).or_insert_with(Activity::restored);
             let was_idle = a.in_flight == 0;
-            if report.in_flight > 0 || report.mark != a.mark || !was_idle {
+            let changed = report.mark != a.mark;
+            if report.in_flight > 0 || changed || !was_idle {
                 a.since = now;
             }
             a.in_flight = report.in_flight;
             a.mark = report.mark;
-            report.in_flight == 0 && !was_idle
+            // An actor idle under a new mark is a new candidate for the policies.
+            report.in_flight == 0 && (changed || !was_idle)
         };
-        if became_idle {
+        if wake {
             self.wake_policies();
         }
     }

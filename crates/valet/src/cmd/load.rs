@@ -130,6 +130,7 @@ fn opts(target: &TargetArgs, workers: usize, capacity_wait: bool, extra: &[&str]
         capacity_wait,
         router_flags,
         router_exe: None,
+        ..SystemOpts::default()
     }
 }
 
@@ -198,13 +199,30 @@ async fn run_scenario(args: ScenarioArgs) -> Result<(), Failure> {
                         "invalid configuration: soak reads the router's books; run it on embedded parts (no --router)".into(),
                     ));
                 }
-                let sys = system(t, &opts(t, 2, cw, &[])).await?;
+                let mut o = opts(t, args.workers, cw, &[]);
+                o.evict_idle_after = args.evict_idle_after.unwrap_or_default();
+                let sys = system(t, &o).await?;
                 let soak_opts = valet_load::soak::SoakOpts {
                     duration: args.duration.unwrap_or(Duration::from_secs(600)),
                     budget: t.budget,
+                    actors: args.actors,
                     ..Default::default()
                 };
                 let r = valet_load::soak::soak(&sys, &soak_opts).await;
+                sys.shutdown().await;
+                r?
+            }
+            Scenario::Eviction => {
+                if remote {
+                    return Err(Failure::Usage(
+                        "invalid configuration: eviction configures the embedded control plane; run it without --router".into(),
+                    ));
+                }
+                let evict_after = args.evict_idle_after.unwrap_or(Duration::from_secs(10));
+                let mut o = opts(t, args.runs, cw, &[]);
+                o.evict_idle_after = evict_after;
+                let sys = system(t, &o).await?;
+                let r = scenario::eviction(&sys, args.runs, args.runs, evict_after).await;
                 sys.shutdown().await;
                 r?
             }

@@ -74,6 +74,7 @@ async fn up(mut args: UpArgs) -> Result<(), UpError> {
             capacity_wait: args.capacity_wait == OnOff::On,
             idle_suspend_after: args.idle_suspend_after,
             evict_idle_after: args.evict_idle_after,
+            templates: args.templates.clone(),
             ..PlaneConfig::default()
         },
         restore_delay: args.restore_delay,
