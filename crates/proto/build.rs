@@ -18,6 +18,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             &[
                 PathBuf::from("proto/ateapi.proto"),
                 PathBuf::from("proto/worker.proto"),
+                PathBuf::from("proto/leases.proto"),
             ],
             &[PathBuf::from("proto"), well_known],
         )?;

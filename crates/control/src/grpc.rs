@@ -12,6 +12,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status, Streaming};
 use valet_proto::ateapi::{self, control_server};
+use valet_proto::leases::{self as lp, leases_server};
 use valet_proto::worker::{
     self as wk, worker_command::Command, worker_event::Event, workers_server,
 };
@@ -62,6 +63,9 @@ pub async fn serve(
             })
             .max_decoding_message_size(MAX_MESSAGE_BYTES),
         )
+        .add_service(leases_server::LeasesServer::new(LeasesService {
+            plane: plane.clone(),
+        }))
         .add_service(reflection)
         .serve_with_incoming_shutdown(incoming, stop.clone().cancelled_owned());
     tokio::pin!(server);
@@ -166,10 +170,17 @@ impl control_server::Control for ControlService {
                     Status::invalid_argument("wait_for_capacity must not be negative")
                 })?),
             };
-        let (actor, resumed) = self.plane.resume_actor(key, wait).await?;
+        let holder = Some(r.lease_holder.as_str()).filter(|h| !h.is_empty());
+        let (actor, resumed, grant) = self.plane.resume_leased(key, wait, holder).await?;
+        let (lease, lease_id) = match grant {
+            Some((d, id)) => (d.try_into().ok(), id),
+            None => (None, 0),
+        };
         Ok(Response::new(ateapi::ResumeActorResponse {
             actor: Some(actor),
             resumed,
+            lease,
+            lease_id,
         }))
     }
 
@@ -242,6 +253,62 @@ impl control_server::Control for ControlService {
     }
 }
 
+/// `valet.leases.Leases`: routers' watches of their route leases.
+#[derive(Debug, Clone)]
+pub struct LeasesService {
+    plane: Plane,
+}
+
+#[tonic::async_trait]
+impl leases_server::Leases for LeasesService {
+    type WatchStream =
+        Pin<Box<dyn tokio_stream::Stream<Item = Result<lp::PlaneMessage, Status>> + Send>>;
+
+    async fn watch(&self, r: Request<Streaming<lp::RouterMessage>>) -> Res<Self::WatchStream> {
+        let mut inbound = r.into_inner();
+        let router = match inbound.message().await? {
+            Some(lp::RouterMessage {
+                message: Some(lp::router_message::Message::Hello(hello)),
+            }) => hello.router_id,
+            _ => {
+                return Err(Status::invalid_argument(
+                    "the first message must be a Hello",
+                ));
+            }
+        };
+        let (tx, rx) = mpsc::channel(256);
+        let conn = self.plane.router_watching(&router, tx.clone())?;
+        let welcome = lp::PlaneMessage {
+            message: Some(lp::plane_message::Message::Welcome(lp::Welcome {
+                route_lease: self.plane.route_lease().try_into().ok(),
+            })),
+        };
+        let _ = tx.send(Ok(welcome)).await;
+        drop(tx);
+        let plane = self.plane.clone();
+        self.plane.spawn_link(async move {
+            loop {
+                match inbound.message().await {
+                    Ok(Some(lp::RouterMessage {
+                        message: Some(lp::router_message::Message::Ack(ack)),
+                    })) => {
+                        if let Some(actor) = &ack.actor {
+                            plane.lease_acked(&router, actor, ack.through);
+                        }
+                    }
+                    Ok(Some(lp::RouterMessage {
+                        message: Some(lp::router_message::Message::ReleaseAll(_)),
+                    })) => plane.leases_released(&router),
+                    Ok(Some(_)) => {}
+                    Ok(None) | Err(_) => break,
+                }
+            }
+            plane.router_detached(&router, conn);
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
 /// `valet.worker.Workers`: the streams reference workers attach with.
 #[derive(Debug, Clone)]
 pub struct WorkersService {
@@ -264,10 +331,14 @@ impl workers_server::Workers for WorkersService {
         let (tx, rx) = mpsc::channel(64);
         let link = Arc::new(WorkerLink::new(tx.clone()));
         let kept = self.plane.worker_joined(&join, Arc::clone(&link))?;
+        let welcome = wk::Welcome {
+            hosting_kept: kept,
+            hosting_lease: self.plane.hosting_lease().try_into().ok(),
+        };
         let _ = tx
             .send(Ok(wk::WorkerCommand {
                 id: 0,
-                command: Some(Command::Welcome(wk::Welcome { hosting_kept: kept })),
+                command: Some(Command::Welcome(welcome)),
             }))
             .await;
         drop(tx);
@@ -281,6 +352,13 @@ impl workers_server::Workers for WorkersService {
                     Ok(Some(wk::WorkerEvent {
                         event: Some(Event::Activity(activity)),
                     })) => plane.activity(&join.worker_id, &link, &activity),
+                    Ok(Some(wk::WorkerEvent {
+                        event: Some(Event::Renew(renew)),
+                    })) => {
+                        if plane.renewed(&join.worker_id, &link) {
+                            link.notify(Command::Renewed(wk::Renewed { seq: renew.seq }));
+                        }
+                    }
                     Ok(Some(_)) => {}
                     Ok(None) | Err(_) => break,
                 }

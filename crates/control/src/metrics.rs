@@ -24,6 +24,7 @@ pub(crate) struct PlaneMetrics {
     waiters: Gauge<i64>,
     workers: Gauge<i64>,
     operation: Histogram<f64>,
+    revocation: Histogram<f64>,
 }
 
 impl PlaneMetrics {
@@ -65,8 +66,20 @@ impl PlaneMetrics {
                 .with_unit("s")
                 .with_boundaries(SECONDS_BUCKETS.to_vec())
                 .build(),
+            revocation: meter
+                .f64_histogram("valet.control.lease.revocation.duration")
+                .with_description(
+                    "Time to revoke an actor's route leases (every holder acked, or its lease ended).",
+                )
+                .with_unit("s")
+                .with_boundaries(SECONDS_BUCKETS.to_vec())
+                .build(),
             registry,
         }
+    }
+
+    pub(crate) fn revoked(&self, took: Duration) {
+        self.revocation.record(took.as_secs_f64(), &[]);
     }
 
     pub(crate) fn resumed(&self, result: &Result<(ateapi::Actor, bool), Status>, took: Duration) {

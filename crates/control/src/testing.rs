@@ -269,7 +269,12 @@ impl FakeWorker {
         self.plane.activity(&self.id, &self.link, &activity);
     }
 
-    /// The worker's stream ends (the process died).
+    /// Renews its hosting lease.
+    pub fn renew(&self) {
+        let _ = self.plane.renewed(&self.id, &self.link);
+    }
+
+    /// The worker's stream ends.
     pub fn leave(self) {
         self.link.close();
         self.plane.worker_left(&self.id, &self.link);

@@ -344,6 +344,7 @@ async fn bad_input() {
                 seconds: -1,
                 nanos: 0,
             }),
+            ..Default::default()
         })
         .await
         .unwrap_err();

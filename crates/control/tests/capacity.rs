@@ -81,6 +81,7 @@ async fn waiters_are_served_first_come_by_hand_off() {
                     actor_ref: Some(common::aref(&actor)),
                     boot: false,
                     wait_for_capacity: LONG.map(|d| d.try_into().unwrap()),
+                    ..Default::default()
                 })
                 .await
         }));
@@ -129,6 +130,7 @@ async fn departed_waiter_leaves_the_queue() {
                 actor_ref: Some(common::aref("demo/p1")),
                 boot: false,
                 wait_for_capacity: LONG.map(|d| d.try_into().unwrap()),
+                ..Default::default()
             })
             .await
     });
@@ -175,6 +177,7 @@ async fn second_resume_joins_the_wait() {
                     actor_ref: Some(common::aref("demo/p1")),
                     boot: false,
                     wait_for_capacity: wait.map(|d| d.try_into().unwrap()),
+                    ..Default::default()
                 })
                 .await
         })

@@ -25,6 +25,7 @@ fn config() -> PlaneConfig {
         restore_timeout: Duration::from_secs(5),
         checkpoint_timeout: Duration::from_secs(7),
         rejoin_grace: Duration::from_secs(10),
+        hosting_lease: Duration::from_secs(8),
         ..PlaneConfig::default()
     }
 }
@@ -58,6 +59,7 @@ async fn expect(w: &mut FakeWorker, what: &str) -> Received {
         Command::Evict(_) => "evict",
         Command::Detach(_) => "detach",
         Command::Welcome(_) => "welcome",
+        Command::Renewed(_) => "renewed",
     };
     assert_eq!(name, what, "{r:?}");
     r

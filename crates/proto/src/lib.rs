@@ -18,3 +18,9 @@ pub mod ateapi {
 pub mod worker {
     tonic::include_proto!("valet.worker");
 }
+
+/// `valet.leases`: route leases between routers and the control plane.
+#[allow(missing_docs, unreachable_pub, missing_debug_implementations)]
+pub mod leases {
+    tonic::include_proto!("valet.leases");
+}

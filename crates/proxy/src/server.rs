@@ -306,6 +306,7 @@ async fn send(
     if let Sent::Answer(resp) = out.send(&shared.client, &shared.tunnels, route).await {
         return (resp, Some(route.addr), "routed");
     }
+    shared.router.forget_route(&route.actor, route.addr);
     let moved = Verdict::of(&Denial::ActorMoved(route.actor.clone()));
     if !out.replayable() {
         return (render(&moved), Some(route.addr), moved.reason());
@@ -314,7 +315,10 @@ async fn send(
     match shared.router.decide(host, deadline).await {
         Decision::Route(again) => match out.send(&shared.client, &shared.tunnels, &again).await {
             Sent::Answer(resp) => (resp, Some(again.addr), "routed"),
-            Sent::Moved => (render(&moved), Some(again.addr), moved.reason()),
+            Sent::Moved => {
+                shared.router.forget_route(&again.actor, again.addr);
+                (render(&moved), Some(again.addr), moved.reason())
+            }
         },
         Decision::Deny(_, v) => (render(&v), None, v.reason()),
     }

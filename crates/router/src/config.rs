@@ -49,6 +49,8 @@ pub const DEFAULT_CONTROL_PLANE: &str = "http://127.0.0.1:7070";
 pub const DEFAULT_ACTOR_DOMAIN: &str = "actors.resources.substrate.ate.dev";
 /// Default `--worker-port`.
 pub const DEFAULT_WORKER_PORT: u16 = 80;
+/// Default `--route-stale-max` (the control plane's default hosting lease).
+pub const DEFAULT_ROUTE_STALE_MAX: &str = "15s";
 
 /// Flags of `valet router` (and of `valet up`, which runs a router too).
 #[derive(Debug, Clone, Args)]
@@ -76,6 +78,12 @@ pub struct RouterArgs {
     /// Port to route to when the control plane names none for an actor.
     #[arg(long, env = "VALET_WORKER_PORT", default_value_t = DEFAULT_WORKER_PORT, value_name = "PORT")]
     pub worker_port: u16,
+
+    /// While the control plane is unreachable, how long after a route lease ended the
+    /// built-in data plane may still route under it (the worker's hosting lease and its
+    /// 421 keep this safe); 0 never. The Envoy data plane never does.
+    #[arg(long, env = "VALET_ROUTE_STALE_MAX", default_value = DEFAULT_ROUTE_STALE_MAX, value_parser = parse_duration, value_name = "DURATION")]
+    pub route_stale_max: Duration,
 
     #[command(flatten)]
     pub parking: ParkingArgs,
@@ -177,6 +185,7 @@ pub struct RouterConfig {
     control_plane: String,
     actor_domain: ActorDomain,
     worker_port: u16,
+    route_stale_max: Duration,
     parking: ParkingConfig,
     extproc_max_requests: u32,
     extproc_max_requests_derived: bool,
@@ -210,6 +219,11 @@ impl RouterConfig {
     /// The port routed to when the control plane names none.
     pub fn worker_port(&self) -> u16 {
         self.worker_port
+    }
+    /// How long an expired route lease may still be used while the control plane is
+    /// unreachable (built-in data plane only).
+    pub fn route_stale_max(&self) -> Duration {
+        self.route_stale_max
     }
     /// The parking part.
     pub fn parking(&self) -> &ParkingConfig {
@@ -256,6 +270,7 @@ impl RouterConfig {
             ("--control-plane", self.control_plane.clone()),
             ("--actor-domain", self.actor_domain.to_string()),
             ("--worker-port", self.worker_port.to_string()),
+            ("--route-stale-max", fmt_duration(self.route_stale_max)),
             ("--parked-request-budget", fmt_duration(p.budget)),
             ("--parked-request-max", p.max_parked.to_string()),
             (
@@ -492,6 +507,7 @@ impl RouterArgs {
             control_plane,
             actor_domain,
             worker_port: self.worker_port,
+            route_stale_max: self.route_stale_max,
             parking,
             extproc_max_requests,
             extproc_max_requests_derived,

@@ -32,6 +32,32 @@ pub struct ResumeRequest {
     pub wait_for_capacity: Option<Duration>,
     /// The attempt's own deadline, sent as `grpc-timeout` and enforced locally.
     pub timeout: Duration,
+    /// The router id to ask a route lease for (`docs/leases.md`); `None` asks none.
+    pub lease_holder: Option<String>,
+}
+
+/// A route lease the control plane granted on an answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grant {
+    /// How long, counted from when the request was sent.
+    pub lease: Duration,
+    /// Its number, growing per actor.
+    pub id: u64,
+}
+
+/// A successful `ResumeActor` answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resumed {
+    /// The actor as the control plane answered it.
+    pub actor: ateapi::Actor,
+    /// The route lease granted with it, if any.
+    pub grant: Option<Grant>,
+}
+
+impl From<ateapi::Actor> for Resumed {
+    fn from(actor: ateapi::Actor) -> Self {
+        Self { actor, grant: None }
+    }
 }
 
 /// What a failed attempt said, read once from the gRPC status.
@@ -135,8 +161,7 @@ pub fn channel(url: &str) -> Result<Channel, tonic::transport::Error> {
 }
 
 /// The boxed future a [`ControlPlane`] returns.
-pub type ResumeFuture<'a> =
-    Pin<Box<dyn Future<Output = Result<ateapi::Actor, ResumeError>> + Send + 'a>>;
+pub type ResumeFuture<'a> = Pin<Box<dyn Future<Output = Result<Resumed, ResumeError>> + Send + 'a>>;
 
 /// A control plane the router can resume actors with.
 pub trait ControlPlane: Send + Sync + 'static {
@@ -148,6 +173,7 @@ pub trait ControlPlane: Send + Sync + 'static {
 #[derive(Debug, Clone)]
 pub struct GrpcControlPlane {
     client: ateapi::control_client::ControlClient<Channel>,
+    channel: Channel,
 }
 
 impl GrpcControlPlane {
@@ -157,9 +183,16 @@ impl GrpcControlPlane {
     /// # Errors
     /// When `url` is not a valid endpoint.
     pub fn connect_lazy(url: &str) -> Result<Self, tonic::transport::Error> {
+        let channel = channel(url)?;
         Ok(Self {
-            client: ateapi::control_client::ControlClient::new(channel(url)?),
+            client: ateapi::control_client::ControlClient::new(channel.clone()),
+            channel,
         })
+    }
+
+    /// The channel it calls over (the lease watch shares it).
+    pub fn channel(&self) -> Channel {
+        self.channel.clone()
     }
 }
 
@@ -174,15 +207,26 @@ impl ControlPlane for GrpcControlPlane {
                 }),
                 boot: false,
                 wait_for_capacity: req.wait_for_capacity.and_then(|d| d.try_into().ok()),
+                lease_holder: req.lease_holder.unwrap_or_default(),
             });
             request.set_timeout(req.timeout);
             // grpc-timeout tells the server; the local timer covers a server that
             // never answers.
             match tokio::time::timeout(req.timeout, client.resume_actor(request)).await {
-                Ok(Ok(response)) => response
-                    .into_inner()
-                    .actor
-                    .ok_or_else(|| ResumeError::new(Code::Internal, "response without actor")),
+                Ok(Ok(response)) => {
+                    let r = response.into_inner();
+                    let grant = r
+                        .lease
+                        .and_then(|d| Duration::try_from(d).ok())
+                        .filter(|d| !d.is_zero())
+                        .map(|lease| Grant {
+                            lease,
+                            id: r.lease_id,
+                        });
+                    r.actor
+                        .map(|actor| Resumed { actor, grant })
+                        .ok_or_else(|| ResumeError::new(Code::Internal, "response without actor"))
+                }
                 Ok(Err(status)) => Err(status.into()),
                 Err(_) => Err(ResumeError::new(
                     Code::DeadlineExceeded,

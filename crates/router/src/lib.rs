@@ -19,6 +19,7 @@ pub mod addr;
 pub mod config;
 pub mod control;
 mod flight;
+pub mod lease;
 pub mod lot;
 pub mod metrics;
 mod pipeline;
@@ -31,7 +32,7 @@ pub mod testing;
 
 pub use addr::{ActorDomain, ActorRef, InvalidHost};
 pub use config::{ConfigError, ParkingConfig, RouterArgs, RouterConfig};
-pub use control::{ControlPlane, GrpcControlPlane, ResumeError, ResumeRequest};
+pub use control::{ControlPlane, Grant, GrpcControlPlane, ResumeError, ResumeRequest, Resumed};
 pub use flight::{FlightError, FlightResult};
 pub use metrics::{Metrics, ParkOutcome};
 pub use pipeline::{Decision, Route, Router};

@@ -61,6 +61,9 @@ pub struct Metrics {
     resume_attempts: Counter<u64>,
     resume_in_progress: UpDownCounter<i64>,
     replays: Counter<u64>,
+    leases: UpDownCounter<i64>,
+    lease_renewals: Counter<u64>,
+    cached: Counter<u64>,
     held_bytes: UpDownCounter<i64>,
     control_plane_reachable: Gauge<i64>,
     flights_active: UpDownCounter<i64>,
@@ -132,6 +135,20 @@ impl Metrics {
                 .u64_counter("atenet.router.requests.replayed")
                 .with_description(
                     "Requests sent through the pipeline again after the worker answered 421 (the actor moved).",
+                )
+                .build(),
+            leases: meter
+                .i64_up_down_counter("atenet.router.leases.active")
+                .with_description("Route leases in the route cache.")
+                .build(),
+            lease_renewals: meter
+                .u64_counter("atenet.router.leases.renewals")
+                .with_description("Route leases renewed in the background for actors in use.")
+                .build(),
+            cached: meter
+                .u64_counter("atenet.router.route.cached")
+                .with_description(
+                    "Requests routed from the route cache with no control-plane call, by lease (valid, stale).",
                 )
                 .build(),
             held_bytes: meter
@@ -206,6 +223,26 @@ impl Metrics {
 
     pub(crate) fn held_bytes(&self, delta: i64) {
         self.held_bytes.add(delta, &[]);
+    }
+
+    pub(crate) fn leases(&self, delta: i64) {
+        if delta != 0 {
+            self.leases.add(delta, &[]);
+        }
+    }
+
+    pub(crate) fn renewed(&self) {
+        self.lease_renewals.add(1, &[]);
+    }
+
+    pub(crate) fn routed_from_cache(&self, stale: bool) {
+        self.cached.add(
+            1,
+            &[KeyValue::new(
+                "lease",
+                if stale { "stale" } else { "valid" },
+            )],
+        );
     }
 
     /// Counts a request sent through the pipeline again (its actor moved).

@@ -12,6 +12,7 @@ use crate::addr::{ActorRef, parse_host};
 use crate::config::RouterConfig;
 use crate::control::ControlPlane;
 use crate::flight::{FlightState, FlightWatch, Registry};
+use crate::lease::{Cached, LeaseClient, RouteCache};
 use crate::lot::{ParkingLot, Slot};
 use crate::metrics::{Metrics, ParkOutcome};
 use crate::retry;
@@ -63,6 +64,8 @@ struct Inner {
     tasks: TaskTracker,
     cutoff: CancellationToken,
     stop_flights: CancellationToken,
+    cache: Arc<RouteCache>,
+    leases: std::sync::Mutex<Option<Arc<LeaseClient>>>,
     recent: RecentRequests,
 }
 
@@ -87,12 +90,17 @@ impl Router {
                     Arc::clone(&metrics),
                 ),
                 flights: Registry::new(Arc::clone(&metrics)),
+                cache: Arc::new(RouteCache::new(
+                    config.route_stale_max(),
+                    Arc::clone(&metrics),
+                )),
                 config,
                 control_plane,
                 metrics,
                 tasks: TaskTracker::new(),
                 cutoff: CancellationToken::new(),
                 stop_flights: CancellationToken::new(),
+                leases: std::sync::Mutex::new(None),
                 recent: RecentRequests::default(),
             }),
         }
@@ -129,15 +137,20 @@ impl Router {
     }
 
     /// Decides a request for `host`, waiting at most until `deadline` (the request's own
-    /// deadline). Dropping the future means the caller went away: its parking slot is
-    /// freed at once and `canceled` recorded; the flight goes on for the others.
+    /// deadline). A request to an actor with a valid route lease is routed at once, with
+    /// no control-plane call. Dropping the future means the caller went away: its
+    /// parking slot is freed at once and `canceled` recorded; the flight goes on for
+    /// the others. Never routes under an expired lease (for the Envoy data plane, which
+    /// cannot replay a 421).
     pub async fn decide(&self, host: &str, deadline: Instant) -> Decision {
-        self.decide_holding(host, deadline, std::future::pending())
+        self.decide_inner(host, deadline, std::future::pending(), false)
             .await
     }
 
-    /// [`Self::decide`] for a data plane that has work to do while the request is
-    /// parked (reading its body, so a client that leaves is noticed). `while_parked` is
+    /// [`Self::decide`] for the built-in data plane: it has work to do while the request
+    /// is parked (reading its body, so a client that leaves is noticed), and it replays
+    /// a request its worker answers 421 for, so it may route under an expired lease
+    /// while the control plane is unreachable (`--route-stale-max`). `while_parked` is
     /// polled only from the request's park transition until its decision, and dropped
     /// then; when it resolves, the request's own side has ended its wait (the client
     /// left, or sent a malformed body).
@@ -150,6 +163,19 @@ impl Router {
     where
         F: Future<Output = CallerEnd>,
     {
+        self.decide_inner(host, deadline, while_parked, true).await
+    }
+
+    async fn decide_inner<F>(
+        &self,
+        host: &str,
+        deadline: Instant,
+        while_parked: F,
+        stale_ok: bool,
+    ) -> Decision
+    where
+        F: Future<Output = CallerEnd>,
+    {
         let mut record = Recording {
             metrics: &self.inner.metrics,
             started: Instant::now(),
@@ -157,13 +183,76 @@ impl Router {
         };
         let decision = match parse_host(host, self.inner.config.actor_domain()) {
             Err(e) => deny(Denial::InvalidHost(e)),
-            Ok(actor) => match self.resolve(&actor, deadline, while_parked).await {
-                Ok(addr) => Decision::Route(Route { actor, addr }),
-                Err(denial) => deny(denial),
+            Ok(actor) => match self.inner.cache.route(&actor, stale_ok) {
+                Some(cached) => {
+                    let (addr, stale) = match cached {
+                        Cached::Valid(a) => (a, false),
+                        Cached::Stale(a) => (a, true),
+                    };
+                    self.inner.metrics.routed_from_cache(stale);
+                    Decision::Route(Route { actor, addr })
+                }
+                None => match self.resolve(&actor, deadline, while_parked).await {
+                    Ok(addr) => Decision::Route(Route { actor, addr }),
+                    Err(denial) => deny(denial),
+                },
             },
         };
         record.finish(&decision);
         decision
+    }
+
+    /// The route cache (leases this router holds).
+    pub fn route_cache(&self) -> &Arc<RouteCache> {
+        &self.inner.cache
+    }
+
+    /// `actor`'s worker at `addr` answered 421: the lease that sent the request there,
+    /// if any, is dropped.
+    pub fn forget_route(&self, actor: &ActorRef, addr: SocketAddr) {
+        self.inner.cache.forget(actor, addr);
+    }
+
+    /// Starts the lease protocol over `channel` (the control plane's): the watch, and
+    /// renewals of leases in use. Without it the router asks for no lease and calls
+    /// `ResumeActor` for every request.
+    pub fn start_leases(&self, channel: tonic::transport::Channel) -> Arc<LeaseClient> {
+        let client = LeaseClient::spawn(
+            channel,
+            Arc::clone(&self.inner.cache),
+            Arc::clone(&self.inner.control_plane),
+            self.inner.config.parking().resume_attempt_timeout(),
+            self.inner.config.worker_port(),
+        );
+        *self.inner.leases.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(&client));
+        client
+    }
+
+    /// Starts the renewal of leases in use without a watch: tests set the route cache's
+    /// holder themselves.
+    #[cfg(any(test, feature = "testing"))]
+    pub fn start_renewals_only(&self) -> Arc<LeaseClient> {
+        let client = LeaseClient::renewals_only(
+            Arc::clone(&self.inner.cache),
+            Arc::clone(&self.inner.control_plane),
+            self.inner.config.parking().resume_attempt_timeout(),
+            self.inner.config.worker_port(),
+        );
+        *self.inner.leases.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(&client));
+        client
+    }
+
+    /// Ends the lease protocol cleanly: every lease is released to the control plane.
+    pub async fn stop_leases(&self) {
+        let client = self
+            .inner
+            .leases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(client) = client {
+            client.shutdown().await;
+        }
     }
 
     /// Makes every request still waiting answer `router shutting down` (the drain
@@ -221,6 +310,7 @@ impl Router {
             inner.config.parking().clone(),
             inner.config.worker_port(),
             Arc::clone(&inner.metrics),
+            Arc::clone(&inner.cache),
             inner.stop_flights.clone(),
         ));
     }

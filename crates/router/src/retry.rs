@@ -16,6 +16,7 @@ use valet_proto::ateapi;
 use crate::config::ParkingConfig;
 use crate::control::{ControlPlane, ResumeError, ResumeRequest, code_name};
 use crate::flight::{Flight, FlightError, FlightResult};
+use crate::lease::RouteCache;
 use crate::metrics::Metrics;
 
 /// What one attempt's answer means for the flight.
@@ -158,16 +159,18 @@ impl Pacing {
 
 /// Runs a flight to its result and publishes it. Detached from every caller; `stop`
 /// ends it early (the router is shutting down and nobody waits for it any more).
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn run(
     mut flight: Flight,
     control_plane: Arc<dyn ControlPlane>,
     config: ParkingConfig,
     default_port: u16,
     metrics: Arc<Metrics>,
+    cache: Arc<RouteCache>,
     stop: tokio_util::sync::CancellationToken,
 ) {
     let result = tokio::select! {
-        r = attempts(&mut flight, control_plane.as_ref(), &config, default_port, &metrics) => r,
+        r = attempts(&mut flight, control_plane.as_ref(), &config, default_port, &metrics, &cache) => r,
         () = stop.cancelled() => Err(FlightError::Lost),
     };
     if let Err(err) = &result {
@@ -184,25 +187,39 @@ async fn attempts(
     config: &ParkingConfig,
     default_port: u16,
     metrics: &Metrics,
+    cache: &RouteCache,
 ) -> FlightResult {
     let mut pacing = Pacing::new(config, flight.deadline());
     loop {
-        let wait_for_capacity = pacing.wait_for_capacity(Instant::now(), flight.is_parked());
+        let sent_at = Instant::now();
+        let wait_for_capacity = pacing.wait_for_capacity(sent_at, flight.is_parked());
         let request = ResumeRequest {
             actor: flight.actor().clone(),
             wait_for_capacity,
             timeout: config.resume_attempt_timeout() + wait_for_capacity.unwrap_or_default(),
+            lease_holder: cache.holder(),
         };
         let answer = {
             let _in_progress = metrics.attempt_in_progress();
             control_plane.resume_actor(request).await
         };
-        metrics.resume_attempt(code_name(match &answer {
+        let code = match &answer {
             Ok(_) => Code::Ok,
             Err(e) => e.code(),
-        }));
+        };
+        metrics.resume_attempt(code_name(code));
+        cache.answered(code != Code::Unavailable);
+        let (answer, grant) = match answer {
+            Ok(r) => (Ok(r.actor), r.grant),
+            Err(e) => (Err(e), None),
+        };
         let err = match classify(answer, config.enabled(), default_port) {
-            Class::Route(addr) => return Ok(addr),
+            Class::Route(addr) => {
+                if let Some(grant) = grant {
+                    cache.install(flight.actor(), addr, grant, sent_at);
+                }
+                return Ok(addr);
+            }
             Class::Fail(err) => return Err(err),
             Class::Retry(err) => err,
         };

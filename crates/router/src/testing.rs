@@ -9,7 +9,7 @@ use tonic::Code;
 use valet_proto::ateapi;
 
 use crate::addr::ActorRef;
-use crate::control::{ControlPlane, ResumeError, ResumeFuture, ResumeRequest};
+use crate::control::{ControlPlane, Grant, ResumeError, ResumeFuture, ResumeRequest, Resumed};
 
 /// A RUNNING actor on `ip:port`, as the control plane returns it.
 pub fn running_actor(actor: &ActorRef, ip: &str, port: u16) -> ateapi::Actor {
@@ -34,7 +34,7 @@ pub struct AlwaysRunning {
 impl ControlPlane for AlwaysRunning {
     fn resume_actor(&self, req: ResumeRequest) -> ResumeFuture<'_> {
         let actor = running_actor(&req.actor, "127.0.0.1", self.port);
-        Box::pin(async move { Ok(actor) })
+        Box::pin(async move { Ok(actor.into()) })
     }
 }
 
@@ -70,13 +70,22 @@ pub struct Call {
     pub request: ResumeRequest,
     /// When it asked.
     pub asked_at: tokio::time::Instant,
-    reply: oneshot::Sender<Result<ateapi::Actor, ResumeError>>,
+    reply: oneshot::Sender<Result<Resumed, ResumeError>>,
 }
 
 impl Call {
     /// Answers with `answer`.
     pub fn answer(self, answer: Result<ateapi::Actor, ResumeError>) {
-        let _ = self.reply.send(answer);
+        let _ = self.reply.send(answer.map(Resumed::from));
+    }
+
+    /// Answers RUNNING on `127.0.0.1:<port>` with a route lease of `lease`, number `id`.
+    pub fn running_leased(self, port: u16, lease: std::time::Duration, id: u64) {
+        let actor = running_actor(&self.request.actor, "127.0.0.1", port);
+        let _ = self.reply.send(Ok(Resumed {
+            actor,
+            grant: Some(Grant { lease, id }),
+        }));
     }
 
     /// Answers RUNNING on `127.0.0.1:<port>`.

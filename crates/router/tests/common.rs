@@ -41,6 +41,18 @@ impl Harness {
         self.request_with_deadline(actor, Duration::from_secs(3600))
     }
 
+    /// A request as the built-in data plane makes it (it may use a stale lease).
+    pub fn request_holding(&self, actor: &str) -> JoinHandle<Decision> {
+        let router = self.router.clone();
+        let host = host(actor);
+        let deadline = Instant::now() + Duration::from_secs(3600);
+        tokio::spawn(async move {
+            router
+                .decide_holding(&host, deadline, std::future::pending())
+                .await
+        })
+    }
+
     pub fn request_with_deadline(&self, actor: &str, within: Duration) -> JoinHandle<Decision> {
         let router = self.router.clone();
         let host = host(actor);

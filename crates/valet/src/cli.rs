@@ -299,6 +299,9 @@ pub(crate) struct UpArgs {
     )]
     pub(crate) templates: Vec<valet_control::Template>,
 
+    #[command(flatten)]
+    pub(crate) leases: LeaseArgs,
+
     /// While actors wait for a full pool, evict its least recently active actors idle at
     /// least this long, one per waiting actor; 0 turns it off.
     #[arg(long, env = "VALET_EVICT_IDLE_AFTER", default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
@@ -382,6 +385,24 @@ pub(crate) struct ControlPlaneArgs {
 
     #[command(flatten)]
     pub(crate) policies: PolicyArgs,
+
+    #[command(flatten)]
+    pub(crate) leases: LeaseArgs,
+}
+
+/// Route leases and hosting leases (docs/leases.md).
+#[derive(Debug, Clone, Args)]
+pub(crate) struct LeaseArgs {
+    /// Route lease granted to routers on ResumeActor answers: they route a running
+    /// actor's requests without asking, for this long; 0 grants none (one ResumeActor
+    /// per request, as the seed's router).
+    #[arg(long, env = "VALET_ROUTE_LEASE", default_value = "5s", value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) route_lease: Duration,
+
+    /// A worker whose hosting renewals go unanswered this long fences its actor; an
+    /// actor whose worker left may run elsewhere only this long after its last renewal.
+    #[arg(long, env = "VALET_HOSTING_LEASE", default_value = "15s", value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) hosting_lease: Duration,
 }
 
 /// The capacity that frees itself (both off by default).

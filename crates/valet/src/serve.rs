@@ -38,7 +38,9 @@ impl RunningRouter {
         let config = Arc::new(config);
         let cp = GrpcControlPlane::connect_lazy(config.control_plane())
             .map_err(|e| format!("--control-plane={}: {e}", config.control_plane()))?;
+        let channel = cp.channel();
         let router = Router::new(Arc::clone(&config), Arc::new(cp), Arc::new(Metrics::new()));
+        router.start_leases(channel);
         let health = Arc::new(Health::default());
         let stop_admin = CancellationToken::new();
         let mut listeners = Vec::new();
@@ -178,6 +180,7 @@ impl RunningRouter {
             extproc.close().await;
         }
         router.stop_flights().await;
+        router.stop_leases().await;
         stop_admin.cancel();
         let _ = probe.await;
         if let Some(admin) = admin {

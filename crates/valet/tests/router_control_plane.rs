@@ -1,6 +1,8 @@
 //! The router's gRPC client against the real reference control plane and a real
 //! worker: wire compatibility of ResumeActor, its extension, and its errors.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -191,55 +193,6 @@ async fn unreachable_control_plane_is_unavailable_after_the_budget() {
     );
 }
 
-/// A TCP proxy that forwards both ways until told to drop everything; from then on it
-/// moves no byte and keeps every connection open, like a network that drops every
-/// packet (no reset ever arrives).
-async fn blackhole_proxy(
-    upstream: std::net::SocketAddr,
-) -> (String, tokio::sync::watch::Sender<bool>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let (drop_all, rx) = tokio::sync::watch::channel(false);
-    tokio::spawn(async move {
-        loop {
-            let (down, _) = listener.accept().await.unwrap();
-            let up = tokio::net::TcpStream::connect(upstream).await.unwrap();
-            let (dr, dw) = down.into_split();
-            let (ur, uw) = up.into_split();
-            tokio::spawn(pipe(dr, uw, rx.clone()));
-            tokio::spawn(pipe(ur, dw, rx.clone()));
-        }
-    });
-    (url, drop_all)
-}
-
-/// Copies `from` to `to` until `drop_all` turns true, then holds both open, silent.
-async fn pipe(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    mut drop_all: tokio::sync::watch::Receiver<bool>,
-) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut buf = vec![0u8; 16 * 1024];
-    loop {
-        let n = tokio::select! {
-            n = from.read(&mut buf) => n,
-            _ = drop_all.wait_for(|dropping| *dropping) => break,
-        };
-        match n {
-            Ok(0) | Err(_) => return,
-            Ok(_) if *drop_all.borrow() => break,
-            Ok(n) => {
-                if to.write_all(&buf[..n]).await.is_err() {
-                    return;
-                }
-            }
-        }
-    }
-    std::future::pending::<()>().await;
-    drop((from, to));
-}
-
 /// A control plane that goes silent mid-wait (every packet dropped, no reset) is
 /// noticed by the client's pings: the parked request gets the budget's 503, not the
 /// decision deadline's 504.
@@ -258,7 +211,7 @@ async fn silent_control_plane_is_unavailable_not_a_timeout() {
             .await
             .unwrap();
     }
-    let (url, drop_all) = blackhole_proxy(cluster.addr).await;
+    let (url, drop_all) = common::netfault::blackhole_proxy(cluster.addr).await;
     let config =
         RouterArgs::try_parse_flags(["--control-plane", &url, "--parked-request-budget", "2s"])
             .unwrap()

@@ -14,6 +14,7 @@
 #![forbid(unsafe_code)]
 
 mod app;
+mod hosting;
 mod traffic;
 
 use std::net::SocketAddr;
@@ -33,6 +34,7 @@ use valet_proto::worker::{
 
 pub use app::{ACTOR_REF_HEADER, pattern};
 use app::{App, Hosted, Slot, read_counter, write_atomically};
+use hosting::{HostingLease, RENEW_EVERY};
 use traffic::Fence;
 
 /// Why a command was not carried out.
@@ -129,11 +131,14 @@ impl Worker {
         let stop = CancellationToken::new();
         let tasks = TaskTracker::new();
         tasks.spawn(serve_app(listener, Arc::clone(&slot), stop.clone()));
+        let lease = HostingLease::new();
+        tasks.spawn(Arc::clone(&lease).watchdog(Arc::clone(&slot), id.clone(), stop.clone()));
         let agent = Agent {
             id: id.clone(),
             config,
             app_addr,
             slot: Arc::clone(&slot),
+            lease,
         };
         tasks.spawn(agent.run(endpoint, stop.clone()));
         Ok(Self {
@@ -275,6 +280,7 @@ struct Agent {
     config: WorkerConfig,
     app_addr: SocketAddr,
     slot: Slot,
+    lease: Arc<HostingLease>,
 }
 
 impl Agent {
@@ -328,6 +334,7 @@ impl Agent {
             app_address: self.app_addr.to_string(),
             hosting,
         };
+        let joined_at = tokio::time::Instant::now();
         tx.send(wk::WorkerEvent {
             event: Some(Event::Join(join)),
         })
@@ -337,12 +344,34 @@ impl Agent {
         tracing::info!(worker = %self.id, pool = %self.config.pool, "attached to the control plane");
         let reporter = report_activity(self.slot.subscribe(), tx.clone());
         tokio::pin!(reporter);
+        let mut renewals = tokio::time::interval(RENEW_EVERY);
+        renewals.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut sent: std::collections::VecDeque<(u64, tokio::time::Instant)> =
+            std::collections::VecDeque::new();
+        let mut seq = 0u64;
+        // A lease that ran out before this attachment is renewed by its Welcome.
+        let mut watch_lease = !self.lease.is_cut_off();
         loop {
             let cmd = tokio::select! {
                 () = stop.cancelled() => return Ok(()),
                 m = inbound.message() => m?,
                 () = &mut reporter => {
                     return Err(tonic::Status::unavailable("control plane stream closed"));
+                }
+                () = self.lease.cut_off(), if watch_lease => {
+                    return Err(tonic::Status::unavailable("hosting lease ran out; attaching anew"));
+                }
+                _ = renewals.tick() => {
+                    seq += 1;
+                    sent.push_back((seq, tokio::time::Instant::now()));
+                    if sent.len() > 64 {
+                        sent.pop_front();
+                    }
+                    let renew = wk::WorkerEvent { event: Some(Event::Renew(wk::Renew { seq })) };
+                    if tx.send(renew).await.is_err() {
+                        return Err(tonic::Status::unavailable("control plane stream closed"));
+                    }
+                    continue;
                 }
             };
             let Some(cmd) = cmd else {
@@ -356,6 +385,21 @@ impl Agent {
                     if !w.hosting_kept && self.slot.borrow().is_some() {
                         tracing::warn!(worker = %self.id, "control plane did not keep our actor; evicting");
                         self.slot.send_replace(None);
+                    }
+                    if let Some(h) = self.slot.borrow().as_ref() {
+                        h.traffic.set_cut_off(false);
+                    }
+                    let lease = w
+                        .hosting_lease
+                        .and_then(|d| Duration::try_from(d).ok())
+                        .unwrap_or(hosting::DEFAULT_HOSTING_LEASE);
+                    self.lease.welcomed(lease, joined_at);
+                    watch_lease = true;
+                    continue;
+                }
+                Command::Renewed(r) => {
+                    if let Some(&(_, at)) = sent.iter().find(|(s, _)| *s == r.seq) {
+                        self.lease.answered(at);
                     }
                     continue;
                 }

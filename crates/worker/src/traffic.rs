@@ -15,6 +15,9 @@ pub(crate) struct Gauge {
     pub(crate) mark: u64,
     /// A checkpoint has fenced the actor: new requests are turned away.
     pub(crate) fenced: bool,
+    /// The hosting lease ran out (no renewal answered in time): new requests are
+    /// turned away until the control plane keeps the actor here again.
+    pub(crate) cut_off: bool,
 }
 
 /// How a checkpoint fences the actor.
@@ -41,7 +44,7 @@ impl Traffic {
     pub(crate) fn enter(self: &Arc<Self>) -> Option<InFlight> {
         let mut admitted = false;
         self.gauge.send_if_modified(|g| {
-            if g.fenced {
+            if g.fenced || g.cut_off {
                 return false;
             }
             g.in_flight += 1;
@@ -92,6 +95,13 @@ impl Traffic {
                 return Err(Busy);
             }
         }
+    }
+
+    /// The hosting lease ran out (`true`), or the control plane kept the actor here
+    /// again (`false`).
+    pub(crate) fn set_cut_off(&self, cut_off: bool) {
+        self.gauge
+            .send_if_modified(|g| std::mem::replace(&mut g.cut_off, cut_off) != cut_off);
     }
 
     /// Lowers the fence (the checkpoint did not happen after all).

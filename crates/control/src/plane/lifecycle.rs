@@ -61,6 +61,19 @@ impl Plane {
         key: ActorKey,
         wait_for_capacity: Option<Duration>,
     ) -> Result<(ateapi::Actor, bool), Status> {
+        self.resume_leased(key, wait_for_capacity, None)
+            .await
+            .map(|(actor, resumed, _)| (actor, resumed))
+    }
+
+    /// [`Self::resume_actor`] for a router that asks for a route lease on the answer
+    /// (`holder`: its router id): also returns the lease granted, if any.
+    pub async fn resume_leased(
+        &self,
+        key: ActorKey,
+        wait_for_capacity: Option<Duration>,
+        holder: Option<&str>,
+    ) -> Result<(ateapi::Actor, bool, Option<super::leases::Grant>), Status> {
         let started = Instant::now();
         let stats = &self.inner.stats;
         stats.resume_calls.fetch_add(1, Ordering::Relaxed);
@@ -74,7 +87,23 @@ impl Plane {
         let wait = wait_for_capacity.filter(|d| !d.is_zero() && self.config().capacity_wait);
         let result = self.resume(&key, wait).await;
         self.metrics().resumed(&result, started.elapsed());
-        result
+        let (actor, resumed) = result?;
+        let grant = holder.and_then(|h| {
+            let mut st = self.lock();
+            let leasable = st.busy(&key).is_none()
+                && st.actors.get(&key).is_some_and(|r| {
+                    r.status == ActorStatus::Running
+                        && r.worker
+                            .as_ref()
+                            .is_some_and(|w| st.workers.contains_key(w))
+                });
+            if leasable {
+                st.grant(&key, h, self.config().route_lease)
+            } else {
+                None
+            }
+        });
+        Ok((actor, resumed, grant))
     }
 
     async fn resume(&self, key: &ActorKey, wait: Option<Duration>) -> Outcome {
@@ -92,13 +121,9 @@ impl Plane {
                     Some(_) => return Err(aborted()),
                     None => match row.status {
                         ActorStatus::Running => {
-                            let connected = row
-                                .worker
-                                .as_ref()
-                                .is_some_and(|w| st.workers.contains_key(w));
-                            if !connected {
+                            if !st.serving(row, self.config().hosting_lease) {
                                 return Err(Status::unavailable(format!(
-                                    "the worker of actor {key} has not re-attached yet"
+                                    "the worker of actor {key} is not attached, or not renewing its hosting"
                                 )));
                             }
                             let actor = st.to_proto(row);
@@ -301,6 +326,7 @@ impl Plane {
     /// from its last snapshot, as a restart would do, freeing its worker.
     async fn settle(&self, op: &Op, row: ActorRow) -> Result<ActorRow, Status> {
         let key = row.key();
+        self.revoke_leases(&key).await;
         if let Some(worker) = &row.worker {
             self.evict(worker, &key, &row);
         }
@@ -366,6 +392,7 @@ impl Plane {
         row: ActorRow,
         fence: Fence,
     ) -> Checkpointed {
+        self.revoke_leases(key).await;
         let suspending = row.moved(ActorStatus::Suspending, row.worker.clone());
         if let Err(e) = self.step(&op, Batch::put([suspending.clone()])).await {
             return Checkpointed::Failed(e);

@@ -76,6 +76,7 @@ impl Plane {
                     app_addr,
                     slot,
                     link,
+                    last_renewal: tokio::time::Instant::now(),
                 },
             );
             tracing::info!(
@@ -123,7 +124,7 @@ impl Plane {
     }
 
     /// Writes `rows` back to SUSPENDED (worker released) under their operation locks,
-    /// detached.
+    /// detached, once their route leases are revoked.
     fn spawn_release(&self, ops: Vec<Op>, rows: Vec<ActorRow>, why: &'static str) {
         let rows: Vec<ActorRow> = rows
             .into_iter()
@@ -131,6 +132,9 @@ impl Plane {
             .collect();
         let plane = self.clone();
         self.inner.tasks.spawn(async move {
+            for row in &rows {
+                plane.revoke_leases(&row.key()).await;
+            }
             let keys: Vec<String> = rows.iter().map(|r| r.key().to_string()).collect();
             if plane.finish_all(ops, Batch::put(rows)).await.is_ok() {
                 for actor in keys {
@@ -140,12 +144,26 @@ impl Plane {
         });
     }
 
-    /// A worker's stream ended: the pool shrinks and its actor goes back to SUSPENDED
-    /// from its last snapshot (unless an operation in progress on it handles that). A
-    /// worker that leaves because the plane is shutting down (it was told to detach)
-    /// keeps its actor: the records still place it there for the next start.
+    /// A hosting renewal from `worker` (on its current stream `link`).
+    pub(crate) fn renewed(&self, worker: &str, link: &Arc<WorkerLink>) -> bool {
+        let mut st = self.lock();
+        match st.workers.get_mut(worker) {
+            Some(w) if Arc::ptr_eq(&w.link, link) => {
+                w.last_renewal = tokio::time::Instant::now();
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// A worker's stream ended: the pool shrinks. Its actor may still be served by the
+    /// worker (only the stream may be cut), so it goes back to SUSPENDED from its last
+    /// snapshot only once the worker has fenced it: `--hosting-lease` after the last
+    /// renewal the plane received, or at once if the worker's port refuses connections
+    /// (its process is gone). An operation in progress on the actor handles it instead;
+    /// a worker told to detach at shutdown keeps its actor on the record.
     pub(crate) fn worker_left(&self, worker: &str, link: &Arc<WorkerLink>) {
-        let released = {
+        let orphan = {
             let mut st = self.lock();
             let current = st
                 .workers
@@ -156,41 +174,95 @@ impl Plane {
             }
             let rec = st.workers.remove(worker).expect("checked above");
             let left = st.pool_size(&rec.pool);
-            let mut released = None;
-            if let Slot::Hosting(key) = &rec.slot
-                && !self.is_shutting_down()
-                && st.busy(key).is_none()
-                && let Some(row) = st.actors.get(key)
-                && row.status == ActorStatus::Running
-            {
-                let row = row.clone();
-                let op = Op::take(
-                    self,
-                    &mut st,
-                    OpTarget::Actor(key.clone()),
-                    OpKind::Busy("releasing"),
-                );
-                released = Some((op, row));
-            }
+            let orphan = match &rec.slot {
+                Slot::Hosting(key) if !self.is_shutting_down() => st
+                    .actors
+                    .get(key)
+                    .filter(|r| r.status == ActorStatus::Running)
+                    .map(|_| (key.clone(), rec.app_addr, rec.last_renewal)),
+                _ => None,
+            };
             tracing::warn!(
                 worker,
                 pool = %rec.pool,
                 workers_left = left,
-                actor = ?released.as_ref().map(|(_, r)| r.key().to_string()),
+                actor = ?orphan.as_ref().map(|(k, _, _)| k.to_string()),
                 "worker left its pool"
             );
-            released
+            orphan
         };
-        if let Some((op, row)) = released {
-            self.spawn_release(vec![op], vec![row], "its worker left");
+        if let Some((key, app, last_renewal)) = orphan {
+            self.spawn_orphan_release(worker.to_owned(), key, app, last_renewal);
         }
+    }
+
+    /// Releases `key`, whose worker left, once the worker must have fenced it (see
+    /// [`Self::worker_left`]) — unless the worker re-attached with it meanwhile.
+    fn spawn_orphan_release(
+        &self,
+        worker: String,
+        key: ActorKey,
+        app: SocketAddr,
+        last_renewal: tokio::time::Instant,
+    ) {
+        let plane = self.clone();
+        let deadline = last_renewal + self.config().hosting_lease;
+        self.inner.tasks.spawn(async move {
+            let gone = matches!(
+                tokio::time::timeout(
+                    std::time::Duration::from_secs(1),
+                    tokio::net::TcpStream::connect(app)
+                )
+                .await,
+                Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused
+            );
+            if !gone {
+                tracing::info!(actor = %key, %worker, ?deadline, "waiting out the hosting lease before the actor may run elsewhere");
+                tokio::select! {
+                    () = tokio::time::sleep_until(deadline) => {}
+                    () = plane.inner.shutdown.cancelled() => return,
+                }
+            }
+            let released = {
+                let mut st = plane.lock();
+                let back = st.actors.get(&key).is_some_and(|r| {
+                    r.worker.as_ref().is_some_and(|w| st.workers.contains_key(w))
+                });
+                match st.actors.get(&key) {
+                    Some(row)
+                        if row.status == ActorStatus::Running
+                            && !back
+                            && st.busy(&key).is_none() =>
+                    {
+                        let row = row.clone();
+                        let op = Op::take(
+                            &plane,
+                            &mut st,
+                            OpTarget::Actor(key.clone()),
+                            OpKind::Busy("releasing"),
+                        );
+                        Some((op, row))
+                    }
+                    _ => None,
+                }
+            };
+            if let Some((op, row)) = released {
+                plane.spawn_release(vec![op], vec![row], "its worker left");
+            }
+        });
     }
 
     /// After `rejoin_grace`, RUNNING actors whose worker has not re-attached go back to
     /// SUSPENDED. Cancelled by shutdown.
-    pub(super) fn spawn_rejoin_deadline(&self) {
+    ///
+    /// The wait is at least the hosting lease: a worker cut off from the plane by the
+    /// restart fences its actor at its own deadline, which came before (its last
+    /// answered renewal was before the restart). Only actors recorded RUNNING at the
+    /// start whose worker never re-attached are released here; a worker that attached
+    /// and left is [`Self::worker_left`]'s.
+    pub(super) fn spawn_rejoin_deadline(&self, awaiting: Vec<ActorKey>) {
         let plane = self.clone();
-        let grace = self.config().rejoin_grace;
+        let grace = self.config().rejoin_grace.max(self.config().hosting_lease);
         self.inner.chores.spawn(async move {
             tokio::select! {
                 () = tokio::time::sleep(grace) => {}
@@ -198,9 +270,9 @@ impl Plane {
             }
             let (ops, rows) = {
                 let mut st = plane.lock();
-                let stale: Vec<ActorRow> = st
-                    .actors
+                let stale: Vec<ActorRow> = awaiting
                     .iter()
+                    .filter_map(|k| st.actors.get(k).map(|r| (k, r)))
                     .filter(|(k, r)| {
                         r.status == ActorStatus::Running
                             && st.busy(k).is_none()

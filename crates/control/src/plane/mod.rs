@@ -10,7 +10,9 @@
 //!   actor an earlier step left half-way;
 //! - [`membership`]: workers joining and leaving, the rejoin grace after a restart;
 //! - [`policy`]: what each actor is doing (reported by its worker), and the capacity
-//!   that frees itself: idle suspension and demand eviction.
+//!   that frees itself: idle suspension and demand eviction;
+//! - [`leases`]: route leases granted to routers and revoked before an actor moves,
+//!   and the hosting lease of each worker (`docs/leases.md`).
 //!
 //! Memory is the working copy; the [`Store`] is the record. Every mutating RPC runs
 //! detached on the plane's task tracker, so a caller that goes away never leaves an
@@ -18,6 +20,7 @@
 
 mod capacity;
 mod catalog;
+mod leases;
 mod lifecycle;
 mod membership;
 mod op;
@@ -43,6 +46,7 @@ use crate::model::{self, ActorKey, ActorStatus, NAMESPACE, Template};
 use crate::store::{ActorRow, Batch, Store, StoreError};
 
 pub(crate) use capacity::Waiter;
+pub use leases::WatchTx;
 pub(crate) use op::{Op, OpKind, OpTarget};
 
 /// Largest `ListActors` page; bigger requests are clamped.
@@ -70,7 +74,18 @@ pub struct PlaneConfig {
     /// While actors wait for a full pool, evict its least recently active actors idle
     /// at least this long (`--evict-idle-after`); zero: never.
     pub evict_idle_after: Duration,
+    /// The route lease granted on `ResumeActor` answers (`--route-lease`); zero: none.
+    pub route_lease: Duration,
+    /// How long a worker may go without an answered renewal before it fences its
+    /// actor, and how long after its last renewal its actor may run elsewhere
+    /// (`--hosting-lease`).
+    pub hosting_lease: Duration,
 }
+
+/// Default `--route-lease`.
+pub const DEFAULT_ROUTE_LEASE: Duration = Duration::from_secs(5);
+/// Default `--hosting-lease`.
+pub const DEFAULT_HOSTING_LEASE: Duration = Duration::from_secs(15);
 
 /// Default `--restore-timeout` and `--checkpoint-timeout`.
 pub const DEFAULT_WORKER_TIMEOUT: Duration = Duration::from_secs(60);
@@ -89,6 +104,8 @@ impl Default for PlaneConfig {
             rejoin_grace: DEFAULT_REJOIN_GRACE,
             idle_suspend_after: Duration::ZERO,
             evict_idle_after: Duration::ZERO,
+            route_lease: DEFAULT_ROUTE_LEASE,
+            hosting_lease: DEFAULT_HOSTING_LEASE,
         }
     }
 }
@@ -136,6 +153,8 @@ pub(crate) struct WorkerRec {
     pub(crate) app_addr: SocketAddr,
     pub(crate) slot: Slot,
     pub(crate) link: Arc<WorkerLink>,
+    /// When the plane last heard a hosting renewal from it (or it attached).
+    pub(crate) last_renewal: tokio::time::Instant,
 }
 
 #[derive(Debug, Default)]
@@ -151,6 +170,8 @@ pub(crate) struct State {
     /// Actors refused with `ResourceExhausted` lately, and when: demand for eviction
     /// from routers that poll instead of waiting.
     pub(crate) refused: HashMap<ActorKey, (String, tokio::time::Instant)>,
+    /// Routers' watches and the route leases of every actor.
+    pub(crate) leases: leases::LeaseBook,
 }
 
 impl State {
@@ -161,6 +182,16 @@ impl State {
 
     fn pool_size(&self, pool: &str) -> usize {
         self.workers.values().filter(|w| w.pool == pool).count()
+    }
+
+    /// Whether `row`'s worker is attached and renewing its hosting: a worker silent for
+    /// half its hosting lease may have fenced the actor already (it fences at the whole
+    /// lease, counted from a renewal it sent no later), so nothing is routed there.
+    pub(crate) fn serving(&self, row: &ActorRow, hosting_lease: Duration) -> bool {
+        row.worker
+            .as_ref()
+            .and_then(|w| self.workers.get(w))
+            .is_some_and(|w| w.last_renewal.elapsed() < hosting_lease / 2)
     }
 
     pub(crate) fn busy(&self, key: &ActorKey) -> Option<&OpKind> {
@@ -292,6 +323,9 @@ pub(crate) struct Inner {
     shutdown: CancellationToken,
     /// Wakes the policies (idle suspension, eviction) when their inputs change.
     policy: tokio::sync::Notify,
+    /// Until when leases granted before this start may still be held: nothing moves
+    /// before then (the start itself on a fresh store: none can be).
+    leases_unknown_until: tokio::time::Instant,
 }
 
 fn db_error(e: &StoreError) -> Status {
@@ -325,6 +359,12 @@ impl Plane {
                 .entry(builtin.name().to_owned())
                 .or_insert(builtin);
         }
+        let fresh = loaded.atespaces.is_empty() && loaded.actors.is_empty();
+        let leases_unknown_until = if fresh {
+            tokio::time::Instant::now()
+        } else {
+            tokio::time::Instant::now() + config.route_lease
+        };
         let mut recovered = Vec::new();
         let mut state = State {
             atespaces: loaded.atespaces.into_iter().collect(),
@@ -360,9 +400,17 @@ impl Plane {
                 links: TaskTracker::new(),
                 shutdown: CancellationToken::new(),
                 policy: tokio::sync::Notify::new(),
+                leases_unknown_until,
             }),
         };
-        plane.spawn_rejoin_deadline();
+        let awaiting: Vec<ActorKey> = plane
+            .lock()
+            .actors
+            .iter()
+            .filter(|(_, r)| r.status == ActorStatus::Running)
+            .map(|(k, _)| k.clone())
+            .collect();
+        plane.spawn_rejoin_deadline(awaiting);
         plane.spawn_policies();
         Ok(plane)
     }
@@ -377,6 +425,16 @@ impl Plane {
 
     pub(crate) fn config(&self) -> &PlaneConfig {
         &self.inner.config
+    }
+
+    /// The route lease it grants (`--route-lease`).
+    pub fn route_lease(&self) -> Duration {
+        self.inner.config.route_lease
+    }
+
+    /// The hosting lease of its workers (`--hosting-lease`).
+    pub fn hosting_lease(&self) -> Duration {
+        self.inner.config.hosting_lease
     }
 
     pub(crate) fn template(&self, name: &str) -> Option<&Template> {
@@ -590,6 +648,7 @@ impl Plane {
             );
         }
         self.detach_workers();
+        self.close_watches();
     }
 
     /// Runs the reader of a worker's attach stream; it ends with the stream.

@@ -143,6 +143,7 @@ impl System {
                 actor_ref: Some(aref(actor)),
                 boot: false,
                 wait_for_capacity: wait.map(|d| d.try_into().unwrap()),
+                ..Default::default()
             })
             .await?
             .into_inner();

@@ -49,6 +49,8 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         rejoin_grace: args.rejoin_grace,
         idle_suspend_after: args.policies.idle_suspend_after,
         evict_idle_after: args.policies.evict_idle_after,
+        route_lease: args.leases.route_lease,
+        hosting_lease: args.leases.hosting_lease,
     };
     let plane = match Plane::open(Arc::new(store), config).await {
         Ok(p) => p,

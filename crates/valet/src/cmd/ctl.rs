@@ -175,6 +175,7 @@ async fn execute(mut c: ControlClient<Channel>, args: &CtlArgs) -> Result<String
                         actor_ref: Some(actor_ref(actor)?),
                         boot: false,
                         wait_for_capacity: wait_for_capacity.and_then(|d| d.try_into().ok()),
+                        ..Default::default()
                     })
                     .await?
                     .into_inner();

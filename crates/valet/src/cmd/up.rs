@@ -75,6 +75,8 @@ async fn up(mut args: UpArgs) -> Result<(), UpError> {
             idle_suspend_after: args.idle_suspend_after,
             evict_idle_after: args.evict_idle_after,
             templates: args.templates.clone(),
+            route_lease: args.leases.route_lease,
+            hosting_lease: args.leases.hosting_lease,
             ..PlaneConfig::default()
         },
         restore_delay: args.restore_delay,

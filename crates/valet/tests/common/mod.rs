@@ -14,6 +14,7 @@ use tonic::transport::Channel;
 use valet_proto::ateapi::{self, control_client::ControlClient};
 
 pub mod extproc;
+pub mod netfault;
 pub mod socket;
 
 /// A `valet` child process, killed when dropped.
@@ -78,6 +79,13 @@ impl Proc {
             .expect("the process exits in time")
             .unwrap()
             .code()
+    }
+
+    /// Whether the router's last cached route was under a stale lease, judged by its
+    /// metrics: the control plane counts as unreachable and a lease has expired.
+    pub async fn route_is_stale(&self) -> bool {
+        let (s, body) = http_get(self.addrs["admin"], "/statusz?format=json", &[]).await;
+        s == 200 && body.contains("\"control_plane_reachable\": false")
     }
 
     /// The value of one series of its admin server's metrics (`addrs["admin"]`).

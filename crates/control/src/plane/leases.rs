@@ -1,0 +1,230 @@
+//! Route leases (`docs/leases.md`): granted on `ResumeActor` answers to routers whose
+//! watch is open, recorded as ending `--route-lease` after the answer, and revoked —
+//! acked by each holder, or ended — before the plane changes where an actor runs.
+//! Hosting leases: a worker's renewals, and the wait before its actor may run
+//! elsewhere once its stream ends.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use tonic::Status;
+use valet_proto::leases as pb;
+
+use super::{Plane, State};
+use crate::model::ActorKey;
+
+/// What the plane sends on a router's watch.
+pub type WatchTx = mpsc::Sender<Result<pb::PlaneMessage, Status>>;
+
+/// Every router's watch, and the leases of every actor.
+#[derive(Debug, Default)]
+pub(crate) struct LeaseBook {
+    routers: HashMap<String, Watcher>,
+    actors: HashMap<ActorKey, ActorLeases>,
+}
+
+#[derive(Debug)]
+struct Watcher {
+    conn: u64,
+    tx: WatchTx,
+}
+
+#[derive(Debug, Default)]
+struct ActorLeases {
+    next_id: u64,
+    held: HashMap<String, Held>,
+}
+
+#[derive(Debug)]
+struct Held {
+    id: u64,
+    until: Instant,
+    ack: Option<oneshot::Sender<()>>,
+}
+
+/// A lease granted: how long (counted by the router from its request) and its number.
+pub(crate) type Grant = (Duration, u64);
+
+fn actor_of(key: &ActorKey) -> pb::Actor {
+    pb::Actor {
+        atespace: key.atespace().to_owned(),
+        name: key.name().to_owned(),
+    }
+}
+
+impl State {
+    /// Grants `holder` a lease on `key`, if its watch is open. The caller has checked,
+    /// under this lock, that the actor is RUNNING on an attached worker with no
+    /// operation on it (so no revocation is pending).
+    pub(crate) fn grant(&mut self, key: &ActorKey, holder: &str, lease: Duration) -> Option<Grant> {
+        if lease.is_zero() || !self.leases.routers.contains_key(holder) {
+            return None;
+        }
+        let al = self.leases.actors.entry(key.clone()).or_default();
+        al.next_id += 1;
+        let id = al.next_id;
+        al.held.insert(
+            holder.to_owned(),
+            Held {
+                id,
+                until: Instant::now() + lease,
+                ack: None,
+            },
+        );
+        Some((lease, id))
+    }
+
+    /// Leases not yet ended, for tests and status.
+    pub(crate) fn leases_held(&self, key: &ActorKey) -> usize {
+        let now = Instant::now();
+        self.leases
+            .actors
+            .get(key)
+            .map_or(0, |al| al.held.values().filter(|h| h.until > now).count())
+    }
+}
+
+impl Plane {
+    /// A router opened its watch as `router`; `AlreadyExists` while another watch with
+    /// that id is open.
+    pub fn router_watching(&self, router: &str, tx: WatchTx) -> Result<u64, Status> {
+        if router.is_empty() || router.len() > 128 {
+            return Err(Status::invalid_argument(
+                "router_id must be 1-128 characters",
+            ));
+        }
+        let mut st = self.lock();
+        if st
+            .leases
+            .routers
+            .get(router)
+            .is_some_and(|w| !w.tx.is_closed())
+        {
+            return Err(Status::already_exists(format!(
+                "router {router} already has a watch open"
+            )));
+        }
+        let conn = st.id();
+        st.leases
+            .routers
+            .insert(router.to_owned(), Watcher { conn, tx });
+        tracing::info!(router, "router watching its leases");
+        Ok(conn)
+    }
+
+    /// `router`'s watch `conn` ended: it gets no new lease; those it holds end by
+    /// themselves.
+    pub(crate) fn router_detached(&self, router: &str, conn: u64) {
+        let mut st = self.lock();
+        if st
+            .leases
+            .routers
+            .get(router)
+            .is_some_and(|w| w.conn == conn)
+        {
+            st.leases.routers.remove(router);
+            tracing::info!(router, "router's lease watch ended");
+        }
+    }
+
+    /// `router` acked the revocation of its leases on `actor` up to `through`.
+    pub fn lease_acked(&self, router: &str, actor: &pb::Actor, through: u64) {
+        let Ok(key) = ActorKey::new(&actor.atespace, &actor.name) else {
+            return;
+        };
+        let ack = {
+            let mut st = self.lock();
+            let Some(al) = st.leases.actors.get_mut(&key) else {
+                return;
+            };
+            match al.held.get(router) {
+                Some(h) if h.id <= through => al.held.remove(router).and_then(|h| h.ack),
+                _ => None,
+            }
+        };
+        if let Some(ack) = ack {
+            let _ = ack.send(());
+        }
+    }
+
+    /// `router` stopped cleanly: every lease it held ends now.
+    pub fn leases_released(&self, router: &str) {
+        let acks: Vec<oneshot::Sender<()>> = {
+            let mut st = self.lock();
+            st.leases
+                .actors
+                .values_mut()
+                .filter_map(|al| al.held.remove(router).and_then(|h| h.ack))
+                .collect()
+        };
+        for ack in acks {
+            let _ = ack.send(());
+        }
+        tracing::info!(router, "router released its leases");
+    }
+
+    /// Ends every router's watch (shutdown): routers watch again when a plane returns.
+    pub(crate) fn close_watches(&self) {
+        self.lock().leases.routers.clear();
+    }
+
+    /// Revokes the route leases on `key`: each holder with a lease not yet ended is
+    /// told, and this waits until it acks or its lease ends. Called under the actor's
+    /// operation lock (so `ResumeActor` answers `Aborted` and grants nothing meanwhile).
+    /// For `--route-lease` after the plane started it waits first: leases its previous
+    /// run granted may still be held.
+    pub(crate) async fn revoke_leases(&self, key: &ActorKey) {
+        let lease = self.config().route_lease;
+        if lease.is_zero() {
+            return;
+        }
+        tokio::time::sleep_until(self.inner.leases_unknown_until).await;
+        let waits: Vec<(oneshot::Receiver<()>, Instant)> = {
+            let mut st = self.lock();
+            let now = Instant::now();
+            let State { leases, .. } = &mut *st;
+            let Some(al) = leases.actors.get_mut(key) else {
+                return;
+            };
+            al.held.retain(|_, h| h.until > now);
+            let through = al.next_id;
+            al.held
+                .iter_mut()
+                .map(|(router, h)| {
+                    let (tx, rx) = oneshot::channel();
+                    h.ack = Some(tx);
+                    if let Some(w) = leases.routers.get(router) {
+                        let revoke = pb::PlaneMessage {
+                            message: Some(pb::plane_message::Message::Revoke(pb::Revoke {
+                                actor: Some(actor_of(key)),
+                                through,
+                            })),
+                        };
+                        let _ = w.tx.try_send(Ok(revoke));
+                    }
+                    (rx, h.until)
+                })
+                .collect()
+        };
+        if waits.is_empty() {
+            return;
+        }
+        let started = Instant::now();
+        for (rx, until) in waits {
+            tokio::select! {
+                _ = rx => {}
+                () = tokio::time::sleep_until(until) => {}
+            }
+        }
+        self.lock().leases.actors.remove(key);
+        self.metrics().revoked(started.elapsed());
+        tracing::debug!(actor = %key, took = ?started.elapsed(), "route leases revoked");
+    }
+
+    /// Route leases outstanding on `atespace/name` now.
+    pub fn leases_held(&self, atespace: &str, name: &str) -> usize {
+        ActorKey::new(atespace, name).map_or(0, |k| self.lock().leases_held(&k))
+    }
+}

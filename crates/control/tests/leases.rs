@@ -1,0 +1,304 @@
+//! Route leases and hosting leases on the control plane's side, on tokio's paused
+//! clock: a router watch and a worker, both scripted by the test.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tonic::Code;
+use valet_control::plane::PlaneConfig;
+use valet_control::store::Store;
+use valet_control::testing::{FakeWorker, MemoryStore};
+use valet_control::{ActorKey, Plane};
+use valet_proto::ateapi::actor::Status as S;
+use valet_proto::leases as pb;
+use valet_proto::worker::worker_command::Command;
+
+fn key(name: &str) -> ActorKey {
+    ActorKey::new("demo", name).unwrap()
+}
+
+const LEASE: Duration = Duration::from_secs(5);
+
+fn config() -> PlaneConfig {
+    PlaneConfig {
+        route_lease: LEASE,
+        hosting_lease: Duration::from_secs(15),
+        ..PlaneConfig::default()
+    }
+}
+
+async fn plane_on(store: &MemoryStore, actors: &[&str]) -> Plane {
+    let plane = Plane::open(Arc::new(store.clone()), config())
+        .await
+        .unwrap();
+    if plane.get_atespace("demo").is_err() {
+        plane.create_atespace("demo").await.unwrap();
+    }
+    for a in actors {
+        plane
+            .create_actor(key(a), "default", "counter", Vec::new())
+            .await
+            .unwrap();
+    }
+    plane
+}
+
+/// A worker whose app port accepts connections (it is alive), answering every restore
+/// and checkpoint.
+async fn live_worker(plane: &Plane, id: &str) -> (SocketAddr, tokio::net::TcpListener, FakeWorker) {
+    let app = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = app.local_addr().unwrap();
+    let (w, _) = FakeWorker::attach(plane, id, "counter", addr, None).unwrap();
+    (addr, app, w)
+}
+
+async fn serve_commands(w: &mut FakeWorker) {
+    while let Some(r) = w.next().await {
+        if matches!(r.command, Command::Restore(_) | Command::Checkpoint(_)) {
+            w.answer(r.id, Ok(()));
+        }
+    }
+}
+
+/// A router's watch, scripted: its revokes arrive on `rx`.
+struct Router {
+    id: String,
+    rx: mpsc::Receiver<Result<pb::PlaneMessage, tonic::Status>>,
+}
+
+fn watch(plane: &Plane, id: &str) -> Router {
+    let (tx, rx) = mpsc::channel(16);
+    plane.router_watching(id, tx).unwrap();
+    Router { id: id.into(), rx }
+}
+
+impl Router {
+    async fn revoked(&mut self) -> (String, u64) {
+        loop {
+            let m = self.rx.recv().await.expect("watch open").unwrap();
+            if let Some(pb::plane_message::Message::Revoke(r)) = m.message {
+                let a = r.actor.unwrap();
+                return (format!("{}/{}", a.atespace, a.name), r.through);
+            }
+        }
+    }
+}
+
+/// Resumes `name` (restored by whatever worker serves commands) asking a lease as
+/// `holder`.
+async fn resume(plane: &Plane, name: &str, holder: Option<&str>) -> Option<(Duration, u64)> {
+    plane
+        .resume_leased(key(name), None, holder)
+        .await
+        .unwrap()
+        .2
+}
+
+#[tokio::test(start_paused = true)]
+async fn leases_are_granted_to_watching_routers_only() {
+    let store = MemoryStore::default();
+    let plane = plane_on(&store, &["a"]).await;
+    let (_addr, _app, mut w) = live_worker(&plane, "w1").await;
+    tokio::spawn(async move { serve_commands(&mut w).await });
+    assert_eq!(
+        resume(&plane, "a", Some("nobody")).await,
+        None,
+        "no watch: no lease"
+    );
+    let _r = watch(&plane, "r1");
+    assert_eq!(resume(&plane, "a", Some("r1")).await, Some((LEASE, 1)));
+    assert_eq!(
+        resume(&plane, "a", Some("r1")).await,
+        Some((LEASE, 2)),
+        "renewed"
+    );
+    assert_eq!(resume(&plane, "a", None).await, None);
+    assert_eq!(plane.leases_held("demo", "a"), 1);
+    let err = plane.router_watching("r1", mpsc::channel(1).0).unwrap_err();
+    assert_eq!(err.code(), Code::AlreadyExists, "one watch per router id");
+}
+
+/// A suspend revokes the actor's leases: the router acks and the suspend goes on at
+/// once; meanwhile ResumeActor answers Aborted and grants nothing.
+#[tokio::test(start_paused = true)]
+async fn revocation_waits_for_the_ack() {
+    let store = MemoryStore::default();
+    let plane = plane_on(&store, &["a"]).await;
+    let (_addr, _app, mut w) = live_worker(&plane, "w1").await;
+    let mut r = watch(&plane, "r1");
+    let resume_task = {
+        let plane = plane.clone();
+        tokio::spawn(async move { resume(&plane, "a", Some("r1")).await })
+    };
+    let restore = w.next().await.unwrap();
+    w.answer(restore.id, Ok(()));
+    assert_eq!(resume_task.await.unwrap(), Some((LEASE, 1)));
+
+    let start = Instant::now();
+    let suspend = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.suspend_actor(key("a")).await })
+    };
+    assert_eq!(r.revoked().await, ("demo/a".into(), 1));
+    let refused = plane
+        .resume_leased(key("a"), None, Some("r1"))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        refused.code(),
+        Code::Aborted,
+        "nothing granted while revoking"
+    );
+    plane.lease_acked(
+        &r.id,
+        &pb::Actor {
+            atespace: "demo".into(),
+            name: "a".into(),
+        },
+        1,
+    );
+    let checkpoint = w.next().await.unwrap();
+    assert!(matches!(checkpoint.command, Command::Checkpoint(_)));
+    assert_eq!(
+        start.elapsed(),
+        Duration::ZERO,
+        "the ack lets the suspend go on at once"
+    );
+    w.answer(checkpoint.id, Ok(()));
+    assert_eq!(suspend.await.unwrap().unwrap().status, S::Suspended as i32);
+    assert_eq!(plane.leases_held("demo", "a"), 0);
+}
+
+/// A router gone without releasing: the suspend waits until its lease ends, no longer.
+/// One that released its leases (a clean stop) holds nothing up.
+#[tokio::test(start_paused = true)]
+async fn a_silent_holder_holds_up_a_suspend_at_most_its_lease() {
+    let store = MemoryStore::default();
+    let plane = plane_on(&store, &["a", "b"]).await;
+    let (_addr, _app, mut w1) = live_worker(&plane, "w1").await;
+    let (_addr2, _app2, mut w2) = live_worker(&plane, "w2").await;
+    let gone = watch(&plane, "gone");
+    let polite = watch(&plane, "polite");
+    for (w, name, holder) in [(&mut w1, "a", "gone"), (&mut w2, "b", "polite")] {
+        let t = {
+            let plane = plane.clone();
+            let holder = holder.to_owned();
+            tokio::spawn(async move { resume(&plane, name, Some(&holder)).await })
+        };
+        let restore = w.next().await.unwrap();
+        w.answer(restore.id, Ok(()));
+        assert!(t.await.unwrap().is_some());
+    }
+    let granted = Instant::now();
+    drop(gone);
+    plane.leases_released(&polite.id);
+
+    let suspend_b = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.suspend_actor(key("b")).await })
+    };
+    let c = w2.next().await.unwrap();
+    assert_eq!(granted.elapsed(), Duration::ZERO, "released: no wait");
+    w2.answer(c.id, Ok(()));
+    suspend_b.await.unwrap().unwrap();
+
+    let suspend_a = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.suspend_actor(key("a")).await })
+    };
+    let c = w1.next().await.unwrap();
+    assert_eq!(
+        granted.elapsed(),
+        LEASE,
+        "waited for the lease to end, no more"
+    );
+    w1.answer(c.id, Ok(()));
+    suspend_a.await.unwrap().unwrap();
+}
+
+/// A plane restarted on a store its previous run used moves nothing for a lease's
+/// length: leases granted before the restart may still be held.
+#[tokio::test(start_paused = true)]
+async fn a_restarted_plane_waits_out_unknown_leases() {
+    let store = MemoryStore::default();
+    let first = plane_on(&store, &["a"]).await;
+    let (_addr, app, mut w) = live_worker(&first, "w1").await;
+    let _r = watch(&first, "r1");
+    let t = {
+        let plane = first.clone();
+        tokio::spawn(async move { resume(&plane, "a", Some("r1")).await })
+    };
+    let restore = w.next().await.unwrap();
+    w.answer(restore.id, Ok(()));
+    assert!(t.await.unwrap().is_some());
+    drop((first, w));
+
+    let restarted = Instant::now();
+    let plane = Plane::open(Arc::new(store.clone()), config())
+        .await
+        .unwrap();
+    let addr = app.local_addr().unwrap();
+    let (mut w, kept) = FakeWorker::attach(&plane, "w1", "counter", addr, Some(&key("a"))).unwrap();
+    assert!(kept);
+    let suspend = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.suspend_actor(key("a")).await })
+    };
+    let c = w.next().await.unwrap();
+    assert!(matches!(c.command, Command::Checkpoint(_)));
+    assert_eq!(restarted.elapsed(), LEASE);
+    w.answer(c.id, Ok(()));
+    suspend.await.unwrap().unwrap();
+    let _ = store.load().await;
+}
+
+/// A worker whose stream ends while its port still answers (only the stream was cut)
+/// keeps its actor on record until the hosting lease has passed since its last
+/// renewal; one whose port refuses connections (the process died) loses it at once.
+#[tokio::test(start_paused = true)]
+async fn a_cut_off_worker_keeps_its_actor_for_the_hosting_lease() {
+    let store = MemoryStore::default();
+    let plane = plane_on(&store, &["a", "b"]).await;
+    let (_addr, _app, mut alive) = live_worker(&plane, "alive").await;
+    let dead_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let (mut dead, _) = FakeWorker::attach(&plane, "dead", "counter", dead_port, None).unwrap();
+    for (w, name) in [(&mut alive, "a"), (&mut dead, "b")] {
+        let t = {
+            let plane = plane.clone();
+            tokio::spawn(async move { resume(&plane, name, None).await })
+        };
+        let restore = w.next().await.unwrap();
+        w.answer(restore.id, Ok(()));
+        t.await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    alive.renew();
+    let renewed = Instant::now();
+    alive.leave();
+    dead.leave();
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(1), |p| p.status_of("demo", "b")
+                == Some(S::Suspended))
+            .await,
+        "the dead worker's actor is released at once"
+    );
+    assert_eq!(plane.status_of("demo", "a"), Some(S::Running));
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(60), |p| p.status_of("demo", "a")
+                == Some(S::Suspended))
+            .await
+    );
+    assert_eq!(
+        renewed.elapsed(),
+        Duration::from_secs(15),
+        "released at the hosting lease"
+    );
+}

@@ -1,0 +1,497 @@
+//! Route leases on the router's side (`docs/leases.md`): the route cache that lets a
+//! request to a leased actor go straight to its worker, the watch on which the control
+//! plane revokes leases, and the background renewal of leases in use.
+//!
+//! A lease counts from when its `ResumeActor` was *sent*, so it always ends before the
+//! control plane's record of it. A revocation drops the lease and remembers the number
+//! it covered, so an answer crossing it on another stream is never installed.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tonic::transport::Channel;
+use valet_proto::leases as pb;
+
+use crate::addr::ActorRef;
+use crate::control::{ControlPlane, Grant, ResumeRequest};
+use crate::metrics::Metrics;
+
+/// A lease in the cache.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    addr: SocketAddr,
+    id: u64,
+    until: Instant,
+    /// A request used it since it was granted: renew it before it ends.
+    used: bool,
+    /// A renewal is in progress.
+    renewing: bool,
+}
+
+#[derive(Debug, Default)]
+struct Book {
+    entries: HashMap<ActorRef, Entry>,
+    /// The highest lease number revoked, per actor.
+    revoked: HashMap<ActorRef, u64>,
+}
+
+/// The route cache: which worker each leased actor runs on, until when.
+#[derive(Debug)]
+pub struct RouteCache {
+    book: std::sync::Mutex<Book>,
+    /// The router id to ask leases for, and the lease the control plane grants, while
+    /// the watch is open.
+    holder: std::sync::Mutex<Option<(String, Duration)>>,
+    /// The control plane answers (its watch is up, or a recent call did not end
+    /// `Unavailable`).
+    reachable: AtomicBool,
+    stale_max: Duration,
+    metrics: Arc<Metrics>,
+}
+
+/// How a request was routed from the cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cached {
+    /// Under a valid lease.
+    Valid(SocketAddr),
+    /// Under an expired lease, within `--route-stale-max`, while the control plane is
+    /// unreachable.
+    Stale(SocketAddr),
+}
+
+impl RouteCache {
+    pub(crate) fn new(stale_max: Duration, metrics: Arc<Metrics>) -> Self {
+        Self {
+            book: std::sync::Mutex::default(),
+            holder: std::sync::Mutex::new(None),
+            reachable: AtomicBool::new(true),
+            stale_max,
+            metrics,
+        }
+    }
+
+    fn book(&self) -> std::sync::MutexGuard<'_, Book> {
+        self.book.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The router id to ask leases for, while the watch is open.
+    pub(crate) fn holder(&self) -> Option<String> {
+        self.watching().map(|(id, _)| id)
+    }
+
+    fn watching(&self) -> Option<(String, Duration)> {
+        self.holder
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Asks leases as `holder` (the watch is open; the plane grants `lease`), or none.
+    pub fn set_holder(&self, holder: Option<(String, Duration)>) {
+        *self.holder.lock().unwrap_or_else(|e| e.into_inner()) = holder;
+    }
+
+    /// Records whether the last control-plane call got an answer (`false`: it ended
+    /// `Unavailable`).
+    pub(crate) fn answered(&self, answered: bool) {
+        self.reachable.store(answered, Ordering::Relaxed);
+    }
+
+    /// Whether the control plane counts as unreachable: its watch is down and the last
+    /// call ended `Unavailable`.
+    pub fn unreachable(&self) -> bool {
+        self.holder().is_none() && !self.reachable.load(Ordering::Relaxed)
+    }
+
+    /// The worker to route `actor` to without asking, if a lease allows it. An expired
+    /// lease is used only when `stale_ok` (a data plane that can replay a 421) and the
+    /// control plane is unreachable, for up to `--route-stale-max` after it ended.
+    pub fn route(&self, actor: &ActorRef, stale_ok: bool) -> Option<Cached> {
+        let now = Instant::now();
+        let mut book = self.book();
+        let e = book.entries.get_mut(actor)?;
+        if now < e.until {
+            e.used = true;
+            return Some(Cached::Valid(e.addr));
+        }
+        let addr = e.addr;
+        let ended = e.until;
+        drop(book);
+        if stale_ok && now < ended + self.stale_max && self.unreachable() {
+            return Some(Cached::Stale(addr));
+        }
+        None
+    }
+
+    /// Installs a lease on `actor` at `addr`, granted on a request sent at `sent_at`,
+    /// unless a revocation already covered its number.
+    pub(crate) fn install(
+        &self,
+        actor: &ActorRef,
+        addr: SocketAddr,
+        grant: Grant,
+        sent_at: Instant,
+    ) {
+        let mut book = self.book();
+        if book.revoked.get(actor).is_some_and(|r| grant.id <= *r) {
+            return;
+        }
+        book.revoked.remove(actor);
+        let until = sent_at + grant.lease;
+        let fresh = book.entries.insert(
+            actor.clone(),
+            Entry {
+                addr,
+                id: grant.id,
+                until,
+                used: false,
+                renewing: false,
+            },
+        );
+        if fresh.is_none() {
+            self.metrics.leases(1);
+        }
+    }
+
+    /// The control plane revoked the leases on `actor` up to `through`.
+    pub(crate) fn revoke(&self, actor: &ActorRef, through: u64) {
+        let mut book = self.book();
+        let r = book.revoked.entry(actor.clone()).or_default();
+        *r = (*r).max(through);
+        if book.entries.get(actor).is_some_and(|e| e.id <= through) {
+            book.entries.remove(actor);
+            self.metrics.leases(-1);
+        }
+    }
+
+    /// [`Self::revoke`], for tests of the race with a crossing answer.
+    #[cfg(any(test, feature = "testing"))]
+    pub fn revoke_for_test(&self, actor: &ActorRef, through: u64) {
+        self.revoke(actor, through);
+    }
+
+    /// `actor`'s worker at `addr` answered that it does not host it: drop the lease.
+    pub fn forget(&self, actor: &ActorRef, addr: SocketAddr) {
+        let mut book = self.book();
+        if book.entries.get(actor).is_some_and(|e| e.addr == addr) {
+            book.entries.remove(actor);
+            self.metrics.leases(-1);
+        }
+    }
+
+    /// Drops every lease (the router stops; the control plane is told by ReleaseAll).
+    fn clear(&self) {
+        let mut book = self.book();
+        let n = book.entries.len() as i64;
+        book.entries.clear();
+        self.metrics.leases(-n);
+    }
+
+    /// Leases in the cache, valid or not.
+    pub fn len(&self) -> usize {
+        self.book().entries.len()
+    }
+
+    /// Whether the cache holds no lease.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Leases used since their grant that end within `margin`: each is marked as
+    /// renewing (one renewal per actor at a time). Expired leases past the stale window
+    /// are dropped.
+    fn due(&self, margin: Duration) -> Vec<ActorRef> {
+        let now = Instant::now();
+        let mut book = self.book();
+        let before = book.entries.len();
+        let stale_max = self.stale_max;
+        book.entries.retain(|_, e| now < e.until + stale_max);
+        self.metrics
+            .leases(book.entries.len() as i64 - before as i64);
+        book.entries
+            .iter_mut()
+            .filter(|(_, e)| e.used && !e.renewing && now < e.until && e.until - now <= margin)
+            .map(|(a, e)| {
+                e.renewing = true;
+                a.clone()
+            })
+            .collect()
+    }
+
+    fn renewal_failed(&self, actor: &ActorRef) {
+        if let Some(e) = self.book().entries.get_mut(actor) {
+            e.renewing = false;
+        }
+    }
+}
+
+/// How long before its end a lease in use is renewed, for a lease of `lease`.
+fn renewal_margin(lease: Duration) -> Duration {
+    (lease / 5).max(Duration::from_millis(200))
+}
+
+/// How often due renewals are looked for.
+const RENEWAL_TICK: Duration = Duration::from_millis(100);
+
+/// The router's side of the lease protocol: its id, the watch, the renewals.
+#[derive(Debug)]
+pub struct LeaseClient {
+    router_id: String,
+    cache: Arc<RouteCache>,
+    stop: CancellationToken,
+    tasks: TaskTracker,
+    up: AtomicBool,
+}
+
+impl LeaseClient {
+    /// Starts watching leases over `channel` as a router with a fresh random id, and
+    /// renewing the leases in use through `control_plane`.
+    pub fn spawn(
+        channel: Channel,
+        cache: Arc<RouteCache>,
+        control_plane: Arc<dyn ControlPlane>,
+        attempt_timeout: Duration,
+        default_port: u16,
+    ) -> Arc<Self> {
+        let client = Arc::new(Self {
+            router_id: format!("router-{:016x}", rand::random::<u64>()),
+            cache,
+            stop: CancellationToken::new(),
+            tasks: TaskTracker::new(),
+            up: AtomicBool::new(false),
+        });
+        client.tasks.spawn(Arc::clone(&client).watch_loop(channel));
+        client.tasks.spawn(Arc::clone(&client).renew_loop(
+            control_plane,
+            attempt_timeout,
+            default_port,
+        ));
+        client
+    }
+
+    /// Renewals only, with no watch (tests set the cache's holder themselves).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn renewals_only(
+        cache: Arc<RouteCache>,
+        control_plane: Arc<dyn ControlPlane>,
+        attempt_timeout: Duration,
+        default_port: u16,
+    ) -> Arc<Self> {
+        let client = Arc::new(Self {
+            router_id: "test-router".into(),
+            cache,
+            stop: CancellationToken::new(),
+            tasks: TaskTracker::new(),
+            up: AtomicBool::new(false),
+        });
+        client.tasks.spawn(Arc::clone(&client).renew_loop(
+            control_plane,
+            attempt_timeout,
+            default_port,
+        ));
+        client
+    }
+
+    /// This router's id.
+    pub fn router_id(&self) -> &str {
+        &self.router_id
+    }
+
+    /// Whether the watch is open now.
+    pub fn is_up(&self) -> bool {
+        self.up.load(Ordering::Relaxed)
+    }
+
+    /// Stops cleanly: the control plane is told every lease is released, the cache is
+    /// emptied, the tasks end.
+    pub async fn shutdown(&self) {
+        self.stop.cancel();
+        self.tasks.close();
+        self.tasks.wait().await;
+        self.cache.clear();
+    }
+
+    async fn watch_loop(self: Arc<Self>, channel: Channel) {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let ended = self.watch_once(channel.clone()).await;
+            self.up.store(false, Ordering::Relaxed);
+            self.cache.set_holder(None);
+            if matches!(ended, Watched::Lost(_)) {
+                // The watch is a call too: the control plane did not answer it.
+                self.cache.answered(false);
+            }
+            let wait = match ended {
+                Watched::Stopped => return,
+                Watched::Unsupported => {
+                    tracing::info!(
+                        "the control plane grants no route leases; one ResumeActor per request"
+                    );
+                    Duration::from_secs(30)
+                }
+                Watched::Lost(why) => {
+                    tracing::debug!(error = %why, "lease watch lost; watching again");
+                    backoff
+                }
+            };
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {}
+                () = self.stop.cancelled() => return,
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        }
+    }
+
+    async fn watch_once(&self, channel: Channel) -> Watched {
+        let (tx, rx) = mpsc::channel(64);
+        let hello = pb::RouterMessage {
+            message: Some(pb::router_message::Message::Hello(pb::Hello {
+                router_id: self.router_id.clone(),
+            })),
+        };
+        if tx.send(hello).await.is_err() {
+            return Watched::Lost("watch channel closed".into());
+        }
+        let mut client = pb::leases_client::LeasesClient::new(channel);
+        let opened = tokio::select! {
+            r = client.watch(ReceiverStream::new(rx)) => r,
+            () = self.stop.cancelled() => return Watched::Stopped,
+        };
+        let mut inbound = match opened {
+            Ok(r) => r.into_inner(),
+            Err(s) if s.code() == tonic::Code::Unimplemented => return Watched::Unsupported,
+            Err(s) => return Watched::Lost(s.message().to_owned()),
+        };
+        loop {
+            let msg = tokio::select! {
+                m = inbound.message() => m,
+                () = self.stop.cancelled() => {
+                    let release = pb::RouterMessage {
+                        message: Some(pb::router_message::Message::ReleaseAll(pb::ReleaseAll {})),
+                    };
+                    let _ = tx.send(release).await;
+                    return Watched::Stopped;
+                }
+            };
+            match msg {
+                Ok(Some(pb::PlaneMessage {
+                    message: Some(pb::plane_message::Message::Welcome(w)),
+                })) => {
+                    let grants = w
+                        .route_lease
+                        .and_then(|d| Duration::try_from(d).ok())
+                        .is_some_and(|d| !d.is_zero());
+                    if !grants {
+                        return Watched::Unsupported;
+                    }
+
+                    let lease = w
+                        .route_lease
+                        .and_then(|d| Duration::try_from(d).ok())
+                        .unwrap_or_default();
+                    self.up.store(true, Ordering::Relaxed);
+                    self.cache.set_holder(Some((self.router_id.clone(), lease)));
+                    self.cache.answered(true);
+                    tracing::info!(router = %self.router_id, ?lease, "watching route leases");
+                }
+                Ok(Some(pb::PlaneMessage {
+                    message: Some(pb::plane_message::Message::Revoke(r)),
+                })) => {
+                    let Some(actor) = r.actor else { continue };
+                    if let Ok(a) = format!("{}/{}", actor.atespace, actor.name).parse::<ActorRef>()
+                    {
+                        self.cache.revoke(&a, r.through);
+                    }
+                    let ack = pb::RouterMessage {
+                        message: Some(pb::router_message::Message::Ack(pb::Ack {
+                            actor: Some(actor),
+                            through: r.through,
+                        })),
+                    };
+                    if tx.send(ack).await.is_err() {
+                        return Watched::Lost("watch channel closed".into());
+                    }
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => return Watched::Lost("the control plane ended the watch".into()),
+                Err(s) if s.code() == tonic::Code::Unimplemented => return Watched::Unsupported,
+                Err(s) => return Watched::Lost(s.message().to_owned()),
+            }
+        }
+    }
+
+    async fn renew_loop(
+        self: Arc<Self>,
+        control_plane: Arc<dyn ControlPlane>,
+        timeout: Duration,
+        default_port: u16,
+    ) {
+        let renewals = TaskTracker::new();
+        let mut tick = tokio::time::interval(RENEWAL_TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                () = self.stop.cancelled() => break,
+            }
+            let Some((holder, lease)) = self.cache.watching() else {
+                continue;
+            };
+            for actor in self.cache.due(renewal_margin(lease)) {
+                let (cache, cp, holder) = (
+                    Arc::clone(&self.cache),
+                    Arc::clone(&control_plane),
+                    holder.clone(),
+                );
+                let request = ResumeRequest {
+                    actor: actor.clone(),
+                    wait_for_capacity: None,
+                    timeout,
+                    lease_holder: Some(holder),
+                };
+                renewals.spawn(async move {
+                    let sent_at = Instant::now();
+                    let answer = cp.resume_actor(request).await;
+                    cache.answered(
+                        !matches!(&answer, Err(e) if e.code() == tonic::Code::Unavailable),
+                    );
+                    match answer {
+                        Ok(r) => match (r.grant, worker_addr(&r.actor, default_port)) {
+                            (Some(grant), Some(addr)) => {
+                                cache.metrics.renewed();
+                                cache.install(&actor, addr, grant, sent_at);
+                            }
+                            _ => cache.renewal_failed(&actor),
+                        },
+                        Err(_) => cache.renewal_failed(&actor),
+                    }
+                });
+            }
+        }
+        renewals.close();
+        renewals.wait().await;
+    }
+}
+
+/// How a watch ended.
+enum Watched {
+    Stopped,
+    Unsupported,
+    Lost(String),
+}
+
+/// The worker address of an actor as answered, if it is routable.
+fn worker_addr(actor: &valet_proto::ateapi::Actor, default_port: u16) -> Option<SocketAddr> {
+    match crate::retry::classify(Ok(actor.clone()), true, default_port) {
+        crate::retry::Class::Route(addr) => Some(addr),
+        _ => None,
+    }
+}

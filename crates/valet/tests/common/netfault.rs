@@ -1,0 +1,52 @@
+//! Network faults between real processes: a TCP proxy that can go silent.
+
+use tokio::net::TcpListener;
+
+/// A TCP proxy that forwards both ways until told to drop everything; from then on it
+/// moves no byte and keeps every connection open, like a network that drops every
+/// packet (no reset ever arrives).
+pub async fn blackhole_proxy(
+    upstream: std::net::SocketAddr,
+) -> (String, tokio::sync::watch::Sender<bool>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (drop_all, rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        loop {
+            let (down, _) = listener.accept().await.unwrap();
+            let up = tokio::net::TcpStream::connect(upstream).await.unwrap();
+            let (dr, dw) = down.into_split();
+            let (ur, uw) = up.into_split();
+            tokio::spawn(pipe(dr, uw, rx.clone()));
+            tokio::spawn(pipe(ur, dw, rx.clone()));
+        }
+    });
+    (url, drop_all)
+}
+
+/// Copies `from` to `to` until `drop_all` turns true, then holds both open, silent.
+async fn pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut drop_all: tokio::sync::watch::Receiver<bool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = tokio::select! {
+            n = from.read(&mut buf) => n,
+            _ = drop_all.wait_for(|dropping| *dropping) => break,
+        };
+        match n {
+            Ok(0) | Err(_) => return,
+            Ok(_) if *drop_all.borrow() => break,
+            Ok(n) => {
+                if to.write_all(&buf[..n]).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+    std::future::pending::<()>().await;
+    drop((from, to));
+}

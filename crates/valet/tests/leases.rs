@@ -1,0 +1,340 @@
+//! Route leases and hosting leases across real processes: running actors ride out a
+//! control-plane SIGKILL, a worker cut off from the control plane fences its actor
+//! before it runs anywhere else, a stale route to a moved actor is resolved again
+//! with no 421 reaching the client, and the compatibility mode.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::{
+    DOMAIN, Proc, client, control_plane, create, eventually, get, resume, router, status, worker,
+    worker_with,
+};
+use valet_proto::ateapi::{self, actor::Status as S};
+
+const WITHIN: Duration = Duration::from_secs(30);
+
+fn host(name: &str) -> String {
+    format!("{name}.demo.{DOMAIN}")
+}
+
+fn file_counter(body: &str) -> i64 {
+    body.rsplit("preserved file counter: ")
+        .next()
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no file counter in {body:?}"))
+}
+
+async fn cp_metric(metrics: SocketAddr, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let text = common::http_get(metrics, "/metrics", &[]).await.1;
+    valet_router::metrics::sample_of(&text, name, labels)
+}
+
+async fn demo(c: &tonic::transport::Channel) {
+    let mut c = ateapi::control_client::ControlClient::new(c.clone());
+    c.create_atespace(ateapi::CreateAtespaceRequest {
+        name: "demo".into(),
+    })
+    .await
+    .unwrap();
+}
+
+async fn workers_joined(
+    c: &ateapi::control_client::ControlClient<tonic::transport::Channel>,
+    n: usize,
+) {
+    eventually(&format!("{n} workers"), WITHIN, || async {
+        let got = c
+            .clone()
+            .list_workers(())
+            .await
+            .ok()?
+            .into_inner()
+            .workers
+            .len();
+        (got == n).then_some(())
+    })
+    .await;
+}
+
+/// Requests through `router` to `name`, one after another, until `stop` says so; every
+/// answer must be a 200 (returns the file counters seen).
+fn steady(
+    router: SocketAddr,
+    name: &'static str,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<Vec<i64>> {
+    tokio::spawn(async move {
+        let mut seen = Vec::new();
+        while !*stop.borrow() {
+            let (code, body) = common::http_get(router, "/", &[("Host", &host(name))]).await;
+            assert_eq!(code, 200, "request {}: {body}", seen.len());
+            seen.push(file_counter(&body));
+        }
+        seen
+    })
+}
+
+/// A steady stream of requests to a running actor through the built-in data plane:
+/// under a route lease the router asks the control plane about once per lease, and
+/// when the control plane is SIGKILLed and restarted every request is still served
+/// (under the lease, then a stale one), each counted once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn running_actors_ride_out_a_control_plane_sigkill() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let flags = ["--route-lease", "1s", "--metrics-listen", "127.0.0.1:0"];
+    let cp = control_plane(&data, "127.0.0.1:0", &flags).await;
+    let addr = cp.addr;
+    let metrics = cp.addrs["metrics"];
+    let c = client(addr);
+    let _w = worker(addr, &dir.path().join("snapshots"), "w1").await;
+    workers_joined(&c, 1).await;
+    c.clone()
+        .create_atespace(ateapi::CreateAtespaceRequest {
+            name: "demo".into(),
+        })
+        .await
+        .unwrap();
+    create(&c, "demo/p1").await.unwrap();
+    resume(&c, "demo/p1").await.unwrap();
+    let r = router(addr, &[]).await;
+    let http = r.addrs["router"];
+    eventually("the router watches its leases", WITHIN, || async {
+        let (s, _) = common::http_get(http, "/", &[("Host", &host("p1"))]).await;
+        let cached = r.metric("atenet_router_route_cached_total", &[]).await;
+        (s == 200 && cached > 0.0).then_some(())
+    })
+    .await;
+
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let load = steady(http, "p1", stopped);
+    let calls_before = cp_metric(metrics, "valet_control_resumes_total", &[]).await;
+    eventually("100 requests under the lease", WITHIN, || async {
+        (r.metric("atenet_router_route_cached_total", &[]).await >= 100.0).then_some(())
+    })
+    .await;
+    let calls = cp_metric(metrics, "valet_control_resumes_total", &[]).await - calls_before;
+    assert!(calls <= 10.0, "{calls} ResumeActor calls for 100 requests");
+
+    cp.kill().await;
+    eventually("requests served under a stale lease", WITHIN, || async {
+        (r.metric("atenet_router_route_cached_total", &[("lease", "stale")])
+            .await
+            >= 20.0)
+            .then_some(())
+    })
+    .await;
+    let _cp = control_plane(&data, &addr.to_string(), &flags).await;
+    eventually(
+        "the router leased again from the new control plane",
+        WITHIN,
+        || async {
+            let ok = r
+                .metric("atenet_router_resume_attempts_total", &[("code", "OK")])
+                .await;
+            (ok >= 1.0).then_some(())
+        },
+    )
+    .await;
+    let before = r
+        .metric("atenet_router_route_cached_total", &[("lease", "valid")])
+        .await;
+    eventually("served under a fresh lease", WITHIN, || async {
+        let now = r
+            .metric("atenet_router_route_cached_total", &[("lease", "valid")])
+            .await;
+        (now >= before + 50.0).then_some(())
+    })
+    .await;
+    stop.send_replace(true);
+    let seen = load.await.unwrap();
+    for (i, n) in seen.iter().enumerate() {
+        assert_eq!(
+            *n,
+            seen[0] + i as i64,
+            "each request counted once: {seen:?}"
+        );
+    }
+}
+
+/// A worker whose attach stream alone is cut (a silent network between it and the
+/// control plane) keeps serving under the leases it was given, then fences its actor
+/// at its hosting lease; only after that does the control plane let the actor run on
+/// another worker. Every request gets a 200 and no counter value is served twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_cut_off_fences_its_actor_before_it_moves() {
+    let dir = tempfile::tempdir().unwrap();
+    let snaps = dir.path().join("snapshots");
+    let flags = ["--route-lease", "1s", "--hosting-lease", "3s"];
+    let cp = control_plane(&dir.path().join("data"), "127.0.0.1:0", &flags).await;
+    let c = client(cp.addr);
+    let (proxied, cut) = common::netfault::blackhole_proxy(cp.addr).await;
+    let w1 = Proc::start(
+        "worker",
+        &[
+            "worker",
+            "--control-plane",
+            &proxied,
+            "--snapshot-dir",
+            snaps.to_str().unwrap(),
+            "--worker-id",
+            "w1",
+        ],
+    )
+    .await;
+    workers_joined(&c, 1).await;
+    c.clone()
+        .create_atespace(ateapi::CreateAtespaceRequest {
+            name: "demo".into(),
+        })
+        .await
+        .unwrap();
+    create(&c, "demo/p1").await.unwrap();
+    resume(&c, "demo/p1").await.unwrap();
+    let _w2 = worker(cp.addr, &snaps, "w2").await;
+    workers_joined(&c, 2).await;
+    let r = router(cp.addr, &["--parked-request-budget", "10s"]).await;
+    let http = r.addrs["router"];
+
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let load = steady(http, "p1", stopped);
+    eventually("served from w1", WITHIN, || async {
+        (r.metric("atenet_router_requests_total", &[]).await >= 20.0).then_some(())
+    })
+    .await;
+    cut.send_replace(true);
+    eventually("p1 moved to w2", WITHIN, || async {
+        let a = get(&c, "demo/p1").await.ok()?;
+        (status(&a) == S::Running && a.ateom_pod_name == "w2").then_some(())
+    })
+    .await;
+    let served = r.metric("atenet_router_requests_total", &[]).await;
+    eventually("served from w2", WITHIN, || async {
+        (r.metric("atenet_router_requests_total", &[]).await >= served + 20.0).then_some(())
+    })
+    .await;
+    stop.send_replace(true);
+    let seen = load.await.unwrap();
+    for (i, n) in seen.iter().enumerate() {
+        assert_eq!(
+            *n,
+            seen[0] + i as i64,
+            "no counter value served twice: {seen:?}"
+        );
+    }
+    let (code, body) = common::http_get(w1.addr, "/", &[("x-actor-ref", "demo/p1")]).await;
+    assert_eq!(code, 421, "w1 fenced its actor: {body}");
+}
+
+/// A route to an actor that moved while the control plane was down (its worker
+/// restarted empty) is resolved again: the worker's 421 never reaches the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_route_to_a_moved_actor_is_resolved_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let snaps = dir.path().join("snapshots");
+    let flags = [
+        "--route-lease",
+        "1s",
+        "--rejoin-grace",
+        "1s",
+        "--hosting-lease",
+        "1s",
+    ];
+    let cp = control_plane(&data, "127.0.0.1:0", &flags).await;
+    let addr = cp.addr;
+    let c = client(addr);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
+    let w1_flags = ["--listen", port.as_str()];
+    let w1 = worker_with(addr, &snaps, "w1", &w1_flags).await;
+    workers_joined(&c, 1).await;
+    c.clone()
+        .create_atespace(ateapi::CreateAtespaceRequest {
+            name: "demo".into(),
+        })
+        .await
+        .unwrap();
+    create(&c, "demo/p1").await.unwrap();
+    let r = router(addr, &["--parked-request-budget", "15s"]).await;
+    let http = r.addrs["router"];
+    eventually("p1 leased", WITHIN, || async {
+        let (s, _) = common::http_get(http, "/", &[("Host", &host("p1"))]).await;
+        let cached = r.metric("atenet_router_route_cached_total", &[]).await;
+        (s == 200 && cached > 0.0).then_some(())
+    })
+    .await;
+
+    cp.kill().await;
+    w1.kill().await;
+    let _w1 = worker_with(addr, &snaps, "w1", &w1_flags).await;
+    eventually("the router routes under a stale lease", WITHIN, || async {
+        r.route_is_stale().await.then_some(())
+    })
+    .await;
+    let request =
+        tokio::spawn(async move { common::http_get(http, "/", &[("Host", &host("p1"))]).await });
+    eventually(
+        "the stale route met the 421 and was replayed",
+        WITHIN,
+        || async {
+            (r.metric("atenet_router_requests_replayed_total", &[]).await >= 1.0).then_some(())
+        },
+    )
+    .await;
+    let _cp = control_plane(&data, &addr.to_string(), &flags).await;
+    let (code, body) = request.await.unwrap();
+    assert_eq!(code, 200, "{body}");
+    assert!(body.starts_with("hello from: demo/p1 |"), "{body}");
+}
+
+/// Against a control plane that grants no lease (`--route-lease 0`) the router asks
+/// for every request, as the seed's router does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_leases_every_request_asks() {
+    let dir = tempfile::tempdir().unwrap();
+    let cp = control_plane(
+        &dir.path().join("data"),
+        "127.0.0.1:0",
+        &["--route-lease", "0", "--metrics-listen", "127.0.0.1:0"],
+    )
+    .await;
+    let metrics = cp.addrs["metrics"];
+    let c = client(cp.addr);
+    let _w = worker(cp.addr, &dir.path().join("snapshots"), "w1").await;
+    workers_joined(&c, 1).await;
+    c.clone()
+        .create_atespace(ateapi::CreateAtespaceRequest {
+            name: "demo".into(),
+        })
+        .await
+        .unwrap();
+    create(&c, "demo/p1").await.unwrap();
+    resume(&c, "demo/p1").await.unwrap();
+    let r = router(cp.addr, &[]).await;
+    let before = cp_metric(
+        metrics,
+        "valet_control_resumes_total",
+        &[("outcome", "running")],
+    )
+    .await;
+    for _ in 0..50 {
+        let (s, _) = common::http_get(r.addrs["router"], "/", &[("Host", &host("p1"))]).await;
+        assert_eq!(s, 200);
+    }
+    let after = cp_metric(
+        metrics,
+        "valet_control_resumes_total",
+        &[("outcome", "running")],
+    )
+    .await;
+    assert_eq!(after - before, 50.0, "one ResumeActor per request");
+    assert_eq!(r.metric("atenet_router_route_cached_total", &[]).await, 0.0);
+    let _ = demo;
+}
