@@ -109,11 +109,12 @@ async fn leases_are_granted_to_watching_routers_only() {
         "no watch: no lease"
     );
     let _r = watch(&plane, "r1");
-    assert_eq!(resume(&plane, "a", Some("r1")).await, Some((LEASE, 1)));
+    let (lease, first) = resume(&plane, "a", Some("r1")).await.unwrap();
+    assert_eq!(lease, LEASE);
     assert_eq!(
         resume(&plane, "a", Some("r1")).await,
-        Some((LEASE, 2)),
-        "renewed"
+        Some((LEASE, first + 1)),
+        "renewed, with the next number"
     );
     assert_eq!(resume(&plane, "a", None).await, None);
     assert_eq!(plane.leases_held("demo", "a"), 1);
@@ -135,14 +136,14 @@ async fn revocation_waits_for_the_ack() {
     };
     let restore = w.next().await.unwrap();
     w.answer(restore.id, Ok(()));
-    assert_eq!(resume_task.await.unwrap(), Some((LEASE, 1)));
+    let (_, id) = resume_task.await.unwrap().unwrap();
 
     let start = Instant::now();
     let suspend = {
         let plane = plane.clone();
         tokio::spawn(async move { plane.suspend_actor(key("a")).await })
     };
-    assert_eq!(r.revoked().await, ("demo/a".into(), 1));
+    assert_eq!(r.revoked().await, ("demo/a".into(), id));
     let refused = plane
         .resume_leased(key("a"), None, Some("r1"))
         .await
@@ -158,7 +159,7 @@ async fn revocation_waits_for_the_ack() {
             atespace: "demo".into(),
             name: "a".into(),
         },
-        1,
+        id,
     );
     let checkpoint = w.next().await.unwrap();
     assert!(matches!(checkpoint.command, Command::Checkpoint(_)));
@@ -170,6 +171,49 @@ async fn revocation_waits_for_the_ack() {
     w.answer(checkpoint.id, Ok(()));
     assert_eq!(suspend.await.unwrap().unwrap().status, S::Suspended as i32);
     assert_eq!(plane.leases_held("demo", "a"), 0);
+}
+
+/// Lease numbers never repeat: after a revocation (the router remembers `through`) and
+/// after a restart, a new lease has a higher number than any revoked, so the router
+/// installs it instead of refusing it as covered by the revocation.
+#[tokio::test(start_paused = true)]
+async fn lease_numbers_outgrow_every_revocation() {
+    let store = MemoryStore::default();
+    let plane = plane_on(&store, &["a"]).await;
+    let (addr, _app, mut w) = live_worker(&plane, "w1").await;
+    let mut r = watch(&plane, "r1");
+    tokio::spawn(async move { serve_commands(&mut w).await });
+    let (_, first) = resume(&plane, "a", Some("r1")).await.unwrap();
+    let suspend = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.suspend_actor(key("a")).await })
+    };
+    let (_, through) = r.revoked().await;
+    assert_eq!(through, first);
+    let actor = pb::Actor {
+        atespace: "demo".into(),
+        name: "a".into(),
+    };
+    plane.lease_acked(&r.id, &actor, through);
+    suspend.await.unwrap().unwrap();
+    let (_, again) = resume(&plane, "a", Some("r1")).await.unwrap();
+    assert!(
+        again > through,
+        "lease {again} after revoke through {through}"
+    );
+
+    drop(plane);
+    let plane = Plane::open(Arc::new(store.clone()), config())
+        .await
+        .unwrap();
+    let (_w, kept) = FakeWorker::attach(&plane, "w1", "counter", addr, Some(&key("a"))).unwrap();
+    assert!(kept);
+    let _r = watch(&plane, "r1");
+    let (_, restarted) = resume(&plane, "a", Some("r1")).await.unwrap();
+    assert!(
+        restarted > again,
+        "lease {restarted} after a restart, {again} before"
+    );
 }
 
 /// A router gone without releasing: the suspend waits until its lease ends, no longer.

@@ -9,7 +9,10 @@
 #![forbid(unsafe_code)]
 
 pub mod chart;
+pub mod extproc;
 pub mod generate;
+pub mod nginx;
+pub mod outage;
 pub mod record;
 pub mod scenario;
 pub mod soak;

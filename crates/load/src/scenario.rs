@@ -461,15 +461,18 @@ pub async fn parked_scale(
     })
 }
 
-/// A running actor through the router against its worker directly, closed loop with
-/// `concurrency` clients for `duration` each.
+/// A running `echo` actor through the router, through nginx `proxy_pass` to the same
+/// worker (when an `nginx` binary is on PATH), and at its worker directly: closed loop
+/// with `concurrency` clients for `duration` each. Also counts the control plane's
+/// `ResumeActor` calls during the router's run (with route leases: about one per lease
+/// period, not one per request).
 pub async fn fast_path(
     sys: &System,
     concurrency: usize,
     duration: Duration,
 ) -> Result<Report, String> {
     let client = HttpClient::new(DOMAIN);
-    sys.fresh("demo/fast").await?;
+    sys.fresh_of("demo/fast", "echo").await?;
     let t0 = Instant::now();
     let first = one(&client, sys, t0, "warm", "demo/fast").await;
     if first.status != 200 {
@@ -480,6 +483,7 @@ pub async fn fast_path(
         .await
         .ok_or("no worker address")?;
     let actors = vec!["demo/fast".to_owned()];
+    let calls_before = sys.resume_calls();
     let via = {
         let (client, router) = (client.clone(), sys.router);
         closed_loop("router", concurrency, duration, &actors, move |a| {
@@ -487,6 +491,25 @@ pub async fn fast_path(
             async move { client.get(router, &a, "/").await }
         })
         .await
+    };
+    let calls = sys
+        .resume_calls()
+        .zip(calls_before)
+        .map(|(after, before)| after - before);
+    let nginx = match crate::nginx::Nginx::start(worker, "demo/fast").await {
+        Ok(Some(n)) => {
+            let client = client.clone();
+            let addr = n.addr;
+            let recs = closed_loop("nginx", concurrency, duration, &actors, move |_| {
+                let client = client.clone();
+                async move { client.get_host(addr, "fast", "/").await }
+            })
+            .await;
+            n.stop().await;
+            Some(recs)
+        }
+        Ok(None) => None,
+        Err(e) => return Err(e),
     };
     let direct = {
         let client = client.clone();
@@ -500,14 +523,22 @@ pub async fn fast_path(
         "{:<8} {:>10} {:>10} {:>10} {:>10} {:>10}\n",
         "path", "req/s", "median", "p90", "p99", "max"
     );
-    for (name, recs) in [("router", &via), ("worker", &direct)] {
+    let mut rates = Vec::new();
+    let mut sides: Vec<(&str, &Vec<Record>)> = vec![("router", &via)];
+    if let Some(n) = &nginx {
+        sides.push(("nginx", n));
+    }
+    sides.push(("worker", &direct));
+    for (name, recs) in &sides {
         let s = Summary::of(recs.iter());
         let l = s.all.ok_or("no requests")?;
         let ms = |d: Duration| format!("{:.3}ms", d.as_secs_f64() * 1000.0);
+        let rate = s.total as f64 / duration.as_secs_f64();
+        rates.push((*name, rate, l.p99));
         let _ = writeln!(
             text,
             "{name:<8} {:>10.0} {:>10} {:>10} {:>10} {:>10}   ({} x 200 of {})",
-            s.total as f64 / duration.as_secs_f64(),
+            rate,
             ms(l.median),
             ms(l.p90),
             ms(l.p99),
@@ -516,7 +547,28 @@ pub async fn fast_path(
             s.total
         );
     }
+    if let (Some((_, r, rp)), Some((_, n, np))) = (
+        rates.iter().find(|(s, _, _)| *s == "router"),
+        rates.iter().find(|(s, _, _)| *s == "nginx"),
+    ) {
+        let _ = writeln!(
+            text,
+            "router / nginx: {:.2}x the requests per second (target >= 0.9x), p99 {:.2}x (target <= 2x)",
+            r / n,
+            rp.as_secs_f64() / np.as_secs_f64()
+        );
+    } else {
+        let _ = writeln!(text, "nginx: not on PATH, no reference run");
+    }
+    if let Some(calls) = calls {
+        let _ = writeln!(
+            text,
+            "ResumeActor calls during the router's run: {calls} for {} requests",
+            via.len()
+        );
+    }
     let mut records = via;
+    records.extend(nginx.into_iter().flatten());
     records.extend(direct);
     Ok(Report {
         name: "fast-path".into(),

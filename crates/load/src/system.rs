@@ -37,6 +37,11 @@ pub struct SystemOpts {
     /// The control plane's `--evict-idle-after` (zero, as for the seed's figures:
     /// off).
     pub evict_idle_after: Duration,
+    /// Workers in pool `echo` (whose app answers without touching a disk).
+    pub echo_workers: usize,
+    /// The control plane's `--route-lease` (zero, as for the seed's figures: the router
+    /// asks for every request, as the seed's does).
+    pub route_lease: Duration,
 }
 
 impl Default for SystemOpts {
@@ -48,6 +53,8 @@ impl Default for SystemOpts {
             router_flags: Vec::new(),
             router_exe: None,
             evict_idle_after: Duration::ZERO,
+            echo_workers: 0,
+            route_lease: Duration::ZERO,
         }
     }
 }
@@ -97,14 +104,22 @@ impl System {
             plane: PlaneConfig {
                 capacity_wait: opts.capacity_wait,
                 evict_idle_after: opts.evict_idle_after,
+                route_lease: opts.route_lease,
                 ..PlaneConfig::default()
             },
             restore_delay: opts.restore_delay,
-            pools: vec![PoolSpec {
-                pool: "counter".into(),
-                workers: opts.workers,
-                id_prefix: "load-w".into(),
-            }],
+            pools: vec![
+                PoolSpec {
+                    pool: "counter".into(),
+                    workers: opts.workers,
+                    id_prefix: "load-w".into(),
+                },
+                PoolSpec {
+                    pool: "echo".into(),
+                    workers: opts.echo_workers,
+                    id_prefix: "load-echo".into(),
+                },
+            ],
             ..ClusterConfig::counter(dir.path().join("data"), opts.workers)
         })
         .await?;
@@ -158,7 +173,9 @@ impl System {
                     .resolve()
                     .map_err(|e| e.to_string())?;
                 let cp = GrpcControlPlane::connect_lazy(&cp_url).map_err(|e| e.to_string())?;
+                let channel = cp.channel();
                 let router = Router::new(Arc::new(config), Arc::new(cp), Arc::new(Metrics::new()));
+                router.start_leases(channel);
                 let l = TcpListener::bind("127.0.0.1:0")
                     .await
                     .map_err(|e| e.to_string())?;
@@ -195,12 +212,17 @@ impl System {
     /// Creates `actor` (template `counter`) unless it exists, and makes sure it is
     /// suspended.
     pub async fn fresh(&self, actor: &str) -> Result<(), String> {
+        self.fresh_of(actor, "counter").await
+    }
+
+    /// [`Self::fresh`] with template `template`.
+    pub async fn fresh_of(&self, actor: &str, template: &str) -> Result<(), String> {
         let mut c = self.ctl.clone();
         let created = c
             .create_actor(ateapi::CreateActorRequest {
                 actor_ref: aref(actor),
                 actor_template_namespace: "default".into(),
-                actor_template_name: "counter".into(),
+                actor_template_name: template.into(),
                 worker_selector: None,
             })
             .await;
@@ -333,13 +355,20 @@ impl System {
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
     }
 
+    /// `ResumeActor` calls the embedded control plane has answered in all.
+    pub fn resume_calls(&self) -> Option<f64> {
+        self.control_plane_metrics()
+            .map(|m| valet_telemetry::sample_of(&m, "valet_control_resumes_total", &[]))
+    }
+
     /// Stops every embedded part.
     pub async fn shutdown(mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill().await;
         }
-        if let Some((_, server)) = self.in_process.take() {
+        if let Some((router, server)) = self.in_process.take() {
             server.stop_accepting();
+            router.stop_leases().await;
         }
         if let Some(cluster) = self.cluster.take() {
             cluster.shutdown().await;

@@ -170,7 +170,15 @@ async fn parked_scale_shape() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fast_path_shape() {
-    let sys = embedded(1, true, &[]).await;
+    let sys = System::embedded(&SystemOpts {
+        workers: 0,
+        echo_workers: 1,
+        restore_delay: Duration::from_millis(10),
+        route_lease: Duration::from_secs(5),
+        ..SystemOpts::default()
+    })
+    .await
+    .unwrap();
     let r = scenario::fast_path(&sys, 2, Duration::from_millis(300))
         .await
         .unwrap();

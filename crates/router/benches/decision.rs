@@ -1,6 +1,7 @@
 //! The pipeline's cost per decision for a running actor (the fast path), against an
-//! in-process control plane that answers at once. One current-thread runtime: the
-//! figure is decisions per second on one core.
+//! in-process control plane that answers at once, and for a leased actor (routed from
+//! the route cache with no control-plane call). One current-thread runtime: the figure
+//! is decisions per second on one core.
 //!
 //! `cargo bench -p valet-router --bench decision`
 
@@ -9,7 +10,7 @@ use std::time::Duration;
 
 use divan::Bencher;
 use divan::counter::ItemsCount;
-use valet_router::testing::AlwaysRunning;
+use valet_router::testing::{AlwaysLeased, AlwaysRunning};
 use valet_router::{Decision, Metrics, Router, RouterArgs};
 
 fn main() {
@@ -68,6 +69,43 @@ fn running_actors_concurrent(bencher: Bencher) {
             }
             while let Some(d) = set.join_next().await {
                 assert!(matches!(d.unwrap(), Decision::Route(_)));
+            }
+        })
+    });
+}
+
+/// One request at a time, each to a running actor with a route lease: the route cache.
+#[divan::bench]
+fn leased_actor(bencher: Bencher) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let config = RouterArgs::try_parse_flags(std::iter::empty::<&str>())
+        .unwrap()
+        .resolve()
+        .unwrap();
+    let lease = Duration::from_secs(3600);
+    let router = Router::new(
+        Arc::new(config),
+        Arc::new(AlwaysLeased { port: 9000, lease }),
+        Arc::new(Metrics::new()),
+    );
+    router
+        .route_cache()
+        .set_holder(Some(("bench".into(), lease)));
+    let host = "p1.demo.actors.resources.substrate.ate.dev";
+    rt.block_on(async {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        router.decide(host, deadline).await;
+    });
+    // A thousand decisions per runtime entry, as a data plane's task makes them.
+    bencher.counter(ItemsCount::new(1000usize)).bench_local(|| {
+        rt.block_on(async {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            for _ in 0..1000 {
+                let d = router.decide(host, deadline).await;
+                assert!(matches!(d, Decision::Route(_)));
             }
         })
     });

@@ -36,11 +36,15 @@ struct Entry {
     renewing: bool,
 }
 
+/// Keyed by actor with foldhash: host names are client input, and foldhash is
+/// randomly seeded per process (as `RandomState` is) but several times faster.
+type Map<V> = HashMap<ActorRef, V, foldhash::fast::RandomState>;
+
 #[derive(Debug, Default)]
 struct Book {
-    entries: HashMap<ActorRef, Entry>,
+    entries: Map<Entry>,
     /// The highest lease number revoked, per actor.
-    revoked: HashMap<ActorRef, u64>,
+    revoked: Map<u64>,
 }
 
 /// The route cache: which worker each leased actor runs on, until when.
@@ -87,6 +91,11 @@ impl RouteCache {
         self.watching().map(|(id, _)| id)
     }
 
+    /// The router id leases are asked for now, if the watch is open.
+    pub fn holder_for_test(&self) -> Option<String> {
+        self.holder()
+    }
+
     fn watching(&self) -> Option<(String, Duration)> {
         self.holder
             .lock()
@@ -115,7 +124,16 @@ impl RouteCache {
     /// lease is used only when `stale_ok` (a data plane that can replay a 421) and the
     /// control plane is unreachable, for up to `--route-stale-max` after it ended.
     pub fn route(&self, actor: &ActorRef, stale_ok: bool) -> Option<Cached> {
-        let now = Instant::now();
+        self.route_at(actor, stale_ok, Instant::now())
+    }
+
+    /// [`Self::route`] at `now`.
+    pub(crate) fn route_at(
+        &self,
+        actor: &ActorRef,
+        stale_ok: bool,
+        now: Instant,
+    ) -> Option<Cached> {
         let mut book = self.book();
         let e = book.entries.get_mut(actor)?;
         if now < e.until {

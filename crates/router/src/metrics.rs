@@ -57,17 +57,20 @@ pub struct Metrics {
     parking_active: UpDownCounter<i64>,
     parking_wait: Histogram<f64>,
     parking_rejected: Counter<u64>,
-    requests: Counter<u64>,
+    requests: prometheus::IntCounterVec,
+    /// `requests{status=200, verdict=routed}`, resolved once: the hot path.
+    routed: prometheus::IntCounter,
     resume_attempts: Counter<u64>,
     resume_in_progress: UpDownCounter<i64>,
     replays: Counter<u64>,
     leases: UpDownCounter<i64>,
     lease_renewals: Counter<u64>,
-    cached: Counter<u64>,
+    /// `route.cached{lease=valid}` and `{lease=stale}`, resolved once.
+    cached: [prometheus::IntCounter; 2],
     held_bytes: UpDownCounter<i64>,
     control_plane_reachable: Gauge<i64>,
     flights_active: UpDownCounter<i64>,
-    decision_duration: Histogram<f64>,
+    decision_duration: prometheus::Histogram,
     recent_waits: std::sync::Mutex<std::collections::VecDeque<f64>>,
 }
 
@@ -102,6 +105,47 @@ impl Metrics {
     pub fn new() -> Self {
         let registry = Registry::new(METER);
         let meter = registry.meter();
+        // The instruments every decision touches are plain Prometheus ones with their
+        // label values resolved once: one atomic add each, no attribute hashing.
+        let requests = prometheus::IntCounterVec::new(
+            prometheus::Opts::new(
+                "atenet_router_requests_total",
+                "Requests decided, by HTTP status and verdict.",
+            ),
+            &["status", "verdict"],
+        )
+        .expect("valid metric");
+        let routed = requests.with_label_values(&["200", "routed"]);
+        let cached_vec = prometheus::IntCounterVec::new(
+            prometheus::Opts::new(
+                "atenet_router_route_cached_total",
+                "Requests routed from the route cache with no control-plane call, by lease (valid, stale).",
+            ),
+            &["lease"],
+        )
+        .expect("valid metric");
+        let cached = [
+            cached_vec.with_label_values(&["valid"]),
+            cached_vec.with_label_values(&["stale"]),
+        ];
+        let decision_duration = prometheus::Histogram::with_opts(
+            prometheus::HistogramOpts::new(
+                "atenet_router_route_duration_seconds",
+                "Time from a request's arrival to the router's decision.",
+            )
+            .buckets(SECONDS_BUCKETS.to_vec()),
+        )
+        .expect("valid metric");
+        for c in [
+            Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(cached_vec),
+            Box::new(decision_duration.clone()),
+        ] {
+            registry
+                .prometheus()
+                .register(c)
+                .expect("each name is registered once");
+        }
         Self {
             parking_active: meter
                 .i64_up_down_counter("atenet.router.parking.active")
@@ -118,10 +162,6 @@ impl Metrics {
             parking_rejected: meter
                 .u64_counter("atenet.router.parking.rejected")
                 .with_description("Requests shed because the parking lot was full.")
-                .build(),
-            requests: meter
-                .u64_counter("atenet.router.requests")
-                .with_description("Requests decided, by HTTP status and verdict.")
                 .build(),
             resume_attempts: meter
                 .u64_counter("atenet.router.resume.attempts")
@@ -145,12 +185,6 @@ impl Metrics {
                 .u64_counter("atenet.router.leases.renewals")
                 .with_description("Route leases renewed in the background for actors in use.")
                 .build(),
-            cached: meter
-                .u64_counter("atenet.router.route.cached")
-                .with_description(
-                    "Requests routed from the route cache with no control-plane call, by lease (valid, stale).",
-                )
-                .build(),
             held_bytes: meter
                 .i64_up_down_counter("atenet.router.parking.held_bytes")
                 .with_description(
@@ -165,12 +199,10 @@ impl Metrics {
                 .i64_up_down_counter("atenet.router.flights.active")
                 .with_description("Resume flights in progress.")
                 .build(),
-            decision_duration: meter
-                .f64_histogram("atenet.router.route.duration")
-                .with_description("Time from a request's arrival to the router's decision.")
-                .with_unit("s")
-                .with_boundaries(SECONDS_BUCKETS.to_vec())
-                .build(),
+            requests,
+            routed,
+            cached,
+            decision_duration,
             registry,
             recent_waits: std::sync::Mutex::new(std::collections::VecDeque::with_capacity(
                 RECENT_WAITS,
@@ -201,14 +233,14 @@ impl Metrics {
     }
 
     pub(crate) fn decided(&self, status: u16, verdict: &'static str, took: Duration) {
-        self.requests.add(
-            1,
-            &[
-                KeyValue::new("status", i64::from(status)),
-                KeyValue::new("verdict", verdict),
-            ],
-        );
-        self.decision_duration.record(took.as_secs_f64(), &[]);
+        if status == 200 && verdict == "routed" {
+            self.routed.inc();
+        } else {
+            self.requests
+                .with_label_values(&[&status.to_string(), verdict])
+                .inc();
+        }
+        self.decision_duration.observe(took.as_secs_f64());
     }
 
     pub(crate) fn resume_attempt(&self, code: &'static str) {
@@ -236,13 +268,7 @@ impl Metrics {
     }
 
     pub(crate) fn routed_from_cache(&self, stale: bool) {
-        self.cached.add(
-            1,
-            &[KeyValue::new(
-                "lease",
-                if stale { "stale" } else { "valid" },
-            )],
-        );
+        self.cached[usize::from(stale)].inc();
     }
 
     /// Counts a request sent through the pipeline again (its actor moved).

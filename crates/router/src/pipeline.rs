@@ -183,7 +183,7 @@ impl Router {
         };
         let decision = match parse_host(host, self.inner.config.actor_domain()) {
             Err(e) => deny(Denial::InvalidHost(e)),
-            Ok(actor) => match self.inner.cache.route(&actor, stale_ok) {
+            Ok(actor) => match self.inner.cache.route_at(&actor, stale_ok, record.started) {
                 Some(cached) => {
                     let (addr, stale) = match cached {
                         Cached::Valid(a) => (a, false),

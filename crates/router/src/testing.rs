@@ -38,6 +38,27 @@ impl ControlPlane for AlwaysRunning {
     }
 }
 
+/// Answers every resume at once with a RUNNING actor on `127.0.0.1:<port>` and a route
+/// lease of `lease`: after the first request, the router's route cache.
+#[derive(Debug, Clone)]
+pub struct AlwaysLeased {
+    /// The worker port it answers with.
+    pub port: u16,
+    /// The lease it grants.
+    pub lease: std::time::Duration,
+}
+
+impl ControlPlane for AlwaysLeased {
+    fn resume_actor(&self, req: ResumeRequest) -> ResumeFuture<'_> {
+        let actor = running_actor(&req.actor, "127.0.0.1", self.port);
+        let grant = req.lease_holder.map(|_| Grant {
+            lease: self.lease,
+            id: 1,
+        });
+        Box::pin(async move { Ok(Resumed { actor, grant }) })
+    }
+}
+
 /// A control plane whose every answer the test gives: each `ResumeActor` call arrives
 /// on [`Calls`] and waits until the test answers it.
 #[derive(Debug)]

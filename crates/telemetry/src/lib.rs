@@ -50,6 +50,12 @@ impl Registry {
         &self.meter
     }
 
+    /// The Prometheus registry itself, for the few hot-path instruments kept as plain
+    /// Prometheus collectors (label values resolved once, no attribute hashing).
+    pub fn prometheus(&self) -> &prometheus::Registry {
+        &self.registry
+    }
+
     /// Every metric as Prometheus text exposition (format 0.0.4).
     pub fn render(&self) -> String {
         let _ = &self.provider;

@@ -98,6 +98,9 @@ pub(crate) enum Scenario {
     /// Demand eviction: --runs requests, one after another, each parked on a full pool
     /// of idle actors until the control plane evicts one (--evict-idle-after, 10s).
     Eviction,
+    /// Route leases: what a revocation adds to a suspend, and a control-plane process
+    /// SIGKILLed for --duration (10s) under steady load through both data planes.
+    Leases,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -174,6 +177,10 @@ pub(crate) struct ScenarioArgs {
     /// (the seed's experiments always run with it off).
     #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) evict_idle_after: Option<Duration>,
+    /// The control plane's --route-lease for the fast-path scenario (5s; 0: the router
+    /// asks for every request, as the seed's does).
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) route_lease: Option<Duration>,
     /// Workers of the soak's pool (its actors: --actors).
     #[arg(long, default_value_t = 2)]
     pub(crate) workers: usize,

@@ -134,7 +134,7 @@ async fn sigterm_answers_every_parked_request_on_both_planes() {
             )
         }));
     }
-    let ep = extproc::client(grpc).await;
+    let ep = extproc::client(grpc);
     let mut by_extproc = Vec::new();
     for i in 0..100 {
         let (ep, name) = (ep.clone(), actors[10 + i % 10].clone());
@@ -213,7 +213,7 @@ async fn sigterm_on_an_extproc_only_router() {
         ],
     )
     .await;
-    let ep = extproc::client(router.addrs["extproc"]).await;
+    let ep = extproc::client(router.addrs["extproc"]);
     let slow = {
         let ep = ep.clone();
         tokio::spawn(async move { extproc::decide(&ep, &host("slow")).await })

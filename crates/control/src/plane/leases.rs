@@ -19,10 +19,28 @@ use crate::model::ActorKey;
 pub type WatchTx = mpsc::Sender<Result<pb::PlaneMessage, Status>>;
 
 /// Every router's watch, and the leases of every actor.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct LeaseBook {
     routers: HashMap<String, Watcher>,
     actors: HashMap<ActorKey, ActorLeases>,
+    /// The last lease number given. One counter for every actor, seeded from the wall
+    /// clock: numbers never repeat, neither after an actor's leases are revoked nor
+    /// after a restart, so a router's memory of `Revoke{through}` never refuses a
+    /// later grant.
+    last_id: u64,
+}
+
+impl Default for LeaseBook {
+    fn default() -> Self {
+        let micros = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX / 2));
+        Self {
+            routers: HashMap::new(),
+            actors: HashMap::new(),
+            last_id: micros,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -33,7 +51,8 @@ struct Watcher {
 
 #[derive(Debug, Default)]
 struct ActorLeases {
-    next_id: u64,
+    /// The highest lease number granted on the actor.
+    last_id: u64,
     held: HashMap<String, Held>,
 }
 
@@ -62,9 +81,10 @@ impl State {
         if lease.is_zero() || !self.leases.routers.contains_key(holder) {
             return None;
         }
+        self.leases.last_id += 1;
+        let id = self.leases.last_id;
         let al = self.leases.actors.entry(key.clone()).or_default();
-        al.next_id += 1;
-        let id = al.next_id;
+        al.last_id = id;
         al.held.insert(
             holder.to_owned(),
             Held {
@@ -189,7 +209,7 @@ impl Plane {
                 return;
             };
             al.held.retain(|_, h| h.until > now);
-            let through = al.next_id;
+            let through = al.last_id;
             al.held
                 .iter_mut()
                 .map(|(router, h)| {

@@ -226,10 +226,29 @@ async fn run_scenario(args: ScenarioArgs) -> Result<(), Failure> {
                 sys.shutdown().await;
                 r?
             }
+            Scenario::Leases => {
+                if remote {
+                    return Err(Failure::Usage(
+                        "invalid configuration: leases runs its own control plane; run it without --router".into(),
+                    ));
+                }
+                let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+                valet_load::outage::leases(&valet_load::outage::LeaseOpts {
+                    exe,
+                    lease: args.route_lease.unwrap_or(Duration::from_secs(5)),
+                    cycles: args.runs,
+                    outage: args.duration.unwrap_or(Duration::from_secs(10)),
+                    clients: 8,
+                })
+                .await?
+            }
             Scenario::FastPath => {
-                let sys = system(t, &opts(t, 1, cw, &[])).await?;
+                let mut o = opts(t, 0, cw, &[]);
+                o.echo_workers = 1;
+                o.route_lease = args.route_lease.unwrap_or(Duration::from_secs(5));
+                let sys = system(t, &o).await?;
                 let r =
-                    scenario::fast_path(&sys, 16, args.duration.unwrap_or(Duration::from_secs(10)))
+                    scenario::fast_path(&sys, 32, args.duration.unwrap_or(Duration::from_secs(10)))
                         .await;
                 sys.shutdown().await;
                 r?

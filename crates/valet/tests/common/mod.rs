@@ -1,7 +1,7 @@
 //! Real `valet` processes on 127.0.0.1:0: started, their `listening <part> <addr>`
 //! line read, killed on drop.
 
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unreachable_pub, unused_imports)]
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -13,7 +13,7 @@ use tokio::process::{Child, Command};
 use tonic::transport::Channel;
 use valet_proto::ateapi::{self, control_client::ControlClient};
 
-pub mod extproc;
+pub use valet_load::extproc;
 pub mod netfault;
 pub mod socket;
 

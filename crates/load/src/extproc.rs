@@ -12,13 +12,15 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
 
-/// A client of the router's ext_proc server at `addr`.
-pub async fn client(addr: SocketAddr) -> ExternalProcessorClient<Channel> {
+/// A client of the router's ext_proc server at `addr` (connects on first use).
+///
+/// # Panics
+/// Never: a socket address always makes a valid endpoint.
+pub fn client(addr: SocketAddr) -> ExternalProcessorClient<Channel> {
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+        .expect("a socket address makes a valid endpoint")
+        .tcp_nodelay(true)
+        .connect_lazy();
     ExternalProcessorClient::new(channel)
 }
 
@@ -33,6 +35,9 @@ pub enum Answer {
 
 /// Sends one request's headers for `host` on a new stream and waits for the answer;
 /// `Err` when the stream ends without one (reset, or closed).
+///
+/// # Errors
+/// The stream's status when it ends without an answer.
 pub async fn decide(
     client: &ExternalProcessorClient<Channel>,
     host: &str,
