@@ -156,7 +156,9 @@ impl Outgoing {
             .size_hint()
             .upper()
             .is_some_and(|n| n <= REPLAY_BODY_MAX);
-        let body = if small {
+        let body = if body.is_end_stream() {
+            OutgoingBody::Held(Bytes::new())
+        } else if small {
             match body.collect().await {
                 Ok(all) => OutgoingBody::Held(all.to_bytes()),
                 Err(_) => {

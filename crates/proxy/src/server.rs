@@ -159,6 +159,9 @@ impl HttpServer {
     }
 }
 
+/// hyper parses up to this many header fields without a heap allocation.
+const HYPER_INLINE_HEADERS: usize = 100;
+
 async fn accept_loop(
     listener: TcpListener,
     shared: Arc<Shared>,
@@ -170,7 +173,11 @@ async fn accept_loop(
     builder
         .http1()
         .max_buf_size(4 * shared.limits.max_header_bytes.max(8192))
-        .max_headers(2 * shared.limits.max_headers.max(10))
+        // Room for the count check in `handle` (which answers 431 with the limit), but
+        // never past hyper's inline 100: above it hyper allocates its header index
+        // arrays on the heap for every request it parses. Past it hyper answers 431
+        // itself.
+        .max_headers((2 * shared.limits.max_headers.max(10)).min(HYPER_INLINE_HEADERS))
         .timer(hyper_util::rt::TokioTimer::new())
         .header_read_timeout(Duration::from_secs(30));
     builder

@@ -196,6 +196,11 @@ impl RouteCache {
         self.revoke(actor, through);
     }
 
+    /// When the lease this router holds on `actor` ends, if it holds one.
+    pub fn lease_end(&self, actor: &ActorRef) -> Option<Instant> {
+        self.book().entries.get(actor).map(|e| e.until)
+    }
+
     /// `actor`'s worker at `addr` answered that it does not host it: drop the lease.
     pub fn forget(&self, actor: &ActorRef, addr: SocketAddr) {
         let mut book = self.book();

@@ -16,6 +16,12 @@ use clap::{CommandFactory, FromArgMatches};
 
 use cli::{Cli, Command};
 
+/// mimalloc instead of the system allocator: the data planes allocate and free small
+/// objects on every request from both runtime threads, where glibc's malloc spends a
+/// tenth of the router's CPU (measured in docs/BENCHMARKS.md).
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Exit status of an invalid configuration (`EX_USAGE`).
 const EXIT_CONFIG: u8 = 64;
 
