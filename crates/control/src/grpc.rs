@@ -94,6 +94,14 @@ pub struct ControlService {
     plane: Plane,
 }
 
+impl ControlService {
+    /// The service alone, for a server built by hand (tests of a control plane
+    /// without valet's extensions serve this and [`WorkersService`] only).
+    pub fn new(plane: Plane) -> Self {
+        Self { plane }
+    }
+}
+
 type Res<T> = Result<Response<T>, Status>;
 
 #[tonic::async_trait]
@@ -313,6 +321,13 @@ impl leases_server::Leases for LeasesService {
 #[derive(Debug, Clone)]
 pub struct WorkersService {
     plane: Plane,
+}
+
+impl WorkersService {
+    /// The service alone, for a server built by hand.
+    pub fn new(plane: Plane) -> Self {
+        Self { plane }
+    }
 }
 
 #[tonic::async_trait]

@@ -338,3 +338,63 @@ async fn without_leases_every_request_asks() {
     assert_eq!(r.metric("atenet_router_route_cached_total", &[]).await, 0.0);
     let _ = demo;
 }
+
+/// Against a control plane without the extension at all (its server has no
+/// `valet.leases.Leases`: the router's watch gets `Unimplemented`) the router asks for
+/// every request, as the seed's router does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn against_a_control_plane_without_the_extension_every_request_asks() {
+    use valet_control::grpc::{ControlService, WorkersService};
+    use valet_proto::ateapi::control_server::ControlServer;
+    use valet_proto::worker::workers_server::WorkersServer;
+
+    let dir = tempfile::tempdir().unwrap();
+    let store = valet_control::SqliteStore::open(&dir.path().join("data")).unwrap();
+    let plane = valet_control::Plane::open(
+        std::sync::Arc::new(store),
+        valet_control::PlaneConfig::default(),
+    )
+    .await
+    .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let cp_addr = listener.local_addr().unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(ControlServer::new(ControlService::new(plane.clone())))
+            .add_service(WorkersServer::new(WorkersService::new(plane.clone())))
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(listener),
+                stop.clone().cancelled_owned(),
+            ),
+    );
+    let c = client(cp_addr);
+    let w = worker(cp_addr, &dir.path().join("snapshots"), "w1").await;
+    workers_joined(&c, 1).await;
+    c.clone()
+        .create_atespace(ateapi::CreateAtespaceRequest {
+            name: "demo".into(),
+        })
+        .await
+        .unwrap();
+    create(&c, "demo/p1").await.unwrap();
+    resume(&c, "demo/p1").await.unwrap();
+    let r = router(cp_addr, &[]).await;
+    for _ in 0..50 {
+        let (s, _) = common::http_get(r.addrs["router"], "/", &[("Host", &host("p1"))]).await;
+        assert_eq!(s, 200);
+    }
+    assert_eq!(
+        r.metric("atenet_router_resume_attempts_total", &[("code", "OK")])
+            .await,
+        50.0,
+        "one ResumeActor per request"
+    );
+    assert_eq!(r.metric("atenet_router_route_cached_total", &[]).await, 0.0);
+    // The worker's attach stream would hold a graceful shutdown open: stop the
+    // processes first, then the server.
+    drop(r);
+    drop(w);
+    stop.cancel();
+    server.abort();
+}
