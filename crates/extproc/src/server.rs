@@ -15,10 +15,9 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_response::Response as Out,
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use futures_util::StreamExt as _;
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
 use tokio::time::Instant;
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::transport::server::TcpIncoming;
@@ -137,95 +136,99 @@ impl ExternalProcessor for Processor {
         &self,
         req: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<OutStream>, Status> {
-        let inbound = req.into_inner();
-        let (tx, rx) = mpsc::channel(4);
-        let force = self.force.clone();
-        let stream = run_stream(self.router.clone(), inbound, tx);
-        self.streams.spawn(async move {
-            tokio::select! {
-                () = stream => {}
-                () = force.cancelled() => {}
-            }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        // The responses are produced as tonic polls the response stream, in the task
+        // that already serves this HTTP/2 stream: no task or channel of our own per
+        // request. The tracker's token makes a drain wait for the stream; a reset
+        // drops it, and with it the decision (which frees a parking slot).
+        let state = StreamState {
+            router: self.router.clone(),
+            inbound: req.into_inner(),
+            queued: None,
+            inbound_open: true,
+            _tracked: self.streams.token(),
+        };
+        let out = futures_util::stream::unfold(state, next_response)
+            .take_until(self.force.clone().cancelled_owned());
+        Ok(Response::new(Box::pin(out)))
     }
 }
 
-/// Answers each message of one stream in order. The stream's inbound side ending
-/// (half-close) means no more messages, not a caller gone: the message in progress is
-/// still answered. A reset, or the response side going away, is a caller gone.
-async fn run_stream(
+/// One stream's state between its answers.
+struct StreamState {
     router: Router,
-    mut inbound: Streaming<ProcessingRequest>,
-    tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
-) {
-    let mut queued: Option<ProcessingRequest> = None;
-    let mut inbound_open = true;
-    loop {
-        let msg = match queued.take() {
-            Some(m) => m,
-            None if !inbound_open => return,
-            None => match inbound.message().await {
-                Ok(Some(m)) => m,
-                Ok(None) | Err(_) => return,
-            },
-        };
-        let response = match msg.request {
-            Some(In::RequestHeaders(headers)) => {
-                let started = Instant::now();
-                let (host, path) = host_and_path(&headers);
-                let deadline = started + router.config().decision_timeout();
-                // Decide, but notice a stream that ends meanwhile: the caller went away,
-                // and dropping the decision frees its parking slot.
-                let decide = router.decide(&host, deadline);
-                tokio::pin!(decide);
-                let decision = loop {
-                    tokio::select! {
-                        d = &mut decide => break d,
-                        next = inbound.message(), if queued.is_none() && inbound_open => match next {
-                            // Envoy sends nothing else before this answer; keep it for after.
-                            Ok(Some(m)) => queued = Some(m),
-                            Ok(None) => inbound_open = false,
-                            Err(_) => return,
-                        },
-                        () = tx.closed() => return,
-                    }
-                };
-                let (out, target, verdict) = render(&decision);
-                router.record(RouteRecord::new(
-                    "extproc",
-                    &host,
-                    &path,
-                    decision.status().as_u16(),
-                    verdict,
-                    target,
-                    started.elapsed(),
-                ));
-                out
-            }
-            // Any other message gets the response of its own type, changing nothing.
-            Some(In::ResponseHeaders(_)) => Out::ResponseHeaders(HeadersResponse::default()),
-            Some(In::RequestBody(_)) => Out::RequestBody(BodyResponse::default()),
-            Some(In::ResponseBody(_)) => Out::ResponseBody(BodyResponse::default()),
-            Some(In::RequestTrailers(_)) => Out::RequestTrailers(TrailersResponse::default()),
-            Some(In::ResponseTrailers(_)) => Out::ResponseTrailers(TrailersResponse::default()),
-            None => {
-                let _ = tx
-                    .send(Err(Status::invalid_argument(
-                        "ProcessingRequest without a request",
-                    )))
-                    .await;
-                return;
-            }
-        };
-        let reply = ProcessingResponse {
-            response: Some(response),
-            ..Default::default()
-        };
-        if tx.send(Ok(reply)).await.is_err() {
-            return;
+    inbound: Streaming<ProcessingRequest>,
+    /// A message that arrived while the one before it was being decided.
+    queued: Option<ProcessingRequest>,
+    inbound_open: bool,
+    _tracked: tokio_util::task::task_tracker::TaskTrackerToken,
+}
+
+/// Answers the stream's next message, in order. The stream's inbound side ending
+/// (half-close) means no more messages, not a caller gone: the message in progress is
+/// still answered. A reset, or the response side going away, is a caller gone (this
+/// future is dropped).
+async fn next_response(
+    mut s: StreamState,
+) -> Option<(Result<ProcessingResponse, Status>, StreamState)> {
+    let msg = match s.queued.take() {
+        Some(m) => m,
+        None if !s.inbound_open => return None,
+        None => match s.inbound.message().await {
+            Ok(Some(m)) => m,
+            Ok(None) | Err(_) => return None,
+        },
+    };
+    let response = match msg.request {
+        Some(In::RequestHeaders(headers)) => {
+            let started = Instant::now();
+            let (host, path) = host_and_path(&headers);
+            let deadline = started + s.router.config().decision_timeout();
+            // Decide, but notice a stream that ends meanwhile: the caller went away,
+            // and dropping the decision frees its parking slot.
+            let decide = s.router.decide(&host, deadline);
+            tokio::pin!(decide);
+            let decision = loop {
+                tokio::select! {
+                    d = &mut decide => break d,
+                    next = s.inbound.message(), if s.queued.is_none() && s.inbound_open => match next {
+                        // Envoy sends nothing else before this answer; keep it for after.
+                        Ok(Some(m)) => s.queued = Some(m),
+                        Ok(None) => s.inbound_open = false,
+                        Err(_) => return None,
+                    },
+                }
+            };
+            let (out, target, verdict) = render(&decision);
+            s.router.record(RouteRecord::new(
+                "extproc",
+                &host,
+                &path,
+                decision.status().as_u16(),
+                verdict,
+                target,
+                started.elapsed(),
+            ));
+            out
         }
-    }
+        // Any other message gets the response of its own type, changing nothing.
+        Some(In::ResponseHeaders(_)) => Out::ResponseHeaders(HeadersResponse::default()),
+        Some(In::RequestBody(_)) => Out::RequestBody(BodyResponse::default()),
+        Some(In::ResponseBody(_)) => Out::ResponseBody(BodyResponse::default()),
+        Some(In::RequestTrailers(_)) => Out::RequestTrailers(TrailersResponse::default()),
+        Some(In::ResponseTrailers(_)) => Out::ResponseTrailers(TrailersResponse::default()),
+        None => {
+            // The error ends the stream: nothing after it.
+            s.inbound_open = false;
+            s.queued = None;
+            let e = Status::invalid_argument("ProcessingRequest without a request");
+            return Some((Err(e), s));
+        }
+    };
+    let reply = ProcessingResponse {
+        response: Some(response),
+        ..Default::default()
+    };
+    Some((Ok(reply), s))
 }
 
 /// The host (from `:authority` or `host`, whichever comes last) and the path.
@@ -240,10 +243,9 @@ fn host_and_path(headers: &HttpHeaders) -> (String, String) {
                 String::from_utf8_lossy(&h.raw_value).into_owned()
             }
         };
-        let key = h.key.to_ascii_lowercase();
-        if HOST_HEADERS.contains(&key.as_str()) {
+        if HOST_HEADERS.iter().any(|k| h.key.eq_ignore_ascii_case(k)) {
             host = value();
-        } else if key == ":path" {
+        } else if h.key.eq_ignore_ascii_case(":path") {
             path = value();
         }
     }

@@ -13,6 +13,7 @@ pub mod extproc;
 pub mod generate;
 pub mod nginx;
 pub mod outage;
+pub mod parked;
 pub mod record;
 pub mod scenario;
 pub mod soak;

@@ -17,6 +17,8 @@ use valet_router::{GrpcControlPlane, Metrics, Router, RouterArgs};
 
 use valet_cluster::{Cluster, ClusterConfig, PoolSpec};
 
+use crate::generate::HttpClient;
+
 /// The default actor domain.
 pub const DOMAIN: &str = "actors.resources.substrate.ate.dev";
 
@@ -63,6 +65,10 @@ impl Default for SystemOpts {
 pub struct System {
     /// The router's HTTP data plane.
     pub router: SocketAddr,
+    /// The router's ext_proc server, when it runs in its own process.
+    pub router_extproc: Option<SocketAddr>,
+    /// The router's admin server (`/metrics`), when it runs in its own process.
+    pub router_admin: Option<SocketAddr>,
     ctl: ControlClient<Channel>,
     cluster: Option<Cluster>,
     _dir: Option<tempfile::TempDir>,
@@ -130,20 +136,39 @@ impl System {
             .map_err(|e| e.message().to_owned())?;
         let cp_url = cluster.url();
 
+        let own_process = opts.router_exe.is_some();
+        // A router in its own process also serves ext_proc and admin (the parked-scale
+        // scenario measures both); one in this process serves HTTP only.
+        let side = if own_process { "127.0.0.1:0" } else { "" };
         let mut flags = vec![
             "--listen".to_owned(),
             "127.0.0.1:0".into(),
             "--extproc-listen".into(),
-            String::new(),
+            side.into(),
             "--admin-listen".into(),
-            String::new(),
+            side.into(),
             "--control-plane".into(),
             cp_url.clone(),
         ];
         flags.extend(opts.router_flags.iter().cloned());
+        let mut router_extproc = None;
+        let mut router_admin = None;
         let (router, child, in_process) = match &opts.router_exe {
             Some(exe) => {
-                let mut child = tokio::process::Command::new(exe)
+                // VALET_LOAD_ROUTER_WRAPPER runs the router under a profiler
+                // (`heaptrack -o /tmp/router`); see docs/BENCHMARKS.md.
+                let wrapper: Vec<String> = std::env::var("VALET_LOAD_ROUTER_WRAPPER")
+                    .map(|w| w.split_whitespace().map(str::to_owned).collect())
+                    .unwrap_or_default();
+                let mut cmd = match wrapper.split_first() {
+                    Some((program, args)) => {
+                        let mut c = tokio::process::Command::new(program);
+                        c.args(args).arg(exe);
+                        c
+                    }
+                    None => tokio::process::Command::new(exe),
+                };
+                let mut child = cmd
                     .arg("router")
                     .args(&flags)
                     .env("VALET_LOG", "warn")
@@ -152,18 +177,28 @@ impl System {
                     .spawn()
                     .map_err(|e| format!("{}: {e}", exe.display()))?;
                 let mut lines = BufReader::new(child.stdout.take().expect("piped")).lines();
-                let addr = tokio::time::timeout(Duration::from_secs(20), async {
+                let mut seen = std::collections::HashMap::new();
+                tokio::time::timeout(Duration::from_secs(20), async {
                     while let Ok(Some(line)) = lines.next_line().await {
-                        if let Some(a) = line.strip_prefix("listening router ") {
-                            return a.parse::<SocketAddr>().ok();
+                        if let Some((part, a)) = line
+                            .strip_prefix("listening ")
+                            .and_then(|rest| rest.split_once(' '))
+                            && let Ok(a) = a.parse::<SocketAddr>()
+                        {
+                            seen.insert(part.to_owned(), a);
+                            if seen.len() == 3 {
+                                return;
+                            }
                         }
                     }
-                    None
                 })
                 .await
-                .ok()
-                .flatten()
-                .ok_or("the router process did not start")?;
+                .map_err(|_| "the router process did not start")?;
+                let addr = *seen
+                    .get("router")
+                    .ok_or("the router process did not start")?;
+                router_extproc = seen.get("extproc").copied();
+                router_admin = seen.get("admin").copied();
                 tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
                 (addr, Some(child), None)
             }
@@ -186,6 +221,8 @@ impl System {
         };
         Ok(Self {
             router,
+            router_extproc,
+            router_admin,
             ctl: ctl_client(&cp_url)?,
             cluster: Some(cluster),
             _dir: Some(dir),
@@ -201,6 +238,8 @@ impl System {
     pub fn remote(router: SocketAddr, control_plane: &str) -> Result<Self, String> {
         Ok(Self {
             router,
+            router_extproc: None,
+            router_admin: None,
             ctl: ctl_client(control_plane)?,
             cluster: None,
             _dir: None,
@@ -347,12 +386,47 @@ impl System {
     /// The router process's peak resident memory (VmHWM), in KiB, when it runs in its
     /// own process.
     pub fn router_peak_rss_kib(&self) -> Option<u64> {
+        self.router_status("VmHWM:")
+    }
+
+    /// The router process's resident memory now (VmRSS), in KiB, when it runs in its
+    /// own process.
+    pub fn router_rss_kib(&self) -> Option<u64> {
+        self.router_status("VmRSS:")
+    }
+
+    fn router_status(&self, field: &str) -> Option<u64> {
         let pid = self.child.as_ref()?.id()?;
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
         status
             .lines()
-            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .find_map(|l| l.strip_prefix(field))
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    }
+
+    /// The CPU time (user and system, all threads) the router process has used, when
+    /// it runs in its own process; 10 ms resolution.
+    pub fn router_cpu(&self) -> Option<Duration> {
+        let pid = self.child.as_ref()?.id()?;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // Fields after the command name (which may hold spaces, so split after its
+        // closing parenthesis): state is field 3, utime 14, stime 15.
+        let rest = &stat[stat.rfind(')')? + 2..];
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let ticks: u64 =
+            fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+        // USER_HZ: 100 on every Linux architecture's user-space ABI.
+        Some(Duration::from_millis(ticks * 10))
+    }
+
+    /// One sample of the router's `/metrics` (summed over labels), when its admin
+    /// server runs.
+    pub async fn router_metric(&self, name: &str) -> Option<f64> {
+        let admin = self.router_admin?;
+        let (status, text) = HttpClient::new(DOMAIN)
+            .get_host(admin, "127.0.0.1", "/metrics")
+            .await;
+        (status == 200).then(|| valet_telemetry::sample_of(&text, name, &[]))
     }
 
     /// `ResumeActor` calls the embedded control plane has answered in all.

@@ -144,9 +144,14 @@ async fn overflow_shape() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parked_scale_shape() {
     let sys = embedded(1, true, &["--parked-request-max", "200"]).await;
-    let r = scenario::parked_scale(&sys, BUDGET, 200, 10, 0)
-        .await
-        .unwrap();
+    let o = valet_load::parked::ParkedScaleOpts {
+        requests: 200,
+        actors: 10,
+        body: 0,
+        budget: BUDGET,
+        extproc_requests: 0,
+    };
+    let r = valet_load::parked::parked_scale(&sys, &o).await.unwrap();
     assert_eq!(r.records.len(), 200);
     assert!(
         r.records.iter().all(|r| r.status == 503),
@@ -161,7 +166,7 @@ async fn parked_scale_shape() {
         "each gets the capacity verdict"
     );
     assert!(
-        r.text.contains("503 verdicts after the 0.600s budget"),
+        r.text.contains("503 verdicts after their flight's budget"),
         "{}",
         r.text
     );

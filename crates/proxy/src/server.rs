@@ -10,7 +10,7 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -162,6 +162,44 @@ impl HttpServer {
 /// hyper parses up to this many header fields without a heap allocation.
 const HYPER_INLINE_HEADERS: usize = 100;
 
+/// How long a connection may take to send its first request head.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The HTTP/2 connection preface (RFC 9113, section 3.4): how an h2c client begins.
+const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// The protocol a connection speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Protocol {
+    Http1,
+    Http2,
+}
+
+/// Tells HTTP/1 from h2c by peeking at the first bytes, without consuming them: hyper
+/// then reads the request from the socket into its own buffer in one go. (hyper-util's
+/// automatic builder reads the first bytes itself and hands them on, which makes
+/// hyper's first read a partial one and doubles its read buffer to 16 KiB for every
+/// connection: see docs/BENCHMARKS.md, "Memory per parked request".) `None`: the
+/// client closed before sending a byte.
+async fn sniff(stream: &TcpStream) -> std::io::Result<Option<Protocol>> {
+    let mut buf = [0u8; H2_PREFACE.len()];
+    loop {
+        let n = stream.peek(&mut buf).await?;
+        if n == 0 {
+            return Ok(None);
+        }
+        if buf[..n] != H2_PREFACE[..n] {
+            return Ok(Some(Protocol::Http1));
+        }
+        if n == H2_PREFACE.len() {
+            return Ok(Some(Protocol::Http2));
+        }
+        // A prefix of the preface so far: the peek would see the same bytes again at
+        // once, so give the rest a moment to arrive (the caller bounds the whole wait).
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
 async fn accept_loop(
     listener: TcpListener,
     shared: Arc<Shared>,
@@ -169,9 +207,8 @@ async fn accept_loop(
     force: CancellationToken,
     connections: TaskTracker,
 ) {
-    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
+    let mut http1 = hyper::server::conn::http1::Builder::new();
+    http1
         .max_buf_size(4 * shared.limits.max_header_bytes.max(8192))
         // Room for the count check in `handle` (which answers 431 with the limit), but
         // never past hyper's inline 100: above it hyper allocates its header index
@@ -179,9 +216,9 @@ async fn accept_loop(
         // itself.
         .max_headers((2 * shared.limits.max_headers.max(10)).min(HYPER_INLINE_HEADERS))
         .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(Duration::from_secs(30));
-    builder
-        .http2()
+        .header_read_timeout(HEADER_READ_TIMEOUT);
+    let mut http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    http2
         .max_header_list_size(u32::try_from(4 * shared.limits.max_header_bytes).unwrap_or(u32::MAX))
         .timer(hyper_util::rt::TokioTimer::new());
     loop {
@@ -198,32 +235,110 @@ async fn accept_loop(
         };
         let _ = stream.set_nodelay(true);
         let shared = Arc::clone(&shared);
-        let builder = builder.clone();
+        let (http1, http2) = (http1.clone(), http2.clone());
         let (stop, force) = (stop.clone(), force.clone());
         connections.spawn(async move {
+            // A connection that has sent nothing has no request to lose: a drain
+            // closes it.
+            let protocol = tokio::select! {
+                sniffed = tokio::time::timeout(HEADER_READ_TIMEOUT, sniff(&stream)) => match sniffed {
+                    Ok(Ok(Some(p))) => p,
+                    Ok(Ok(None)) => return,
+                    Ok(Err(e)) => {
+                        tracing::debug!(%peer, error = %e, "connection failed before a request");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!(%peer, "no request within the header read timeout");
+                        return;
+                    }
+                },
+                () = stop.cancelled() => return,
+            };
             let service = hyper::service::service_fn(move |req| {
+                // Before hyper reads on: see `own_head`.
+                let req = own_head(req);
                 let shared = Arc::clone(&shared);
                 async move { Ok::<_, Infallible>(handle(&shared, req, peer).await) }
             });
-            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-            tokio::pin!(conn);
-            tokio::select! {
-                r = conn.as_mut() => {
-                    if let Err(e) = r {
-                        tracing::debug!(%peer, error = %e, "connection ended with an error");
-                    }
+            let io = TokioIo::new(stream);
+            // Boxed, each sized to its protocol: the task's own future stays small
+            // instead of the larger of the two.
+            match protocol {
+                Protocol::Http1 => {
+                    let conn = http1.serve_connection(io, service).with_upgrades();
+                    Box::pin(drive(conn, |c| c.graceful_shutdown(), peer, &stop, &force)).await;
                 }
-                () = stop.cancelled() => {
-                    // HTTP/1 closes after the request in progress, HTTP/2 sends GOAWAY.
-                    conn.as_mut().graceful_shutdown();
-                    tokio::select! {
-                        _ = conn.as_mut() => {}
-                        () = force.cancelled() => {}
-                    }
+                Protocol::Http2 => {
+                    let conn = http2.serve_connection(io, service);
+                    Box::pin(drive(conn, |c| c.graceful_shutdown(), peer, &stop, &force)).await;
                 }
             }
         });
     }
+}
+
+/// Runs one connection to its end; when the data plane stops accepting, shuts it down
+/// gracefully (HTTP/1 closes after the request in progress, HTTP/2 sends GOAWAY), and
+/// at the drain's last step, closes it.
+async fn drive<C, E>(
+    conn: C,
+    graceful: impl FnOnce(std::pin::Pin<&mut C>),
+    peer: SocketAddr,
+    stop: &CancellationToken,
+    force: &CancellationToken,
+) where
+    C: std::future::Future<Output = Result<(), E>>,
+    E: std::fmt::Display,
+{
+    tokio::pin!(conn);
+    tokio::select! {
+        r = conn.as_mut() => {
+            if let Err(e) = r {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+        }
+        () = stop.cancelled() => {
+            graceful(conn.as_mut());
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                () = force.cancelled() => {}
+            }
+        }
+    }
+}
+
+/// Copies the request's URI and header values into one allocation of their own size.
+///
+/// hyper parses them as slices of the connection's read buffer (8 KiB), so a request
+/// that parks would keep that buffer alive, and hyper, which goes on reading to notice
+/// the client leaving, would allocate a second one. Called before hyper reads on, this
+/// leaves the read buffer unshared, so hyper reuses it: half the memory of a parked
+/// request (docs/BENCHMARKS.md, "Memory per parked request").
+fn own_head<B>(req: Request<B>) -> Request<B> {
+    use std::fmt::Write as _;
+    let (mut parts, body) = req.into_parts();
+    let values: usize = parts.headers.values().map(http::HeaderValue::len).sum();
+    let mut buf = bytes::BytesMut::with_capacity(values + 64);
+    let _ = write!(buf, "{}", parts.uri);
+    let uri_len = buf.len();
+    for v in parts.headers.values() {
+        buf.extend_from_slice(v.as_bytes());
+    }
+    let all = buf.freeze();
+    if let Ok(uri) = http::Uri::from_maybe_shared(all.slice(..uri_len)) {
+        parts.uri = uri;
+    }
+    let mut at = uri_len;
+    for v in parts.headers.values_mut() {
+        let end = at + v.len();
+        if let Ok(mut owned) = http::HeaderValue::from_maybe_shared(all.slice(at..end)) {
+            owned.set_sensitive(v.is_sensitive());
+            *v = owned;
+        }
+        at = end;
+    }
+    Request::from_parts(parts, body)
 }
 
 async fn handle(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
@@ -278,13 +393,18 @@ async fn handle(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) -> Re
     );
     let decision = router.decide_holding(&host, deadline, held.fill()).await;
     let (resp, target, verdict) = match &decision {
+        // Boxed: the forwarding state is large and a parked request never needs it,
+        // so it is not part of the future that waits (docs/BENCHMARKS.md).
         Decision::Route(route) => {
-            let (body, failure) = held.into_body();
-            let req = Request::from_parts(parts, body);
-            match Outgoing::new(req, failure, route, &host, peer).await {
-                Ok(mut out) => send(shared, &mut out, route, &host, deadline).await,
-                Err(resp) => (resp, Some(route.addr), "routed"),
-            }
+            Box::pin(async {
+                let (body, failure) = held.into_body();
+                let req = Request::from_parts(parts, body);
+                match Outgoing::new(req, failure, route, &host, peer).await {
+                    Ok(mut out) => send(shared, &mut out, route, &host, deadline).await,
+                    Err(resp) => (resp, Some(route.addr), "routed"),
+                }
+            })
+            .await
         }
         Decision::Deny(_, v) => (render(v), None, v.reason()),
     };
@@ -328,5 +448,89 @@ async fn send(
             }
         },
         Decision::Deny(_, v) => (render(&v), None, v.reason()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{H2_PREFACE, Protocol, own_head, sniff};
+    use tokio::io::AsyncWriteExt as _;
+    use tokio::net::{TcpListener, TcpStream};
+
+    /// A connected pair: (client, server).
+    async fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (server, _) = l.accept().await.unwrap();
+        (client, server)
+    }
+
+    #[tokio::test]
+    async fn sniffing_tells_http1_from_h2c_without_consuming() {
+        let (mut c, s) = pair().await;
+        c.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(sniff(&s).await.unwrap(), Some(Protocol::Http1));
+        // Nothing was read: hyper gets the whole request.
+        let mut buf = [0u8; 3];
+        assert_eq!(s.peek(&mut buf).await.unwrap(), 3);
+        assert_eq!(&buf, b"GET");
+
+        // A POST starts like the preface ("P") and differs at its second byte.
+        let (mut c, s) = pair().await;
+        c.write_all(b"POST / HTTP/1.1\r\n").await.unwrap();
+        assert_eq!(sniff(&s).await.unwrap(), Some(Protocol::Http1));
+    }
+
+    #[tokio::test]
+    async fn a_preface_sent_in_pieces_is_h2c() {
+        let (mut c, s) = pair().await;
+        let sniffed = tokio::spawn(async move { sniff(&s).await.unwrap() });
+        c.write_all(&H2_PREFACE[..7]).await.unwrap();
+        c.flush().await.unwrap();
+        tokio::task::yield_now().await;
+        c.write_all(&H2_PREFACE[7..]).await.unwrap();
+        assert_eq!(sniffed.await.unwrap(), Some(Protocol::Http2));
+    }
+
+    #[tokio::test]
+    async fn a_client_that_closes_at_once_has_no_protocol() {
+        let (c, s) = pair().await;
+        drop(c);
+        assert_eq!(sniff(&s).await.unwrap(), None);
+    }
+
+    #[test]
+    fn an_owned_head_keeps_every_value_uri_and_sensitivity() {
+        let mut req = http::Request::builder()
+            .uri("/a/b?c=d")
+            .header("host", "p1.demo.example")
+            .header("x-multi", "one")
+            .header("x-multi", "two")
+            .header("x-empty", "")
+            .body(())
+            .unwrap();
+        let mut secret = http::HeaderValue::from_static("Bearer t");
+        secret.set_sensitive(true);
+        req.headers_mut().insert("authorization", secret);
+        let before = req.headers().clone();
+        let owned = own_head(req);
+        assert_eq!(owned.uri(), "/a/b?c=d");
+        assert_eq!(owned.headers(), &before);
+        let all: Vec<_> = owned.headers().get_all("x-multi").iter().collect();
+        assert_eq!(all, ["one", "two"]);
+        assert!(owned.headers()["authorization"].is_sensitive());
+    }
+
+    #[test]
+    fn an_absolute_form_uri_stays_absolute() {
+        let req = http::Request::builder()
+            .uri("http://p1.demo.example:8080/x")
+            .body(())
+            .unwrap();
+        let owned = own_head(req);
+        assert_eq!(owned.uri().authority().unwrap(), "p1.demo.example:8080");
+        assert_eq!(owned.uri().path(), "/x");
     }
 }

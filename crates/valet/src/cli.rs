@@ -187,6 +187,12 @@ pub(crate) struct ScenarioArgs {
     /// Actors of the soak.
     #[arg(long, default_value_t = 8)]
     pub(crate) actors: usize,
+    /// Suspended actors the parked-scale requests are spread over (one flight each).
+    #[arg(long, default_value_t = 100)]
+    pub(crate) parked_actors: usize,
+    /// ext_proc exchanges of the parked-scale scenario's CPU figure (0: skip).
+    #[arg(long, default_value_t = 20_000)]
+    pub(crate) extproc_requests: usize,
     /// Body of each parked-scale request (a POST when > 0); bytes, or with KiB, MiB.
     #[arg(long, default_value = "0", value_parser = valet_router::config::parse_bytes, value_name = "BYTES")]
     pub(crate) body: u64,

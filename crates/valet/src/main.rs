@@ -19,6 +19,7 @@ use cli::{Cli, Command};
 /// mimalloc instead of the system allocator: the data planes allocate and free small
 /// objects on every request from both runtime threads, where glibc's malloc spends a
 /// tenth of the router's CPU (measured in docs/BENCHMARKS.md).
+#[cfg(feature = "mimalloc")]
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

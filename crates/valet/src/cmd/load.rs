@@ -187,9 +187,18 @@ async fn run_scenario(args: ScenarioArgs) -> Result<(), Failure> {
                 let lot = args.requests.to_string();
                 let mut o = opts(t, 1, cw, &["--parked-request-max", &lot]);
                 o.router_exe = std::env::current_exe().ok();
+                // The ext_proc figure is for a running actor under a route lease (no
+                // control-plane call).
+                o.route_lease = Duration::from_secs(5);
                 let sys = system(t, &o).await?;
-                let body = usize::try_from(args.body).unwrap_or(usize::MAX);
-                let r = scenario::parked_scale(&sys, t.budget, args.requests, 100, body).await;
+                let po = valet_load::parked::ParkedScaleOpts {
+                    requests: args.requests,
+                    actors: args.parked_actors,
+                    body: usize::try_from(args.body).unwrap_or(usize::MAX),
+                    budget: t.budget,
+                    extproc_requests: args.extproc_requests,
+                };
+                let r = valet_load::parked::parked_scale(&sys, &po).await;
                 sys.shutdown().await;
                 r?
             }

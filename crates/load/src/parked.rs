@@ -1,0 +1,333 @@
+//! `parked-scale`: many requests parked at once on one router process, and what they
+//! cost it: resident memory per parked request, how late each 503 comes after its
+//! flight's budget, and the ext_proc server's CPU per request for a running actor.
+//!
+//! Every connection is opened before any request is sent, so that connection set-up
+//! (and the kernel's SYN backlog) does not smear the start of the flights; the memory
+//! over idle counts the connections too, as the target does.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tokio::sync::{Barrier, Semaphore};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use crate::record::Record;
+use crate::scenario::Report;
+use crate::system::{DOMAIN, System};
+
+/// What to park.
+#[derive(Debug, Clone)]
+pub struct ParkedScaleOpts {
+    /// Requests parked at once, each on its own connection.
+    pub requests: usize,
+    /// Suspended actors they are spread over (one flight each).
+    pub actors: usize,
+    /// Body of each request (a POST when > 0).
+    pub body: usize,
+    /// The router's parking budget.
+    pub budget: Duration,
+    /// ext_proc exchanges for the CPU figure (0: skip it).
+    pub extproc_requests: usize,
+}
+
+/// The targets of the lighter-lot issue, printed beside the figures.
+const TARGET_KIB_PER_PARKED: f64 = 8.0;
+const TARGET_LATENESS_MS: f64 = 100.0;
+const TARGET_EXTPROC_US: f64 = 50.0;
+
+/// Connections opened at once while setting up (under the listener's backlog).
+const CONNECTING_AT_ONCE: usize = 256;
+
+/// Runs the scenario on `sys` (whose router must run in its own process, with a pool
+/// of one worker that the scenario fills with a running `holder` actor).
+///
+/// # Errors
+/// When the system cannot be set up or a figure cannot be read.
+pub async fn parked_scale(sys: &System, o: &ParkedScaleOpts) -> Result<Report, String> {
+    let client = crate::generate::HttpClient::new(DOMAIN);
+    sys.fresh("demo/holder").await?;
+    let names: Vec<String> = (1..=o.actors.max(1))
+        .map(|i| format!("demo/s{i}"))
+        .collect();
+    for a in &names {
+        sys.fresh(a).await?;
+    }
+    let (status, body) = client.get(sys.router, "demo/holder", "/").await;
+    if status != 200 {
+        return Err(format!("holder not served: {body}"));
+    }
+    let idle_kib = sys.router_rss_kib();
+
+    eprintln!("parked-scale: opening {} connections", o.requests);
+    let senders = connect_all(sys, o.requests).await?;
+    let connected_kib = sys.router_rss_kib();
+
+    eprintln!("parked-scale: sending {} requests", o.requests);
+    let t0 = Instant::now();
+    let barrier = Arc::new(Barrier::new(o.requests + 1));
+    let payload = Bytes::from(vec![b'x'; o.body]);
+    let mut tasks = JoinSet::new();
+    for (i, mut sender) in senders.into_iter().enumerate() {
+        let actor = names[i % names.len()].clone();
+        let (barrier, payload) = (Arc::clone(&barrier), payload.clone());
+        tasks.spawn(async move {
+            let (atespace, name) = actor.split_once('/').unwrap_or(("demo", &actor));
+            let method = if payload.is_empty() {
+                http::Method::GET
+            } else {
+                http::Method::POST
+            };
+            let req = http::Request::builder()
+                .method(method)
+                .uri("/")
+                .header(http::header::HOST, format!("{name}.{atespace}.{DOMAIN}"))
+                .body(Full::new(payload))
+                .expect("a valid request");
+            barrier.wait().await;
+            let start = t0.elapsed();
+            let (status, body) = match sender.send_request(req).await {
+                Ok(resp) => {
+                    let status = resp.status().as_u16();
+                    match resp.into_body().collect().await {
+                        Ok(b) => (status, String::from_utf8_lossy(&b.to_bytes()).into_owned()),
+                        Err(e) => (0, format!("body: {e}")),
+                    }
+                }
+                Err(e) => (0, format!("request: {e}")),
+            };
+            let record = Record {
+                label: "parked".into(),
+                actor,
+                start,
+                end: t0.elapsed(),
+                status,
+                body: Record::prefix(&body),
+            };
+            // The connection stays open until every verdict is in: clients closing
+            // theirs would load the router with teardowns while it writes verdicts.
+            (record, sender)
+        });
+    }
+    barrier.wait().await;
+
+    // Every request parked (the lot holds all of them): the resident memory now.
+    let all_parked = async {
+        loop {
+            if let Some(n) = sys.router_metric("atenet_router_parking_active").await
+                && n as usize >= o.requests
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let parked_kib = match tokio::time::timeout(o.budget, all_parked).await {
+        Ok(()) => sys.router_rss_kib(),
+        Err(_) => None,
+    };
+    let (mut records, senders): (Vec<Record>, Vec<Sender>) =
+        tasks.join_all().await.into_iter().unzip();
+    drop(senders);
+    records.sort_by_key(|r| r.start);
+    let s = crate::stats::Summary::of(&records);
+
+    let mut text = format!(
+        "{} requests over {} actors, {}\n{s}\n",
+        o.requests,
+        names.len(),
+        if o.body == 0 {
+            "GET".to_owned()
+        } else {
+            format!("POST with a {}-byte body", o.body)
+        }
+    );
+    memory(&mut text, o.requests, idle_kib, connected_kib, parked_kib);
+    if let Some(kib) = sys.router_peak_rss_kib() {
+        let _ = writeln!(
+            text,
+            "router process peak memory (VmHWM): {:.1} MiB",
+            kib as f64 / 1024.0
+        );
+    }
+    lateness(&mut text, &records, o.budget);
+    if o.extproc_requests > 0 {
+        extproc_cost(&mut text, sys, o.extproc_requests).await?;
+    }
+    sys.suspend("demo/holder").await?;
+    Ok(Report {
+        name: "parked-scale".into(),
+        text,
+        records,
+        budget_s: Some(o.budget.as_secs_f64()),
+    })
+}
+
+type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
+
+/// `n` HTTP/1.1 connections to the router, handshaken and idle; each connection's
+/// driver runs on its own task until the router or the sender closes it.
+async fn connect_all(sys: &System, n: usize) -> Result<Vec<Sender>, String> {
+    let gate = Arc::new(Semaphore::new(CONNECTING_AT_ONCE));
+    let mut set = JoinSet::new();
+    for _ in 0..n {
+        let (gate, addr) = (Arc::clone(&gate), sys.router);
+        set.spawn(async move {
+            let _permit = gate.acquire_owned().await.map_err(|e| e.to_string())?;
+            let stream = TcpStream::connect(addr)
+                .await
+                .map_err(|e| format!("connect {addr}: {e}"))?;
+            let _ = stream.set_nodelay(true);
+            let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+                .await
+                .map_err(|e| format!("handshake: {e}"))?;
+            tokio::spawn(conn);
+            Ok::<_, String>(sender)
+        });
+    }
+    let mut out = Vec::with_capacity(n);
+    let mut next_report = n / 4;
+    while let Some(r) = set.join_next().await {
+        out.push(r.map_err(|e| e.to_string())??);
+        if out.len() == next_report && out.len() < n {
+            eprintln!("parked-scale: {}/{n} connected", out.len());
+            next_report += n / 4;
+        }
+    }
+    Ok(out)
+}
+
+fn memory(
+    text: &mut String,
+    requests: usize,
+    idle: Option<u64>,
+    connected: Option<u64>,
+    parked: Option<u64>,
+) {
+    let (Some(idle), Some(connected), Some(parked)) = (idle, connected, parked) else {
+        let _ = writeln!(
+            text,
+            "router memory: n/a (router in this process, or not every request parked)"
+        );
+        return;
+    };
+    let per = |kib: u64| kib.saturating_sub(idle) as f64 / requests as f64;
+    let _ = writeln!(
+        text,
+        "router resident memory (VmRSS): idle {:.1} MiB, {requests} connections open {:.1} MiB, all parked {:.1} MiB",
+        idle as f64 / 1024.0,
+        connected as f64 / 1024.0,
+        parked as f64 / 1024.0
+    );
+    let each = per(parked);
+    let _ = writeln!(
+        text,
+        "memory per parked request over idle: {each:.2} KiB (of which the open connection {:.2} KiB); target <= {TARGET_KIB_PER_PARKED} KiB: {}",
+        per(connected),
+        verdict(each <= TARGET_KIB_PER_PARKED)
+    );
+}
+
+/// How late each 503 came after its flight's budget ended. A flight starts when its
+/// first request arrives, which is after that request was sent: the earliest send to
+/// an actor stands for its flight's start, so the figure errs on the late side.
+fn lateness(text: &mut String, records: &[Record], budget: Duration) {
+    let mut first: HashMap<&str, Duration> = HashMap::new();
+    for r in records {
+        first
+            .entry(r.actor.as_str())
+            .and_modify(|t| *t = (*t).min(r.start))
+            .or_insert(r.start);
+    }
+    let mut late: Vec<f64> = records
+        .iter()
+        .filter(|r| r.status == 503)
+        .map(|r| (r.end.as_secs_f64() - (first[r.actor.as_str()] + budget).as_secs_f64()) * 1e3)
+        .collect();
+    if late.is_empty() {
+        let _ = writeln!(text, "no 503 verdicts");
+        return;
+    }
+    late.sort_by(f64::total_cmp);
+    let at = |q: f64| late[((late.len() - 1) as f64 * q).round() as usize];
+    let _ = writeln!(
+        text,
+        "503 verdicts after their flight's budget: {:+.1} ms min, {:+.1} ms median, {:+.1} ms p99, {:+.1} ms max; target p99 <= +{TARGET_LATENESS_MS} ms: {}",
+        at(0.0),
+        at(0.5),
+        at(0.99),
+        at(1.0),
+        verdict(at(0.99) <= TARGET_LATENESS_MS)
+    );
+}
+
+/// The router's CPU per ext_proc header exchange for the running, leased `holder`
+/// (so no control-plane call): 32 clients, one stream per request, as Envoy opens.
+async fn extproc_cost(text: &mut String, sys: &System, n: usize) -> Result<(), String> {
+    let Some(addr) = sys.router_extproc else {
+        let _ = writeln!(text, "ext_proc cost: n/a (no ext_proc listener)");
+        return Ok(());
+    };
+    let client = crate::extproc::client(addr);
+    let host = format!("holder.demo.{DOMAIN}");
+    match crate::extproc::decide(&client, &host).await {
+        Ok(crate::extproc::Answer::Routed(_)) => {}
+        other => return Err(format!("ext_proc warm-up for holder: {other:?}")),
+    }
+    const CLIENTS: usize = 32;
+    eprintln!("parked-scale: {n} ext_proc exchanges");
+    let cpu0 = sys.router_cpu();
+    let calls0 = sys.resume_calls();
+    let started = Instant::now();
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut set = JoinSet::new();
+    for _ in 0..CLIENTS {
+        let (client, host, next) = (client.clone(), host.clone(), Arc::clone(&next));
+        set.spawn(async move {
+            let mut failed = 0usize;
+            while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < n {
+                if !matches!(
+                    crate::extproc::decide(&client, &host).await,
+                    Ok(crate::extproc::Answer::Routed(_))
+                ) {
+                    failed += 1;
+                }
+            }
+            failed
+        });
+    }
+    let failed: usize = set.join_all().await.into_iter().sum();
+    let elapsed = started.elapsed();
+    let (Some(cpu0), Some(cpu1)) = (cpu0, sys.router_cpu()) else {
+        let _ = writeln!(text, "ext_proc cost: n/a (router in this process)");
+        return Ok(());
+    };
+    let per = (cpu1 - cpu0).as_secs_f64() * 1e6 / n as f64;
+    let calls = match (calls0, sys.resume_calls()) {
+        (Some(a), Some(b)) => format!("{}", b - a),
+        _ => "n/a".into(),
+    };
+    let _ = writeln!(
+        text,
+        "ext_proc, running leased actor: {n} exchanges ({failed} not routed) in {:.2}s, {:.0}/s; ResumeActor calls meanwhile: {calls}",
+        elapsed.as_secs_f64(),
+        n as f64 / elapsed.as_secs_f64()
+    );
+    let _ = writeln!(
+        text,
+        "router CPU per ext_proc exchange: {per:.1} us; target <= {TARGET_EXTPROC_US} us: {}",
+        verdict(per <= TARGET_EXTPROC_US)
+    );
+    Ok(())
+}
+
+fn verdict(met: bool) -> &'static str {
+    if met { "met" } else { "NOT met" }
+}
