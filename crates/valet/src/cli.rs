@@ -17,6 +17,53 @@ use crate::EXIT_CONFIG;
 pub(crate) struct Cli {
     #[command(subcommand)]
     pub(crate) command: Command,
+    /// Format of the log lines on stderr: `json` (one object per line) or `text`.
+    /// Default: text when stderr is a terminal, json otherwise. The `listening <part>
+    /// <address>` lines on stdout stay plain text either way.
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        env = "VALET_LOG_FORMAT",
+        value_name = "FORMAT"
+    )]
+    pub(crate) log_format: Option<LogFormat>,
+    /// Least severe level logged: error, warn, info, debug, trace or off; or
+    /// comma-separated directives with targets (`info,valet_router=debug`). Default:
+    /// info (warn for `load` and `demo`, which print results); when unset, the
+    /// VALET_LOG variable (the same syntax) is read.
+    #[arg(long, global = true, env = "VALET_LOG_LEVEL", value_parser = parse_log_level, value_name = "LEVEL")]
+    pub(crate) log_level: Option<String>,
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum LogFormat {
+    /// One JSON object per line: timestamp, level, target, message and fields.
+    Json,
+    /// Human-readable lines.
+    Text,
+}
+
+const LOG_LEVELS: [&str; 6] = ["error", "warn", "info", "debug", "trace", "off"];
+
+/// A level, or directives `[target=]level` separated by commas; every level one of
+/// [`LOG_LEVELS`] (a bare word that is not a level would silently name a target).
+pub(crate) fn parse_log_level(s: &str) -> Result<String, String> {
+    let is_level = |l: &str| LOG_LEVELS.contains(&l.to_ascii_lowercase().as_str());
+    for d in s.split(',').map(str::trim) {
+        let ok = match d.split_once('=') {
+            Some((target, level)) => !target.trim().is_empty() && is_level(level.trim()),
+            None => is_level(d),
+        };
+        if !ok {
+            return Err(format!(
+                "`{d}` is not a level ({}) or a `target=level` directive",
+                LOG_LEVELS.join(", ")
+            ));
+        }
+    }
+    Ok(s.to_owned())
 }
 
 #[derive(Debug, Subcommand)]

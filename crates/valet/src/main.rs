@@ -49,7 +49,11 @@ fn main() -> ExitCode {
     }
     // Load runs and demos embed every part: keep their output to results and warnings.
     let quiet = matches!(cli.command, Command::Load(_) | Command::Demo(_));
-    init_tracing(if quiet { "warn" } else { "info" });
+    init_tracing(
+        cli.log_format,
+        cli.log_level.as_deref(),
+        if quiet { "warn" } else { "info" },
+    );
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -74,14 +78,32 @@ fn main() -> ExitCode {
     })
 }
 
-fn init_tracing(default: &str) {
+/// Logs to stderr: `--log-level` (else VALET_LOG, else `default`) in `--log-format`
+/// (else text on a terminal, json otherwise).
+fn init_tracing(format: Option<cli::LogFormat>, level: Option<&str>, default: &str) {
     use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_env("VALET_LOG").unwrap_or_else(|_| EnvFilter::new(default));
-    tracing_subscriber::fmt()
+    // `--log-level` was checked by its parser; VALET_LOG falls back to the default.
+    let filter = match level {
+        Some(l) => EnvFilter::new(l),
+        None => EnvFilter::try_from_env("VALET_LOG").unwrap_or_else(|_| EnvFilter::new(default)),
+    };
+    let terminal = std::io::stderr().is_terminal();
+    let format = format.unwrap_or(if terminal {
+        cli::LogFormat::Text
+    } else {
+        cli::LogFormat::Json
+    });
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_target(false)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+        .with_writer(std::io::stderr);
+    match format {
+        cli::LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .with_span_list(false)
+            .init(),
+        cli::LogFormat::Text => builder.with_target(false).with_ansi(terminal).init(),
+    }
 }

@@ -26,6 +26,8 @@ pub(crate) fn optional_listen(
 }
 
 pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
+    // Before anything is printed: see `signal::terminated`.
+    let terminated = crate::signal::terminated();
     let metrics_listen = match optional_listen("--metrics-listen", &args.metrics_listen) {
         Ok(a) => a,
         Err(e) => {
@@ -97,13 +99,8 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         capacity_wait = args.capacity_wait == OnOff::On,
         "control plane serving"
     );
-    let result = valet_control::serve(
-        listener,
-        plane.clone(),
-        crate::signal::terminated(),
-        args.shutdown_timeout,
-    )
-    .await;
+    let result =
+        valet_control::serve(listener, plane.clone(), terminated, args.shutdown_timeout).await;
     stop_metrics.cancel();
     if let Some(m) = metrics {
         let _ = m.await;

@@ -7,6 +7,8 @@ use crate::cli::RouterCmd;
 use crate::serve::RunningRouter;
 
 pub(crate) async fn run(cmd: RouterCmd) -> ExitCode {
+    // Before anything is printed: see `signal::terminated`.
+    let terminated = crate::signal::terminated();
     let config = match cmd.args.resolve() {
         Ok(c) => c,
         Err(e) => {
@@ -27,7 +29,7 @@ pub(crate) async fn run(cmd: RouterCmd) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    crate::signal::terminated().await;
+    terminated.await;
     running.drain().await;
     ExitCode::SUCCESS
 }

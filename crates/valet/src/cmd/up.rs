@@ -11,7 +11,9 @@ use crate::cli::{OnOff, UpArgs};
 use crate::serve::RunningRouter;
 
 pub(crate) async fn run(args: UpArgs) -> ExitCode {
-    match up(args).await {
+    // Before anything is printed: see `signal::terminated`.
+    let terminated = crate::signal::terminated();
+    match up(args, terminated).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(UpError::Config(e)) => {
             eprintln!("valet up: {e}");
@@ -49,7 +51,10 @@ fn demo_actors(spec: &str) -> Result<Vec<ActorKey>, String> {
         .collect()
 }
 
-async fn up(mut args: UpArgs) -> Result<(), UpError> {
+async fn up(
+    mut args: UpArgs,
+    terminated: impl std::future::Future<Output = ()>,
+) -> Result<(), UpError> {
     let actors = demo_actors(&args.demo_actors).map_err(UpError::Config)?;
     if args.workers == 0 {
         return Err(UpError::Config(
@@ -154,7 +159,7 @@ async fn up(mut args: UpArgs) -> Result<(), UpError> {
     }
     println!("press Ctrl-C to stop");
 
-    crate::signal::terminated().await;
+    terminated.await;
     running.drain().await;
     cluster.checkpoint_all(args.shutdown_timeout).await;
     cluster.shutdown().await;

@@ -8,6 +8,8 @@ use crate::EXIT_CONFIG;
 use crate::cli::WorkerArgs;
 
 pub(crate) async fn run(args: WorkerArgs) -> ExitCode {
+    // Before anything is printed: see `signal::terminated`.
+    let terminated = crate::signal::terminated();
     if !args.control_plane.starts_with("http://") {
         eprintln!(
             "valet worker: invalid configuration: --control-plane={}: must be http://<host>:<port> (h2c)",
@@ -33,7 +35,7 @@ pub(crate) async fn run(args: WorkerArgs) -> ExitCode {
     };
     println!("listening worker {}", worker.app_addr());
     tracing::info!(worker = worker.id(), app = %worker.app_addr(), "worker started");
-    crate::signal::terminated().await;
+    terminated.await;
     worker.shutdown().await;
     ExitCode::SUCCESS
 }

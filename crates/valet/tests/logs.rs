@@ -1,0 +1,98 @@
+//! `--log-format` and `--log-level`, on every subcommand (cli.md, "Flags").
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
+
+#[tokio::test]
+async fn json_logs_go_to_stderr_and_listening_lines_stay_plain() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_valet"))
+        .args(["control-plane", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dir.path().join("data"))
+        .args(["--log-format", "json", "--log-level", "info"])
+        .env_remove("VALET_LOG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut err = BufReader::new(child.stderr.take().unwrap()).lines();
+    let first = tokio::time::timeout(Duration::from_secs(30), out.next_line())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(
+        first.starts_with("listening control-plane 127.0.0.1:"),
+        "{first}"
+    );
+    let pid = child.id().unwrap().to_string();
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let mut lines = Vec::new();
+    while let Ok(Some(l)) = tokio::time::timeout(Duration::from_secs(30), err.next_line())
+        .await
+        .unwrap()
+    {
+        lines.push(l);
+    }
+    assert!(child.wait().await.unwrap().success());
+    assert!(!lines.is_empty(), "the control plane logs its start");
+    for l in &lines {
+        let v: serde_json::Value =
+            serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"));
+        assert!(v["level"].is_string() && v["message"].is_string(), "{l}");
+        assert!(v["timestamp"].is_string(), "{l}");
+    }
+    assert!(
+        lines.iter().any(|l| l.contains("control plane serving")),
+        "{lines:?}"
+    );
+}
+
+#[tokio::test]
+async fn log_level_warn_drops_info_and_text_is_not_json() {
+    let out = Command::new(env!("CARGO_BIN_EXE_valet"))
+        .args([
+            "envoy-bootstrap",
+            "--log-format",
+            "text",
+            "--log-level",
+            "warn",
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("INFO"), "{stderr}");
+    assert!(!stderr.trim_start().starts_with('{'), "{stderr}");
+}
+
+#[tokio::test]
+async fn a_bad_log_flag_is_a_configuration_error() {
+    for (flag, value) in [
+        ("--log-level", "loud"),
+        ("--log-level", "valet=loud"),
+        ("--log-format", "xml"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_valet"))
+            .args(["router", flag, value])
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(out.status.code(), Some(64), "{flag} {value}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+        assert!(stderr.contains(flag) && stderr.contains(value), "{stderr}");
+    }
+}
