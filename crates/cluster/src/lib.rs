@@ -124,7 +124,10 @@ impl Cluster {
             let timeout = config.shutdown_timeout;
             tokio::spawn(async move {
                 let shutdown = async move { stop.cancelled().await };
-                if let Err(e) = valet_control::serve(listener, plane, shutdown, timeout).await {
+                if let Err(e) =
+                    valet_control::serve(listener, plane, shutdown, timeout, Default::default())
+                        .await
+                {
                     tracing::error!(error = %e, "control plane failed");
                 }
             })
@@ -133,6 +136,7 @@ impl Cluster {
         for spec in &config.pools {
             for i in 1..=spec.workers {
                 let worker = Worker::spawn(WorkerConfig {
+                    credentials: Default::default(),
                     control_plane: format!("http://{addr}"),
                     pool: spec.pool.clone(),
                     listen: SocketAddr::from(([127, 0, 0, 1], 0)),

@@ -57,8 +57,10 @@ async fn run() {
         plane.clone(),
         std::future::pending(),
         Duration::from_secs(10),
+        Default::default(),
     ));
     let worker = Worker::spawn(WorkerConfig {
+        credentials: Default::default(),
         control_plane: format!("http://{addr}"),
         pool: "counter".into(),
         listen: "127.0.0.1:0".parse().unwrap(),

@@ -40,7 +40,10 @@ pub async fn serve(
     plane: Plane,
     shutdown: impl Future<Output = ()> + Send + 'static,
     shutdown_timeout: Duration,
+    security: crate::auth::ServerSecurity,
 ) -> Result<(), tonic::transport::Error> {
+    use tonic::service::interceptor::InterceptedService;
+    let authn = crate::auth::Authn(security.jwt.clone());
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(valet_proto::ateapi::FILE_DESCRIPTOR_SET)
         .build_v1()
@@ -48,24 +51,35 @@ pub async fn serve(
     // `Server::tcp_nodelay` is ignored for a given incoming stream: the stream sets it.
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let stop = tokio_util::sync::CancellationToken::new();
-    let server = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(1)))
-        .http2_keepalive_timeout(Some(Duration::from_secs(3)))
-        .add_service(
+        .http2_keepalive_timeout(Some(Duration::from_secs(3)));
+    if let Some(tls) = security.tls {
+        builder = builder.tls_config(tls)?;
+    }
+    // Every valet service checks the bearer token (when one is required); reflection
+    // describes the schema only.
+    let server = builder
+        .add_service(InterceptedService::new(
             control_server::ControlServer::new(ControlService {
                 plane: plane.clone(),
             })
             .max_decoding_message_size(MAX_MESSAGE_BYTES),
-        )
-        .add_service(
+            authn.clone(),
+        ))
+        .add_service(InterceptedService::new(
             workers_server::WorkersServer::new(WorkersService {
                 plane: plane.clone(),
             })
             .max_decoding_message_size(MAX_MESSAGE_BYTES),
-        )
-        .add_service(leases_server::LeasesServer::new(LeasesService {
-            plane: plane.clone(),
-        }))
+            authn.clone(),
+        ))
+        .add_service(InterceptedService::new(
+            leases_server::LeasesServer::new(LeasesService {
+                plane: plane.clone(),
+            }),
+            authn,
+        ))
         .add_service(reflection)
         .serve_with_incoming_shutdown(incoming, stop.clone().cancelled_owned());
     tokio::pin!(server);

@@ -14,6 +14,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod auth;
 pub mod grpc;
 mod link;
 mod metrics;

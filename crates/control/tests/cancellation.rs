@@ -42,6 +42,7 @@ async fn served() -> Served {
         plane.clone(),
         std::future::pending(),
         Duration::from_secs(10),
+        Default::default(),
     ));
     let client = ControlClient::new(
         tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
@@ -305,6 +306,7 @@ async fn every_mutating_rpc_finishes_without_its_caller() {
         again,
         std::future::pending(),
         Duration::from_secs(10),
+        Default::default(),
     ));
     let restarted = ControlClient::new(
         tonic::transport::Endpoint::from_shared(format!("http://{addr}"))

@@ -353,7 +353,7 @@ async fn parked_streams_released_when_a_worker_frees() {
         .unwrap();
     }
     let url = format!("http://{cp_addr}");
-    let cp = Arc::new(GrpcControlPlane::connect_lazy(&url).unwrap());
+    let cp = Arc::new(GrpcControlPlane::connect_lazy(&url, &Default::default()).unwrap());
     let (router, client) = serve(
         &["--control-plane", &url, "--parked-request-budget", "20s"],
         cp,

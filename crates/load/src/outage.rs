@@ -106,6 +106,7 @@ pub async fn leases(opts: &LeaseOpts) -> Result<Report, String> {
     for i in 1..=4 {
         workers.push(
             Worker::spawn(WorkerConfig {
+                credentials: Default::default(),
                 control_plane: url.clone(),
                 pool: "echo".into(),
                 listen: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -153,7 +154,8 @@ pub async fn leases(opts: &LeaseOpts) -> Result<Report, String> {
     .map_err(|e| e.to_string())?
     .resolve()
     .map_err(|e| e.to_string())?;
-    let grpc = GrpcControlPlane::connect_lazy(&url).map_err(|e| e.to_string())?;
+    let grpc =
+        GrpcControlPlane::connect_lazy(&url, config.credentials()).map_err(|e| e.to_string())?;
     let channel = grpc.channel();
     let router = Router::new(Arc::new(config), Arc::new(grpc), Arc::new(Metrics::new()));
     router.start_leases(channel);

@@ -207,7 +207,8 @@ impl System {
                     .map_err(|e| e.to_string())?
                     .resolve()
                     .map_err(|e| e.to_string())?;
-                let cp = GrpcControlPlane::connect_lazy(&cp_url).map_err(|e| e.to_string())?;
+                let cp = GrpcControlPlane::connect_lazy(&cp_url, config.credentials())
+                    .map_err(|e| e.to_string())?;
                 let channel = cp.channel();
                 let router = Router::new(Arc::new(config), Arc::new(cp), Arc::new(Metrics::new()));
                 router.start_leases(channel);

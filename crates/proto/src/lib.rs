@@ -24,3 +24,5 @@ pub mod worker {
 pub mod leases {
     tonic::include_proto!("valet.leases");
 }
+
+pub mod auth;

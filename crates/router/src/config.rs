@@ -6,11 +6,13 @@
 
 use std::fmt;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
 
 use crate::addr::ActorDomain;
+use valet_proto::auth::{ClientCredentials, ClientTlsFiles};
 
 /// Default `--parked-request-budget`.
 pub const DEFAULT_BUDGET: &str = "5s";
@@ -87,6 +89,143 @@ pub struct RouterArgs {
 
     #[command(flatten)]
     pub parking: ParkingArgs,
+
+    #[command(flatten)]
+    pub ateapi: AteapiArgs,
+}
+
+/// How a client reaches the control plane over TLS (the seed's flag names): the
+/// router's, the workers' and `valet ctl`'s.
+#[derive(Debug, Clone, Default, Args)]
+pub struct AteapiArgs {
+    /// With an `https://` control plane: `mtls` verifies it against --ateapi-ca-file
+    /// and presents a client certificate when --ateapi-cert-file and --ateapi-key-file
+    /// are given; `jwt` also sends `authorization: Bearer` with the token in
+    /// --ateapi-token-file. Default for https: mtls. Server verification is never
+    /// skipped.
+    #[arg(long, env = "VALET_ATEAPI_AUTH", value_enum, value_name = "MODE")]
+    pub ateapi_auth: Option<AteapiAuth>,
+    /// PEM CA the control plane's certificate must chain to (required for https).
+    #[arg(long, env = "VALET_ATEAPI_CA_FILE", value_name = "PATH")]
+    pub ateapi_ca_file: Option<PathBuf>,
+    /// PEM client certificate (with --ateapi-key-file).
+    #[arg(long, env = "VALET_ATEAPI_CERT_FILE", value_name = "PATH")]
+    pub ateapi_cert_file: Option<PathBuf>,
+    /// PEM key of the client certificate (with --ateapi-cert-file).
+    #[arg(long, env = "VALET_ATEAPI_KEY_FILE", value_name = "PATH")]
+    pub ateapi_key_file: Option<PathBuf>,
+    /// Name checked in the control plane's certificate and sent as SNI (default: the
+    /// URL's host).
+    #[arg(long, env = "VALET_ATEAPI_SERVER_NAME", value_name = "NAME")]
+    pub ateapi_server_name: Option<String>,
+    /// File holding the bearer token (`jwt`), read again for every call.
+    #[arg(long, env = "VALET_ATEAPI_TOKEN_FILE", value_name = "PATH")]
+    pub ateapi_token_file: Option<PathBuf>,
+}
+
+/// `--ateapi-auth`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AteapiAuth {
+    /// TLS with a pinned CA; a client certificate when one is given.
+    Mtls,
+    /// TLS with a pinned CA and a bearer token.
+    Jwt,
+}
+
+impl AteapiArgs {
+    /// The credentials for `url` (already checked to be `http://` or `https://`),
+    /// every file read now.
+    ///
+    /// # Errors
+    /// The first rule broken, naming the flag: TLS flags on an `http://` URL, `jwt`
+    /// without a token file, a certificate without its key, a file that cannot be read.
+    pub fn credentials(&self, url: &str) -> Result<ClientCredentials, ConfigError> {
+        let show = |p: &Option<PathBuf>| {
+            p.as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default()
+        };
+        if url.starts_with("http://") {
+            if let Some(mode) = self.ateapi_auth {
+                let mode = if mode == AteapiAuth::Jwt {
+                    "jwt"
+                } else {
+                    "mtls"
+                };
+                return Err(ConfigError::new(
+                    "--ateapi-auth",
+                    mode,
+                    format!("needs an https:// --control-plane, not {url}"),
+                ));
+            }
+            return Ok(ClientCredentials::plaintext());
+        }
+        let Some(ca) = &self.ateapi_ca_file else {
+            return Err(ConfigError::new(
+                "--ateapi-ca-file",
+                "",
+                format!(
+                    "is required for an https:// --control-plane ({url}): the control plane is always verified"
+                ),
+            ));
+        };
+        let identity = match (&self.ateapi_cert_file, &self.ateapi_key_file) {
+            (Some(c), Some(k)) => Some((c.clone(), k.clone())),
+            (None, None) => None,
+            (Some(_), None) => {
+                return Err(ConfigError::new(
+                    "--ateapi-cert-file",
+                    show(&self.ateapi_cert_file),
+                    "needs --ateapi-key-file too",
+                ));
+            }
+            (None, Some(_)) => {
+                return Err(ConfigError::new(
+                    "--ateapi-key-file",
+                    show(&self.ateapi_key_file),
+                    "needs --ateapi-cert-file too",
+                ));
+            }
+        };
+        let token = match (
+            self.ateapi_auth.unwrap_or(AteapiAuth::Mtls),
+            &self.ateapi_token_file,
+        ) {
+            (AteapiAuth::Jwt, Some(t)) => Some(t.as_path()),
+            (AteapiAuth::Jwt, None) => {
+                return Err(ConfigError::new(
+                    "--ateapi-auth",
+                    "jwt",
+                    "needs --ateapi-token-file",
+                ));
+            }
+            (AteapiAuth::Mtls, Some(_)) => {
+                return Err(ConfigError::new(
+                    "--ateapi-token-file",
+                    show(&self.ateapi_token_file),
+                    "is only sent with --ateapi-auth jwt",
+                ));
+            }
+            (AteapiAuth::Mtls, None) => None,
+        };
+        let files = ClientTlsFiles {
+            ca: ca.clone(),
+            identity,
+            server_name: self.ateapi_server_name.clone(),
+        };
+        ClientCredentials::tls(&files, token).map_err(|e| {
+            let flag = if Some(&e.path) == self.ateapi_token_file.as_ref() {
+                "--ateapi-token-file"
+            } else if Some(&e.path) == self.ateapi_cert_file.as_ref() {
+                "--ateapi-cert-file"
+            } else if Some(&e.path) == self.ateapi_key_file.as_ref() {
+                "--ateapi-key-file"
+            } else {
+                "--ateapi-ca-file"
+            };
+            ConfigError::new(flag, e.path.display(), format!("cannot be used: {}", e.why))
+        })
+    }
 }
 
 /// Flags of request parking (`parking.md`, "Configuration").
@@ -183,6 +322,7 @@ pub struct RouterConfig {
     extproc_listen: Option<SocketAddr>,
     admin_listen: Option<SocketAddr>,
     control_plane: String,
+    credentials: ClientCredentials,
     actor_domain: ActorDomain,
     worker_port: u16,
     route_stale_max: Duration,
@@ -208,9 +348,13 @@ impl RouterConfig {
     pub fn admin_listen(&self) -> Option<SocketAddr> {
         self.admin_listen
     }
-    /// The control plane's URL (`http://host:port`).
+    /// The control plane's URL (`http://host:port` or `https://host:port`).
     pub fn control_plane(&self) -> &str {
         &self.control_plane
+    }
+    /// How the control plane is reached (TLS, token).
+    pub fn credentials(&self) -> &ClientCredentials {
+        &self.credentials
     }
     /// The actor host suffix.
     pub fn actor_domain(&self) -> &ActorDomain {
@@ -449,6 +593,7 @@ impl RouterArgs {
         let extproc_listen = parse_listen("--extproc-listen", &self.extproc_listen)?;
         let admin_listen = parse_listen("--admin-listen", &self.admin_listen)?;
         let control_plane = parse_control_plane(&self.control_plane)?;
+        let credentials = self.ateapi.credentials(&control_plane)?;
         let actor_domain: ActorDomain = self
             .actor_domain
             .parse()
@@ -505,6 +650,7 @@ impl RouterArgs {
             extproc_listen,
             admin_listen,
             control_plane,
+            credentials,
             actor_domain,
             worker_port: self.worker_port,
             route_stale_max: self.route_stale_max,
@@ -532,10 +678,17 @@ fn parse_listen(flag: &'static str, value: &str) -> Result<Option<SocketAddr>, C
     })
 }
 
-fn parse_control_plane(value: &str) -> Result<String, ConfigError> {
-    let rule = "must be http://<host>:<port> (h2c)";
-    let rest = value
+/// A control-plane URL: `http://<host>:<port>` (h2c) or `https://<host>:<port>`
+/// (TLS), normalized without a trailing slash.
+///
+/// # Errors
+/// Anything else, naming the flag.
+pub fn parse_control_plane(value: &str) -> Result<String, ConfigError> {
+    let rule = "must be http://<host>:<port> (h2c) or https://<host>:<port> (TLS)";
+    let (scheme, rest) = value
         .strip_prefix("http://")
+        .map(|r| ("http", r))
+        .or_else(|| value.strip_prefix("https://").map(|r| ("https", r)))
         .ok_or_else(|| ConfigError::new("--control-plane", value, rule))?;
     let authority = rest.strip_suffix('/').unwrap_or(rest);
     let valid = !authority.is_empty()
@@ -545,7 +698,7 @@ fn parse_control_plane(value: &str) -> Result<String, ConfigError> {
     if !valid {
         return Err(ConfigError::new("--control-plane", value, rule));
     }
-    Ok(format!("http://{authority}"))
+    Ok(format!("{scheme}://{authority}"))
 }
 
 /// Parses a duration: a number with `ms`, `s` or `m`, or `0`. Fractions are allowed
@@ -754,15 +907,15 @@ mod tests {
             ),
             (
                 &["--control-plane", "https://cp:443"],
-                "invalid configuration: --control-plane=https://cp:443: must be http://<host>:<port> (h2c)",
+                "invalid configuration: --ateapi-ca-file=: is required for an https:// --control-plane (https://cp:443): the control plane is always verified",
             ),
             (
                 &["--control-plane", "http://"],
-                "invalid configuration: --control-plane=http://: must be http://<host>:<port> (h2c)",
+                "invalid configuration: --control-plane=http://: must be http://<host>:<port> (h2c) or https://<host>:<port> (TLS)",
             ),
             (
                 &["--control-plane", "http://cp:7070/path"],
-                "invalid configuration: --control-plane=http://cp:7070/path: must be http://<host>:<port> (h2c)",
+                "invalid configuration: --control-plane=http://cp:7070/path: must be http://<host>:<port> (h2c) or https://<host>:<port> (TLS)",
             ),
             (
                 &["--actor-domain", "bad_domain"],

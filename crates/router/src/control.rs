@@ -14,9 +14,10 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use tonic::Code;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 use tonic_types::StatusExt;
 use valet_proto::ateapi;
+use valet_proto::auth::{ClientCredentials, CpChannel};
 
 use crate::addr::ActorRef;
 
@@ -140,24 +141,29 @@ pub const TCP_USER_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a connection attempt may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// A lazily connecting channel to a control plane at `url`, with the liveness checks
-/// every valet client of `ateapi.Control` uses: pings every [`PING_INTERVAL`] (also
-/// while idle) answered within [`PING_TIMEOUT`], `TCP_USER_TIMEOUT`, `TCP_NODELAY`.
+/// A lazily connecting channel to a control plane at `url` with `credentials` (TLS
+/// and a bearer token for `https://`), with the liveness checks every valet client of
+/// `ateapi.Control` uses: pings every [`PING_INTERVAL`] (also while idle) answered
+/// within [`PING_TIMEOUT`], `TCP_USER_TIMEOUT`, `TCP_NODELAY`.
 ///
 /// # Errors
 /// When `url` is not a valid endpoint.
-pub fn channel(url: &str) -> Result<Channel, tonic::transport::Error> {
+pub fn channel(
+    url: &str,
+    credentials: &ClientCredentials,
+) -> Result<CpChannel, tonic::transport::Error> {
     let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
     http.enforce_http(false);
     http.set_nodelay(true);
     http.set_connect_timeout(Some(CONNECT_TIMEOUT));
     http.set_tcp_user_timeout(Some(TCP_USER_TIMEOUT));
-    Ok(Endpoint::from_shared(url.to_owned())?
+    let endpoint = Endpoint::from_shared(url.to_owned())?
         .connect_timeout(CONNECT_TIMEOUT)
         .http2_keep_alive_interval(PING_INTERVAL)
         .keep_alive_timeout(PING_TIMEOUT)
-        .keep_alive_while_idle(true)
-        .connect_with_connector_lazy(http))
+        .keep_alive_while_idle(true);
+    let endpoint = credentials.endpoint(endpoint)?;
+    Ok(credentials.intercept(endpoint.connect_with_connector_lazy(http)))
 }
 
 /// The boxed future a [`ControlPlane`] returns.
@@ -172,8 +178,8 @@ pub trait ControlPlane: Send + Sync + 'static {
 /// `ateapi.Control` over gRPC (h2c for `http://` addresses).
 #[derive(Debug, Clone)]
 pub struct GrpcControlPlane {
-    client: ateapi::control_client::ControlClient<Channel>,
-    channel: Channel,
+    client: ateapi::control_client::ControlClient<CpChannel>,
+    channel: CpChannel,
 }
 
 impl GrpcControlPlane {
@@ -182,8 +188,11 @@ impl GrpcControlPlane {
     ///
     /// # Errors
     /// When `url` is not a valid endpoint.
-    pub fn connect_lazy(url: &str) -> Result<Self, tonic::transport::Error> {
-        let channel = channel(url)?;
+    pub fn connect_lazy(
+        url: &str,
+        credentials: &ClientCredentials,
+    ) -> Result<Self, tonic::transport::Error> {
+        let channel = channel(url, credentials)?;
         Ok(Self {
             client: ateapi::control_client::ControlClient::new(channel.clone()),
             channel,
@@ -191,7 +200,7 @@ impl GrpcControlPlane {
     }
 
     /// The channel it calls over (the lease watch shares it).
-    pub fn channel(&self) -> Channel {
+    pub fn channel(&self) -> CpChannel {
         self.channel.clone()
     }
 }

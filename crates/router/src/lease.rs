@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tonic::transport::Channel;
+use valet_proto::auth::CpChannel as Channel;
 use valet_proto::leases as pb;
 
 use crate::addr::ActorRef;

@@ -216,7 +216,7 @@ impl Router {
     /// Starts the lease protocol over `channel` (the control plane's): the watch, and
     /// renewals of leases in use. Without it the router asks for no lease and calls
     /// `ResumeActor` for every request.
-    pub fn start_leases(&self, channel: tonic::transport::Channel) -> Arc<LeaseClient> {
+    pub fn start_leases(&self, channel: valet_proto::auth::CpChannel) -> Arc<LeaseClient> {
         let client = LeaseClient::spawn(
             channel,
             Arc::clone(&self.inner.cache),

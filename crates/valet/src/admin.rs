@@ -105,14 +105,12 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// log line per change; any gRPC answer, even an error, means it is reachable.
 pub(crate) fn spawn_probe(
     url: String,
+    channel: valet_proto::auth::CpChannel,
     router: Router,
     health: Arc<Health>,
     stop: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let Ok(channel) = valet_router::control::channel(&url) else {
-            return;
-        };
         let client = ControlClient::new(channel);
         let mut known = None;
         let mut tick = tokio::time::interval(PROBE_INTERVAL);

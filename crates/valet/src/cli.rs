@@ -448,6 +448,80 @@ pub(crate) struct ControlPlaneArgs {
 
     #[command(flatten)]
     pub(crate) leases: LeaseArgs,
+
+    #[command(flatten)]
+    pub(crate) security: ServerSecurityArgs,
+}
+
+/// TLS and bearer tokens of the control plane's gRPC server.
+#[derive(Debug, Clone, Default, Args)]
+pub(crate) struct ServerSecurityArgs {
+    /// PEM certificate chain: serve TLS (with --tls-key-file) instead of h2c.
+    #[arg(
+        long,
+        env = "VALET_TLS_CERT_FILE",
+        value_name = "PATH",
+        requires = "tls_key_file"
+    )]
+    pub(crate) tls_cert_file: Option<PathBuf>,
+    /// PEM private key of --tls-cert-file.
+    #[arg(
+        long,
+        env = "VALET_TLS_KEY_FILE",
+        value_name = "PATH",
+        requires = "tls_cert_file"
+    )]
+    pub(crate) tls_key_file: Option<PathBuf>,
+    /// PEM CA that client certificates must chain to; makes them required.
+    #[arg(
+        long,
+        env = "VALET_CLIENT_CA_FILE",
+        value_name = "PATH",
+        requires = "tls_cert_file"
+    )]
+    pub(crate) client_ca_file: Option<PathBuf>,
+    /// PEM public key (RSA, EC or Ed25519) that bearer tokens must be signed with;
+    /// every call then needs `authorization: Bearer <JWT>` (exp required, nbf, aud and
+    /// iss checked). Asymmetric algorithms only: never `none`, never HMAC.
+    #[arg(
+        long,
+        env = "VALET_JWT_PUBLIC_KEY_FILE",
+        value_name = "PATH",
+        conflicts_with = "jwt_jwks_file"
+    )]
+    pub(crate) jwt_public_key_file: Option<PathBuf>,
+    /// JWKS document of the keys tokens may be signed with (chosen by `kid`).
+    #[arg(long, env = "VALET_JWT_JWKS_FILE", value_name = "PATH")]
+    pub(crate) jwt_jwks_file: Option<PathBuf>,
+    /// The `aud` tokens must carry.
+    #[arg(long, env = "VALET_JWT_AUDIENCE", value_name = "AUD")]
+    pub(crate) jwt_audience: Option<String>,
+    /// The `iss` tokens must carry.
+    #[arg(long, env = "VALET_JWT_ISSUER", value_name = "ISS")]
+    pub(crate) jwt_issuer: Option<String>,
+}
+
+impl ServerSecurityArgs {
+    /// The server's security settings, every file read now.
+    pub(crate) fn resolve(
+        &self,
+    ) -> Result<valet_control::auth::ServerSecurity, valet_control::auth::SecurityError> {
+        use valet_control::auth::{JwtVerifier, server_tls};
+        let tls = match (&self.tls_cert_file, &self.tls_key_file) {
+            (Some(c), Some(k)) => Some(server_tls(c, k, self.client_ca_file.as_deref())?),
+            _ => None,
+        };
+        let (aud, iss) = (self.jwt_audience.clone(), self.jwt_issuer.clone());
+        let jwt = match (&self.jwt_public_key_file, &self.jwt_jwks_file) {
+            (Some(p), _) => Some(JwtVerifier::from_public_key_file(p, aud, iss)?),
+            (None, Some(j)) => Some(JwtVerifier::from_jwks_file(j, aud, iss)?),
+            (None, None) => None,
+        };
+        Ok(valet_control::auth::ServerSecurity {
+            tls,
+            jwt: jwt.map(std::sync::Arc::new),
+        })
+    }
 }
 
 /// Route leases and hosting leases (docs/leases.md).
@@ -520,6 +594,9 @@ pub(crate) struct WorkerArgs {
     /// This worker's id (random when unset); keep it to re-attach with the same actor.
     #[arg(long, env = "VALET_WORKER_ID", value_name = "ID")]
     pub(crate) worker_id: Option<String>,
+
+    #[command(flatten)]
+    pub(crate) ateapi: valet_router::config::AteapiArgs,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -531,6 +608,9 @@ pub(crate) struct CtlArgs {
     /// Print JSON instead of tables.
     #[arg(long, env = "VALET_JSON", global = true)]
     pub(crate) json: bool,
+
+    #[command(flatten)]
+    pub(crate) ateapi: valet_router::config::AteapiArgs,
 
     /// Deadline of each call.
     #[arg(long, env = "VALET_CTL_TIMEOUT", default_value = "30s", value_parser = parse_duration, value_name = "DURATION", global = true)]

@@ -36,9 +36,10 @@ impl RunningRouter {
     /// `listening <part> <address>` line per listener.
     pub(crate) async fn start(config: RouterConfig) -> Result<Self, String> {
         let config = Arc::new(config);
-        let cp = GrpcControlPlane::connect_lazy(config.control_plane())
+        let cp = GrpcControlPlane::connect_lazy(config.control_plane(), config.credentials())
             .map_err(|e| format!("--control-plane={}: {e}", config.control_plane()))?;
         let channel = cp.channel();
+        let channel_for_probe = cp.channel();
         let router = Router::new(Arc::clone(&config), Arc::new(cp), Arc::new(Metrics::new()));
         router.start_leases(channel);
         let health = Arc::new(Health::default());
@@ -85,6 +86,7 @@ impl RunningRouter {
         });
         let probe = admin::spawn_probe(
             config.control_plane().to_owned(),
+            channel_for_probe,
             router.clone(),
             Arc::clone(&health),
             stop_admin.clone(),

@@ -35,7 +35,7 @@ async fn setup(router_flags: &[&str]) -> Setup {
         .unwrap()
         .resolve()
         .unwrap();
-    let cp = GrpcControlPlane::connect_lazy(config.control_plane()).unwrap();
+    let cp = GrpcControlPlane::connect_lazy(config.control_plane(), config.credentials()).unwrap();
     let router = Router::new(Arc::new(config), Arc::new(cp), Arc::new(Metrics::new()));
     let client = ControlClient::new(
         tonic::transport::Endpoint::from_shared(url.clone())
@@ -174,7 +174,7 @@ async fn unreachable_control_plane_is_unavailable_after_the_budget() {
             .unwrap()
             .resolve()
             .unwrap();
-    let cp = GrpcControlPlane::connect_lazy(config.control_plane()).unwrap();
+    let cp = GrpcControlPlane::connect_lazy(config.control_plane(), config.credentials()).unwrap();
     let router = Router::new(Arc::new(config), Arc::new(cp), Arc::new(Metrics::new()));
     let d = router.decide(&host("p1"), deadline()).await;
     let Decision::Deny(_, v) = &d else {
@@ -218,7 +218,7 @@ async fn silent_control_plane_is_unavailable_not_a_timeout() {
             .resolve()
             .unwrap();
     let decision_timeout = config.decision_timeout();
-    let cp = GrpcControlPlane::connect_lazy(config.control_plane()).unwrap();
+    let cp = GrpcControlPlane::connect_lazy(config.control_plane(), config.credentials()).unwrap();
     let router = Router::new(Arc::new(config), Arc::new(cp), Arc::new(Metrics::new()));
     let d = router
         .decide(&host("p1"), Instant::now() + decision_timeout)

@@ -49,8 +49,10 @@ enum Refusal {
 /// How a worker runs.
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
-    /// The control plane to attach to (`http://host:port`).
+    /// The control plane to attach to (`http://host:port` or `https://host:port`).
     pub control_plane: String,
+    /// How the control plane is reached (TLS, token); plaintext by default.
+    pub credentials: valet_proto::auth::ClientCredentials,
     /// The pool to join.
     pub pool: String,
     /// Where the app listens (port 0 picks one).
@@ -110,6 +112,11 @@ impl Worker {
             .connect_timeout(Duration::from_secs(2))
             .http2_keep_alive_interval(Duration::from_secs(1))
             .keep_alive_timeout(Duration::from_secs(3));
+        let endpoint = config
+            .credentials
+            .endpoint(endpoint)
+            .map_err(|_| WorkerError::ControlPlane(config.control_plane.clone()))?;
+        let credentials = config.credentials.clone();
         let listener =
             TcpListener::bind(config.listen)
                 .await
@@ -140,7 +147,7 @@ impl Worker {
             slot: Arc::clone(&slot),
             lease,
         };
-        tasks.spawn(agent.run(endpoint, stop.clone()));
+        tasks.spawn(agent.run(endpoint, credentials, stop.clone()));
         Ok(Self {
             id,
             app_addr,
@@ -284,12 +291,17 @@ struct Agent {
 }
 
 impl Agent {
-    async fn run(self, endpoint: tonic::transport::Endpoint, stop: CancellationToken) {
+    async fn run(
+        self,
+        endpoint: tonic::transport::Endpoint,
+        credentials: valet_proto::auth::ClientCredentials,
+        stop: CancellationToken,
+    ) {
         let mut backoff = Duration::from_millis(100);
         loop {
             let attached = tokio::select! {
                 () = stop.cancelled() => return,
-                r = self.attach_once(&endpoint, &stop) => r,
+                r = self.attach_once(&endpoint, &credentials, &stop) => r,
             };
             match attached {
                 Ok(()) => backoff = Duration::from_millis(100),
@@ -312,13 +324,14 @@ impl Agent {
     async fn attach_once(
         &self,
         endpoint: &tonic::transport::Endpoint,
+        credentials: &valet_proto::auth::ClientCredentials,
         stop: &CancellationToken,
     ) -> Result<(), tonic::Status> {
         let channel = endpoint
             .connect()
             .await
             .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-        let mut client = WorkersClient::new(channel);
+        let mut client = WorkersClient::new(credentials.intercept(channel));
         let (tx, rx) = mpsc::channel(16);
         let hosting = self.slot.borrow().as_ref().map(|h| {
             let (atespace, name) = h.actor.split_once('/').unwrap_or_default();

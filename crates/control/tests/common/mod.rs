@@ -50,9 +50,15 @@ pub async fn system_with(workers: usize, config: PlaneConfig, restore_delay: Dur
         let stop = stop.clone();
         tokio::spawn(async move {
             let stopped = async move { stop.cancelled().await };
-            valet_control::serve(listener, plane, stopped, Duration::from_secs(10))
-                .await
-                .unwrap();
+            valet_control::serve(
+                listener,
+                plane,
+                stopped,
+                Duration::from_secs(10),
+                Default::default(),
+            )
+            .await
+            .unwrap();
         })
     };
     let client = ControlClient::new(
@@ -85,6 +91,7 @@ pub async fn system_with(workers: usize, config: PlaneConfig, restore_delay: Dur
 impl System {
     pub async fn add_worker(&mut self, pool: &str, restore_delay: Duration) {
         let w = Worker::spawn(WorkerConfig {
+            credentials: Default::default(),
             control_plane: format!("http://{}", self.addr),
             pool: pool.to_owned(),
             listen: "127.0.0.1:0".parse().unwrap(),

@@ -35,6 +35,20 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
+    let security = match args.security.resolve() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("valet control-plane: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    if security.jwt.is_some() && security.tls.is_none() {
+        eprintln!(
+            "valet control-plane: invalid configuration: --jwt-public-key-file/--jwt-jwks-file: bearer tokens need TLS (--tls-cert-file and --tls-key-file)"
+        );
+        return ExitCode::from(EXIT_CONFIG);
+    }
+    let tls = security.tls.is_some();
     let store = match SqliteStore::open(&args.data_dir) {
         Ok(s) => s,
         Err(e) => {
@@ -97,10 +111,17 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         %addr,
         %database,
         capacity_wait = args.capacity_wait == OnOff::On,
+        tls,
         "control plane serving"
     );
-    let result =
-        valet_control::serve(listener, plane.clone(), terminated, args.shutdown_timeout).await;
+    let result = valet_control::serve(
+        listener,
+        plane.clone(),
+        terminated,
+        args.shutdown_timeout,
+        security,
+    )
+    .await;
     stop_metrics.cancel();
     if let Some(m) = metrics {
         let _ = m.await;

@@ -4,26 +4,39 @@
 use std::process::ExitCode;
 
 use serde_json::{Value, json};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 use valet_proto::ateapi::{self, control_client::ControlClient};
 
 use crate::EXIT_CONFIG;
 use crate::cli::{ActorCommand, AtespaceCommand, CtlArgs, CtlCommand};
 
 pub(crate) async fn run(args: CtlArgs) -> ExitCode {
-    let endpoint = match Endpoint::from_shared(args.control_plane.clone()) {
-        Ok(e) => e
-            .connect_timeout(std::time::Duration::from_secs(3))
-            .timeout(args.timeout),
-        Err(_) => {
+    let resolved = valet_router::config::parse_control_plane(&args.control_plane)
+        .and_then(|url| Ok((args.ateapi.credentials(&url)?, url)));
+    let (credentials, url) = match resolved {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("valet ctl: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let endpoint = Endpoint::from_shared(url)
+        .map(|e| {
+            e.connect_timeout(std::time::Duration::from_secs(3))
+                .timeout(args.timeout)
+        })
+        .and_then(|e| credentials.endpoint(e));
+    let endpoint = match endpoint {
+        Ok(e) => e,
+        Err(e) => {
             eprintln!(
-                "valet ctl: invalid configuration: --control-plane={}: must be http://<host>:<port>",
+                "valet ctl: invalid configuration: --control-plane={}: {e}",
                 args.control_plane
             );
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    let client = ControlClient::new(endpoint.connect_lazy());
+    let client = ControlClient::new(credentials.intercept(endpoint.connect_lazy()));
     match execute(client, &args).await {
         Ok(out) => {
             print!("{out}");
@@ -65,7 +78,10 @@ fn actor_ref(s: &str) -> Result<ateapi::ActorRef, CtlError> {
     })
 }
 
-async fn execute(mut c: ControlClient<Channel>, args: &CtlArgs) -> Result<String, CtlError> {
+async fn execute(
+    mut c: ControlClient<valet_proto::auth::CpChannel>,
+    args: &CtlArgs,
+) -> Result<String, CtlError> {
     let json = args.json;
     let out = match &args.command {
         CtlCommand::Atespace(cmd) => match cmd {

@@ -10,15 +10,18 @@ use crate::cli::WorkerArgs;
 pub(crate) async fn run(args: WorkerArgs) -> ExitCode {
     // Before anything is printed: see `signal::terminated`.
     let terminated = crate::signal::terminated();
-    if !args.control_plane.starts_with("http://") {
-        eprintln!(
-            "valet worker: invalid configuration: --control-plane={}: must be http://<host>:<port> (h2c)",
-            args.control_plane
-        );
-        return ExitCode::from(EXIT_CONFIG);
-    }
+    let resolved = valet_router::config::parse_control_plane(&args.control_plane)
+        .and_then(|url| Ok((args.ateapi.credentials(&url)?, url)));
+    let (credentials, control_plane) = match resolved {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("valet worker: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
     let worker = match Worker::spawn(WorkerConfig {
-        control_plane: args.control_plane,
+        control_plane,
+        credentials,
         pool: args.pool,
         listen: args.listen,
         snapshot_dir: args.snapshot_dir,

@@ -1,0 +1,265 @@
+//! The control plane's side of TLS and bearer tokens: the server certificate, an
+//! optional client CA (client certificates then required), and JWT verification with
+//! pinned asymmetric algorithms (never `none`, never HMAC).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use jsonwebtoken::jwk::{AlgorithmParameters, JwkSet};
+use jsonwebtoken::{Algorithm, DecodingKey, Validation};
+use tonic::service::Interceptor;
+use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+use tonic::{Request, Status};
+
+/// Clock skew tolerated on `exp` and `nbf`.
+const LEEWAY: Duration = Duration::from_secs(30);
+
+/// What the control plane's server requires of its clients.
+#[derive(Debug, Clone, Default)]
+pub struct ServerSecurity {
+    /// TLS (server certificate, optional client CA); plaintext h2c when `None`.
+    pub tls: Option<ServerTlsConfig>,
+    /// Bearer-token verification; none when `None`.
+    pub jwt: Option<Arc<JwtVerifier>>,
+}
+
+/// Why the security settings could not be built: the flag, the file, what went wrong.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid configuration: {flag}={}: {why}", path.display())]
+pub struct SecurityError {
+    /// The flag.
+    pub flag: &'static str,
+    /// The file.
+    pub path: PathBuf,
+    /// What went wrong.
+    pub why: String,
+}
+
+fn read(flag: &'static str, path: &Path) -> Result<Vec<u8>, SecurityError> {
+    std::fs::read(path).map_err(|e| SecurityError {
+        flag,
+        path: path.to_owned(),
+        why: e.to_string(),
+    })
+}
+
+fn pem(flag: &'static str, path: &Path, what: &str) -> Result<Vec<u8>, SecurityError> {
+    let bytes = read(flag, path)?;
+    if !String::from_utf8_lossy(&bytes).contains(&format!("-----BEGIN {what}")) {
+        return Err(SecurityError {
+            flag,
+            path: path.to_owned(),
+            why: format!("no PEM {} in it", what.to_ascii_lowercase()),
+        });
+    }
+    Ok(bytes)
+}
+
+/// The server's TLS from PEM files: certificate chain, key, and (optionally) the CA
+/// client certificates must chain to, which makes them required.
+///
+/// # Errors
+/// A file that cannot be read or holds no PEM of its kind.
+pub fn server_tls(
+    cert: &Path,
+    key: &Path,
+    client_ca: Option<&Path>,
+) -> Result<ServerTlsConfig, SecurityError> {
+    let cert = pem("--tls-cert-file", cert, "CERTIFICATE")?;
+    let key = pem("--tls-key-file", key, "")?;
+    let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(cert, key));
+    if let Some(ca) = client_ca {
+        tls = tls.client_ca_root(Certificate::from_pem(pem(
+            "--client-ca-file",
+            ca,
+            "CERTIFICATE",
+        )?));
+    }
+    Ok(tls)
+}
+
+/// One verification key and the algorithms it may verify.
+struct Key {
+    kid: Option<String>,
+    key: DecodingKey,
+    algorithms: &'static [Algorithm],
+}
+
+const RSA: &[Algorithm] = &[
+    Algorithm::RS256,
+    Algorithm::RS384,
+    Algorithm::RS512,
+    Algorithm::PS256,
+    Algorithm::PS384,
+    Algorithm::PS512,
+];
+const EC: &[Algorithm] = &[Algorithm::ES256, Algorithm::ES384];
+const ED: &[Algorithm] = &[Algorithm::EdDSA];
+
+/// Verifies bearer tokens: signature by one of the pinned public keys with an
+/// asymmetric algorithm that key allows, `exp` (required), `nbf`, and `aud` and `iss`
+/// when configured.
+pub struct JwtVerifier {
+    keys: Vec<Key>,
+    audience: Option<String>,
+    issuer: Option<String>,
+}
+
+impl std::fmt::Debug for JwtVerifier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JwtVerifier")
+            .field("keys", &self.keys.len())
+            .field("audience", &self.audience)
+            .field("issuer", &self.issuer)
+            .finish()
+    }
+}
+
+impl JwtVerifier {
+    /// From a PEM public key (RSA, EC P-256/P-384 or Ed25519).
+    ///
+    /// # Errors
+    /// A file that cannot be read, or no public key of those kinds in it.
+    pub fn from_public_key_file(
+        path: &Path,
+        audience: Option<String>,
+        issuer: Option<String>,
+    ) -> Result<Self, SecurityError> {
+        let flag = "--jwt-public-key-file";
+        let bytes = read(flag, path)?;
+        let key = DecodingKey::from_rsa_pem(&bytes)
+            .map(|k| (k, RSA))
+            .or_else(|_| DecodingKey::from_ec_pem(&bytes).map(|k| (k, EC)))
+            .or_else(|_| DecodingKey::from_ed_pem(&bytes).map(|k| (k, ED)))
+            .map_err(|_| SecurityError {
+                flag,
+                path: path.to_owned(),
+                why: "no RSA, EC or Ed25519 public key in PEM".into(),
+            })?;
+        Ok(Self {
+            keys: vec![Key {
+                kid: None,
+                key: key.0,
+                algorithms: key.1,
+            }],
+            audience,
+            issuer,
+        })
+    }
+
+    /// From a JWKS document; symmetric (`oct`) keys are refused.
+    ///
+    /// # Errors
+    /// A file that cannot be read, is not a JWKS, holds a symmetric key or no key.
+    pub fn from_jwks_file(
+        path: &Path,
+        audience: Option<String>,
+        issuer: Option<String>,
+    ) -> Result<Self, SecurityError> {
+        let flag = "--jwt-jwks-file";
+        let err = |why: String| SecurityError {
+            flag,
+            path: path.to_owned(),
+            why,
+        };
+        let bytes = read(flag, path)?;
+        let set: JwkSet =
+            serde_json::from_slice(&bytes).map_err(|e| err(format!("not a JWKS: {e}")))?;
+        let mut keys = Vec::new();
+        for jwk in &set.keys {
+            let algorithms = match &jwk.algorithm {
+                AlgorithmParameters::RSA(_) => RSA,
+                AlgorithmParameters::EllipticCurve(_) => EC,
+                AlgorithmParameters::OctetKeyPair(_) => ED,
+                AlgorithmParameters::OctetKey(_) => {
+                    return Err(err(
+                        "holds a symmetric (oct) key: only asymmetric keys verify tokens".into(),
+                    ));
+                }
+            };
+            let key = DecodingKey::from_jwk(jwk)
+                .map_err(|e| err(format!("a key cannot be used: {e}")))?;
+            keys.push(Key {
+                kid: jwk.common.key_id.clone(),
+                key,
+                algorithms,
+            });
+        }
+        if keys.is_empty() {
+            return Err(err("holds no key".into()));
+        }
+        Ok(Self {
+            keys,
+            audience,
+            issuer,
+        })
+    }
+
+    /// Checks `token`; the reason when it is refused (never the token itself).
+    ///
+    /// # Errors
+    /// Why the token is not accepted.
+    pub fn verify(&self, token: &str) -> Result<(), String> {
+        let header =
+            jsonwebtoken::decode_header(token).map_err(|e| format!("malformed token: {e}"))?;
+        let mut last = String::from("no key verifies the token's algorithm");
+        for k in &self.keys {
+            if header.kid.is_some() && k.kid.is_some() && header.kid != k.kid {
+                continue;
+            }
+            if !k.algorithms.contains(&header.alg) {
+                last = format!("algorithm {:?} is not accepted", header.alg);
+                continue;
+            }
+            let mut v = Validation::new(header.alg);
+            v.algorithms = vec![header.alg];
+            v.leeway = LEEWAY.as_secs();
+            v.validate_exp = true;
+            v.validate_nbf = true;
+            match &self.audience {
+                Some(aud) => v.set_audience(&[aud]),
+                None => v.validate_aud = false,
+            }
+            if let Some(iss) = &self.issuer {
+                v.set_issuer(&[iss]);
+            }
+            match jsonwebtoken::decode::<serde_json::Value>(token, &k.key, &v) {
+                Ok(_) => return Ok(()),
+                Err(e) => last = e.to_string(),
+            }
+        }
+        Err(last)
+    }
+}
+
+/// Refuses calls without a valid bearer token (`Unauthenticated`, which a router
+/// answers 401 and does not retry); passes everything when no verifier is set.
+#[derive(Debug, Clone, Default)]
+pub struct Authn(pub Option<Arc<JwtVerifier>>);
+
+impl Interceptor for Authn {
+    fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
+        let Some(verifier) = &self.0 else {
+            return Ok(req);
+        };
+        let token = req
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| {
+                v.strip_prefix("Bearer ")
+                    .or_else(|| v.strip_prefix("bearer "))
+            })
+            .ok_or_else(|| Status::unauthenticated("a bearer token is required"))?;
+        match verifier.verify(token.trim()) {
+            Ok(()) => Ok(req),
+            Err(why) => {
+                tracing::debug!(%why, "bearer token refused");
+                Err(Status::unauthenticated(format!(
+                    "bearer token refused: {why}"
+                )))
+            }
+        }
+    }
+}

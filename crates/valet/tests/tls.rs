@@ -1,0 +1,503 @@
+//! TLS and bearer tokens between router, workers and control plane, across real
+//! processes with certificates and keys generated here (rcgen): mTLS with and without
+//! a client certificate, a wrong CA (each attempt `Unavailable`, the request parks and
+//! gets the budget's 503), and JWTs: bad ones get the 401 verdict and are not
+//! retried; a token file swapped by symlink is used at the next call.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use common::{DOMAIN, Proc, eventually, http_get};
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use valet_proto::ateapi::{self, control_client::ControlClient};
+use valet_proto::auth::{ClientCredentials, ClientTlsFiles, CpChannel};
+
+const WITHIN: Duration = Duration::from_secs(30);
+
+/// Certificates and keys, as PEM files in a temporary directory.
+struct Pki {
+    dir: tempfile::TempDir,
+    ca: PathBuf,
+    server_cert: PathBuf,
+    server_key: PathBuf,
+    client_cert: PathBuf,
+    client_key: PathBuf,
+    other_ca: PathBuf,
+    jwt_private: Vec<u8>,
+    jwt_public: PathBuf,
+}
+
+fn ca(name: &str) -> CertifiedIssuer<'static, KeyPair> {
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, name);
+    CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap()
+}
+
+fn pki() -> Pki {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, pem: String| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, pem).unwrap();
+        p
+    };
+    let authority = ca("valet test CA");
+    let leaf = |names: Vec<String>| {
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(names)
+            .unwrap()
+            .signed_by(&key, &authority)
+            .unwrap();
+        (cert.pem(), key.serialize_pem())
+    };
+    let (server_cert, server_key) = leaf(vec!["localhost".into(), "127.0.0.1".into()]);
+    let (client_cert, client_key) = leaf(vec!["router.valet.test".into()]);
+    let jwt = KeyPair::generate().unwrap();
+    Pki {
+        ca: write("ca.pem", authority.as_ref().pem()),
+        server_cert: write("server.pem", server_cert),
+        server_key: write("server.key", server_key),
+        client_cert: write("client.pem", client_cert),
+        client_key: write("client.key", client_key),
+        other_ca: write("other-ca.pem", ca("some other CA").as_ref().pem()),
+        jwt_private: jwt.serialize_pem().into_bytes(),
+        jwt_public: write("jwt.pub.pem", jwt.public_key_pem()),
+        dir,
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn host(name: &str) -> String {
+    format!("{name}.demo.{DOMAIN}")
+}
+
+async fn control_plane(pki: &Pki, extra: &[&str]) -> Proc {
+    let data = pki.dir.path().join(format!("data-{}", rand_suffix()));
+    let mut args = vec![
+        "control-plane",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        s(&data),
+        "--tls-cert-file",
+        s(&pki.server_cert),
+        "--tls-key-file",
+        s(&pki.server_key),
+    ];
+    args.extend_from_slice(extra);
+    Proc::start("control-plane", &args).await
+}
+
+fn rand_suffix() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
+fn url(cp: &Proc) -> String {
+    format!("https://127.0.0.1:{}", cp.addr.port())
+}
+
+async fn worker(pki: &Pki, cp: &Proc, extra: &[&str]) -> Proc {
+    let snapshots = pki.dir.path().join("snapshots");
+    let url = url(cp);
+    let mut args = vec![
+        "worker",
+        "--control-plane",
+        &url,
+        "--snapshot-dir",
+        s(&snapshots),
+        "--ateapi-ca-file",
+        s(&pki.ca),
+    ];
+    args.extend_from_slice(extra);
+    Proc::start("worker", &args).await
+}
+
+async fn router(pki: &Pki, cp: &Proc, ca: &Path, extra: &[&str]) -> Proc {
+    let url = url(cp);
+    let mut args = vec![
+        "router",
+        "--listen",
+        "127.0.0.1:0",
+        "--extproc-listen",
+        "",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--control-plane",
+        &url,
+        "--ateapi-ca-file",
+        s(ca),
+        "--parked-request-budget",
+        "1s",
+    ];
+    args.extend_from_slice(extra);
+    let _ = pki;
+    Proc::start("admin", &args).await
+}
+
+/// A client of the control plane over TLS (with a token file when given), as the
+/// tests' own `valet ctl`.
+fn client(pki: &Pki, cp: &Proc, identity: bool, token: Option<&Path>) -> ControlClient<CpChannel> {
+    let files = ClientTlsFiles {
+        ca: pki.ca.clone(),
+        identity: identity.then(|| (pki.client_cert.clone(), pki.client_key.clone())),
+        server_name: None,
+    };
+    let creds = ClientCredentials::tls(&files, token).unwrap();
+    let endpoint = tonic::transport::Endpoint::from_shared(url(cp))
+        .unwrap()
+        .timeout(Duration::from_secs(10));
+    let channel = creds.endpoint(endpoint).unwrap().connect_lazy();
+    ControlClient::new(creds.intercept(channel))
+}
+
+/// Atespace `demo` with actor `p1`, once a worker has joined.
+async fn demo(c: &ControlClient<CpChannel>) {
+    eventually("a worker joined", WITHIN, || async {
+        let n = c
+            .clone()
+            .list_workers(())
+            .await
+            .ok()?
+            .into_inner()
+            .workers
+            .len();
+        (n == 1).then_some(())
+    })
+    .await;
+    c.clone()
+        .create_atespace(ateapi::CreateAtespaceRequest {
+            name: "demo".into(),
+        })
+        .await
+        .unwrap();
+    c.clone()
+        .create_actor(ateapi::CreateActorRequest {
+            actor_ref: Some(ateapi::ActorRef {
+                atespace: "demo".into(),
+                name: "p1".into(),
+            }),
+            actor_template_namespace: "default".into(),
+            actor_template_name: "counter".into(),
+            worker_selector: None,
+        })
+        .await
+        .unwrap();
+}
+
+async fn get_p1(r: &Proc) -> (u16, String) {
+    http_get(r.addrs["router"], "/", &[("Host", &host("p1"))]).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_verified_tls_serves_with_and_without_client_certificates() {
+    let pki = pki();
+    // Server TLS only: clients verify the server and present nothing (the seed's
+    // deployed arguments).
+    let cp = control_plane(&pki, &[]).await;
+    let _w = worker(&pki, &cp, &[]).await;
+    demo(&client(&pki, &cp, false, None)).await;
+    let r = router(&pki, &cp, &pki.ca, &[]).await;
+    let (status, body) = get_p1(&r).await;
+    assert_eq!(status, 200, "{body}");
+
+    // Client certificates required: with one, served; without, every attempt fails
+    // the handshake (Unavailable), so the request parks and gets the budget's 503.
+    let cp = control_plane(&pki, &["--client-ca-file", s(&pki.client_ca())]).await;
+    let id = [
+        "--ateapi-cert-file",
+        s(&pki.client_cert),
+        "--ateapi-key-file",
+        s(&pki.client_key),
+    ];
+    let _w = worker(&pki, &cp, &id).await;
+    demo(&client(&pki, &cp, true, None)).await;
+    let r = router(&pki, &cp, &pki.ca, &id).await;
+    let (status, body) = get_p1(&r).await;
+    assert_eq!(status, 200, "{body}");
+    let anonymous = router(&pki, &cp, &pki.ca, &[]).await;
+    let (status, body) = get_p1(&anonymous).await;
+    assert_eq!((status, body.as_str()), (503, "actor demo/p1 unavailable"));
+    assert!(
+        anonymous
+            .metric(
+                "atenet_router_resume_attempts_total",
+                &[("code", "UNAVAILABLE")]
+            )
+            .await
+            > 1.0,
+        "retried under the budget"
+    );
+}
+
+impl Pki {
+    /// Client certificates are issued by the same CA here.
+    fn client_ca(&self) -> PathBuf {
+        self.ca.clone()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_plane_not_signed_by_the_pinned_ca_is_unavailable() {
+    let pki = pki();
+    let cp = control_plane(&pki, &[]).await;
+    let r = router(&pki, &cp, &pki.other_ca, &[]).await;
+    let (status, body) = get_p1(&r).await;
+    assert_eq!((status, body.as_str()), (503, "actor demo/p1 unavailable"));
+    assert!(
+        r.metric(
+            "atenet_router_resume_attempts_total",
+            &[("code", "UNAVAILABLE")]
+        )
+        .await
+            > 1.0,
+        "each attempt Unavailable, retried under the budget"
+    );
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+fn es256(pki: &Pki, claims: &serde_json::Value) -> String {
+    let key = jsonwebtoken::EncodingKey::from_ec_pem(&pki.jwt_private).unwrap();
+    jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::ES256),
+        claims,
+        &key,
+    )
+    .unwrap()
+}
+
+fn b64(v: &serde_json::Value) -> String {
+    use base64_url::encode;
+    encode(&serde_json::to_vec(v).unwrap())
+}
+
+mod base64_url {
+    /// Unpadded base64url, enough for hand-made tokens.
+    pub(crate) fn encode(bytes: &[u8]) -> String {
+        const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+        let mut out = String::new();
+        for chunk in bytes.chunks(3) {
+            let n = chunk
+                .iter()
+                .enumerate()
+                .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
+            for i in 0..=chunk.len() {
+                out.push(A[(n >> (18 - 6 * i) & 63) as usize] as char);
+            }
+        }
+        out
+    }
+}
+
+/// Points the symlink `link` at a new file holding `token`, atomically (the way
+/// Kubernetes rotates projected tokens).
+fn swap_token(dir: &Path, link: &Path, token: &str) {
+    let n = rand_suffix();
+    let file = dir.join(format!("token-{n}"));
+    std::fs::write(&file, token).unwrap();
+    let next = dir.join(format!("link-{n}"));
+    std::os::unix::fs::symlink(&file, &next).unwrap();
+    std::fs::rename(&next, link).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_tokens_get_401_and_are_not_retried_and_a_swapped_token_is_used() {
+    let pki = pki();
+    let good = |pki: &Pki| {
+        es256(
+            pki,
+            &serde_json::json!({"sub": "router", "aud": "valet", "iss": "test", "exp": now() + 3600}),
+        )
+    };
+    let tokens = pki.dir.path().join("tokens");
+    std::fs::create_dir(&tokens).unwrap();
+    let link = tokens.join("token");
+    swap_token(&tokens, &link, &good(&pki));
+
+    let cp = control_plane(
+        &pki,
+        &[
+            "--jwt-public-key-file",
+            s(&pki.jwt_public),
+            "--jwt-audience",
+            "valet",
+            "--jwt-issuer",
+            "test",
+        ],
+    )
+    .await;
+    let jwt = ["--ateapi-auth", "jwt", "--ateapi-token-file", s(&link)];
+    let _w = worker(&pki, &cp, &jwt).await;
+    demo(&client(&pki, &cp, false, Some(&link))).await;
+    // Without a token at all: Unauthenticated.
+    let anonymous = client(&pki, &cp, false, None)
+        .list_atespaces(())
+        .await
+        .unwrap_err();
+    assert_eq!(anonymous.code(), tonic::Code::Unauthenticated);
+
+    let r = router(&pki, &cp, &pki.ca, &jwt).await;
+    let t = now();
+    let header = |alg: &str| serde_json::json!({"alg": alg, "typ": "JWT"});
+    let claims = serde_json::json!({"aud": "valet", "iss": "test", "exp": t + 3600});
+    let hmac = jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+        &claims,
+        // The classic confusion: the public key's bytes as an HMAC secret.
+        &jsonwebtoken::EncodingKey::from_secret(&std::fs::read(&pki.jwt_public).unwrap()),
+    )
+    .unwrap();
+    let bad = [
+        (
+            "expired",
+            es256(
+                &pki,
+                &serde_json::json!({"aud": "valet", "iss": "test", "exp": t - 3600}),
+            ),
+        ),
+        (
+            "not yet valid",
+            es256(
+                &pki,
+                &serde_json::json!({"aud": "valet", "iss": "test", "exp": t + 7200, "nbf": t + 3600}),
+            ),
+        ),
+        (
+            "wrong audience",
+            es256(
+                &pki,
+                &serde_json::json!({"aud": "other", "iss": "test", "exp": t + 3600}),
+            ),
+        ),
+        (
+            "wrong issuer",
+            es256(
+                &pki,
+                &serde_json::json!({"aud": "valet", "iss": "other", "exp": t + 3600}),
+            ),
+        ),
+        (
+            "alg none",
+            format!("{}.{}.", b64(&header("none")), b64(&claims)),
+        ),
+        ("HMAC", hmac),
+    ];
+    for (i, (what, token)) in bad.iter().enumerate() {
+        swap_token(&tokens, &link, token);
+        let (status, body) = get_p1(&r).await;
+        assert_eq!(
+            (status, body.as_str()),
+            (401, "actor demo/p1 authentication required"),
+            "{what}"
+        );
+        assert_eq!(
+            r.metric(
+                "atenet_router_resume_attempts_total",
+                &[("code", "UNAUTHENTICATED")]
+            )
+            .await,
+            (i + 1) as f64,
+            "{what}: one attempt, not retried"
+        );
+    }
+    // The good token again, by symlink swap: the next call carries it.
+    swap_token(&tokens, &link, &good(&pki));
+    let (status, body) = get_p1(&r).await;
+    assert_eq!(status, 200, "{body}");
+
+    // No token or key material in the router's status page.
+    let statusz = http_get(r.addrs["admin"], "/statusz", &[]).await.1;
+    for (_, token) in &bad {
+        assert!(!statusz.contains(token.as_str()));
+    }
+    assert!(!statusz.contains(&good(&pki)[..40]));
+}
+
+#[tokio::test]
+async fn bad_tls_flags_are_configuration_errors() {
+    let pki = pki();
+    let garbage = pki.dir.path().join("garbage.pem");
+    std::fs::write(&garbage, "not a key").unwrap();
+    let cases: [(&[&str], &str); 5] = [
+        (
+            &[
+                "router",
+                "--control-plane",
+                "http://127.0.0.1:7070",
+                "--ateapi-auth",
+                "jwt",
+            ],
+            "--ateapi-auth",
+        ),
+        (
+            &["router", "--control-plane", "https://127.0.0.1:7070"],
+            "--ateapi-ca-file",
+        ),
+        (
+            &[
+                "worker",
+                "--control-plane",
+                "https://127.0.0.1:7070",
+                "--ateapi-ca-file",
+                "/nonexistent/ca.pem",
+            ],
+            "--ateapi-ca-file",
+        ),
+        (
+            &[
+                "ctl",
+                "--control-plane",
+                "https://127.0.0.1:7070",
+                "--ateapi-ca-file",
+                s(&pki.ca),
+                "--ateapi-auth",
+                "jwt",
+                "atespace",
+                "list",
+            ],
+            "--ateapi-token-file",
+        ),
+        (
+            &[
+                "control-plane",
+                "--tls-cert-file",
+                s(&pki.server_cert),
+                "--tls-key-file",
+                s(&pki.server_key),
+                "--jwt-public-key-file",
+                s(&garbage),
+            ],
+            "--jwt-public-key-file",
+        ),
+    ];
+    for (args, flag) in cases {
+        // A case that starts a server instead would hang: bounded, and killed.
+        let run = tokio::process::Command::new(env!("CARGO_BIN_EXE_valet"))
+            .args(args)
+            .kill_on_drop(true)
+            .output();
+        let out = tokio::time::timeout(WITHIN, run)
+            .await
+            .unwrap_or_else(|_| panic!("{args:?} did not exit"))
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{args:?}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.contains(flag), "{args:?}: {stderr}");
+    }
+}
