@@ -28,6 +28,10 @@ use valet_router::{Decision, Router, Verdict};
 /// The request headers that name the actor; whichever comes last wins (as upstream).
 pub const HOST_HEADERS: [&str; 2] = [":authority", "host"];
 
+/// How long [`ExtProcServer::close`] waits for streams to end before it drops the
+/// server.
+const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Largest ext_proc message accepted (Envoy sends headers only).
 const MAX_MESSAGE_BYTES: usize = 1 << 20;
 
@@ -110,7 +114,17 @@ impl ExtProcServer {
     pub async fn close(&mut self) {
         self.force.cancel();
         self.streams.close();
-        self.streams.wait().await;
+        // A stream ends when hyper next polls its response, which a peer that stopped
+        // reading (no send window) may never allow: bounded, then the server goes.
+        if tokio::time::timeout(CLOSE_WAIT, self.streams.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                streams = self.streams.len(),
+                "ext_proc streams still open at close; they end with the process"
+            );
+        }
         if let Some(done) = self.done.take() {
             done.abort();
             let _ = done.await;

@@ -183,6 +183,7 @@ enum Protocol {
 /// client closed before sending a byte.
 async fn sniff(stream: &TcpStream) -> std::io::Result<Option<Protocol>> {
     let mut buf = [0u8; H2_PREFACE.len()];
+    let mut pause = Duration::from_millis(2);
     loop {
         let n = stream.peek(&mut buf).await?;
         if n == 0 {
@@ -195,8 +196,11 @@ async fn sniff(stream: &TcpStream) -> std::io::Result<Option<Protocol>> {
             return Ok(Some(Protocol::Http2));
         }
         // A prefix of the preface so far: the peek would see the same bytes again at
-        // once, so give the rest a moment to arrive (the caller bounds the whole wait).
-        tokio::time::sleep(Duration::from_millis(2)).await;
+        // once, so give the rest a moment to arrive, backing off (2 ms doubling to
+        // 200 ms) so a client that stalls mid-preface costs little; the caller bounds
+        // the whole wait.
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(200));
     }
 }
 
@@ -326,7 +330,12 @@ fn own_head<B>(req: Request<B>) -> Request<B> {
         buf.extend_from_slice(v.as_bytes());
     }
     let all = buf.freeze();
-    if let Ok(uri) = http::Uri::from_maybe_shared(all.slice(..uri_len)) {
+    // Printing and parsing back is exact for every HTTP/1 form; an h2 request's URI is
+    // assembled from pseudo-headers and may not survive it (`OPTIONS *` would print
+    // as `http://host*`): then the original stays.
+    if let Ok(uri) = http::Uri::from_maybe_shared(all.slice(..uri_len))
+        && uri == parts.uri
+    {
         parts.uri = uri;
     }
     let mut at = uri_len;
@@ -521,6 +530,25 @@ mod tests {
         let all: Vec<_> = owned.headers().get_all("x-multi").iter().collect();
         assert_eq!(all, ["one", "two"]);
         assert!(owned.headers()["authorization"].is_sensitive());
+    }
+
+    #[test]
+    fn an_h2_uri_that_does_not_print_back_is_kept_as_it_was() {
+        // As hyper's h2 server assembles `OPTIONS *` from its pseudo-headers.
+        let uri = http::Uri::builder()
+            .scheme("http")
+            .authority("p1.demo.example")
+            .path_and_query("*")
+            .build()
+            .unwrap();
+        let req = http::Request::builder()
+            .method("OPTIONS")
+            .uri(uri.clone())
+            .body(())
+            .unwrap();
+        let owned = own_head(req);
+        assert_eq!(owned.uri(), &uri);
+        assert_eq!(owned.uri().authority().unwrap(), "p1.demo.example");
     }
 
     #[test]

@@ -699,7 +699,15 @@ pub(crate) fn parse_error_exit(e: &clap::Error) -> ExitCode {
                 .lines()
                 .find(|l| !l.trim().is_empty())
                 .unwrap_or("invalid command line");
-            eprintln!("{line}");
+            // The rule of an enumerated flag is its possible values: on the same line.
+            match rendered
+                .lines()
+                .map(str::trim)
+                .find(|l| l.starts_with("[possible values:"))
+            {
+                Some(values) => eprintln!("{line} {values}"),
+                None => eprintln!("{line}"),
+            }
             ExitCode::from(EXIT_CONFIG)
         }
     }

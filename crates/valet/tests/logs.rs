@@ -8,11 +8,28 @@ use tokio::process::Command;
 
 #[tokio::test]
 async fn json_logs_go_to_stderr_and_listening_lines_stay_plain() {
+    let lines = control_plane_log(&["--log-format", "json", "--log-level", "info"]).await;
+    assert!(!lines.is_empty(), "the control plane logs its start");
+    for l in &lines {
+        let v: serde_json::Value =
+            serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"));
+        assert!(v["level"].is_string() && v["message"].is_string(), "{l}");
+        assert!(v["timestamp"].is_string(), "{l}");
+    }
+    assert!(
+        lines.iter().any(|l| l.contains("control plane serving")),
+        "{lines:?}"
+    );
+}
+
+/// Starts `valet control-plane` with `flags`, stops it with SIGTERM once it listens,
+/// and returns its stderr lines.
+async fn control_plane_log(flags: &[&str]) -> Vec<String> {
     let dir = tempfile::tempdir().unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_valet"))
         .args(["control-plane", "--listen", "127.0.0.1:0", "--data-dir"])
         .arg(dir.path().join("data"))
-        .args(["--log-format", "json", "--log-level", "info"])
+        .args(flags)
         .env_remove("VALET_LOG")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -46,36 +63,23 @@ async fn json_logs_go_to_stderr_and_listening_lines_stay_plain() {
         lines.push(l);
     }
     assert!(child.wait().await.unwrap().success());
-    assert!(!lines.is_empty(), "the control plane logs its start");
-    for l in &lines {
-        let v: serde_json::Value =
-            serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"));
-        assert!(v["level"].is_string() && v["message"].is_string(), "{l}");
-        assert!(v["timestamp"].is_string(), "{l}");
-    }
-    assert!(
-        lines.iter().any(|l| l.contains("control plane serving")),
-        "{lines:?}"
-    );
+    lines
 }
 
 #[tokio::test]
 async fn log_level_warn_drops_info_and_text_is_not_json() {
-    let out = Command::new(env!("CARGO_BIN_EXE_valet"))
-        .args([
-            "envoy-bootstrap",
-            "--log-format",
-            "text",
-            "--log-level",
-            "warn",
-        ])
-        .output()
-        .await
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!stderr.contains("INFO"), "{stderr}");
-    assert!(!stderr.trim_start().starts_with('{'), "{stderr}");
+    let info = control_plane_log(&["--log-format", "text", "--log-level", "info"]).await;
+    assert!(
+        info.iter()
+            .any(|l| l.contains("INFO") && l.contains("control plane serving")),
+        "{info:?}"
+    );
+    assert!(
+        info.iter().all(|l| !l.trim_start().starts_with('{')),
+        "{info:?}"
+    );
+    let warn = control_plane_log(&["--log-format", "text", "--log-level", "warn"]).await;
+    assert!(warn.iter().all(|l| !l.contains("INFO")), "{warn:?}");
 }
 
 #[tokio::test]
@@ -94,5 +98,8 @@ async fn a_bad_log_flag_is_a_configuration_error() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
         assert!(stderr.contains(flag) && stderr.contains(value), "{stderr}");
+        if flag == "--log-format" {
+            assert!(stderr.contains("[possible values: json, text]"), "{stderr}");
+        }
     }
 }
