@@ -18,12 +18,69 @@ pub const DFP_CLUSTER: &str = "dynamic_forward_proxy_cluster";
 const MIN_IDLE: Duration = Duration::from_secs(300);
 
 /// Where Envoy listens, besides what the router's configuration says.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct EnvoyListeners {
     /// Envoy's HTTP listener.
     pub http: SocketAddr,
     /// Envoy's admin interface.
     pub admin: SocketAddr,
+    /// Envoy's HTTPS listener, when on.
+    pub https: Option<EnvoyHttps>,
+}
+
+/// Envoy's HTTPS listener: the same rules as the router's own HTTPS ingress.
+#[derive(Debug, Clone)]
+pub struct EnvoyHttps {
+    /// Its address.
+    pub addr: SocketAddr,
+    /// PEM certificate chain and key files (Envoy reads them itself).
+    pub cert_file: std::path::PathBuf,
+    /// The key of `cert_file`.
+    pub key_file: std::path::PathBuf,
+    /// PEM CA client certificates must chain to (then required).
+    pub client_ca_file: Option<std::path::PathBuf>,
+    /// SPIFFE IDs admitted: exact, or (ending in `/`) as a prefix of whole segments.
+    pub allowed_spiffe_ids: Vec<String>,
+}
+
+/// The DownstreamTlsContext of the HTTPS listener. Envoy cannot require exactly one
+/// URI SAN; it admits a certificate with any URI SAN that matches.
+fn downstream_tls(h: &EnvoyHttps) -> Value {
+    let file = |p: &std::path::Path| json!({ "filename": p.display().to_string() });
+    let mut common = json!({
+        "alpn_protocols": ["h2", "http/1.1"],
+        "tls_certificates": [{
+            "certificate_chain": file(&h.cert_file),
+            "private_key": file(&h.key_file),
+        }],
+    });
+    if let Some(ca) = &h.client_ca_file {
+        let mut validation = json!({ "trusted_ca": file(ca) });
+        if !h.allowed_spiffe_ids.is_empty() {
+            let matchers: Vec<Value> = h
+                .allowed_spiffe_ids
+                .iter()
+                .map(|id| {
+                    let m = if id.ends_with('/') {
+                        json!({ "prefix": id })
+                    } else {
+                        json!({ "exact": id })
+                    };
+                    json!({ "san_type": "URI", "matcher": m })
+                })
+                .collect();
+            validation["match_typed_subject_alt_names"] = Value::Array(matchers);
+        }
+        common["validation_context"] = validation;
+    }
+    json!({
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+            "require_client_certificate": h.client_ca_file.is_some(),
+            "common_tls_context": common,
+        }
+    })
 }
 
 /// Why no bootstrap can be made.
@@ -78,7 +135,7 @@ pub fn bootstrap(config: &RouterConfig, envoy: EnvoyListeners) -> Result<Value, 
         }
     });
     let max_requests = config.extproc_max_requests();
-    Ok(json!({
+    let mut doc = json!({
         "admin": { "address": socket(envoy.admin) },
         "static_resources": {
             "listeners": [{
@@ -189,7 +246,20 @@ pub fn bootstrap(config: &RouterConfig, envoy: EnvoyListeners) -> Result<Value, 
                 }
             ]
         }
-    }))
+    });
+    if let Some(h) = &envoy.https {
+        // The HTTP listener's filters, behind TLS.
+        let mut https = doc["static_resources"]["listeners"][0].clone();
+        https["name"] = json!("ingress_https_listener");
+        https["address"] = socket(h.addr);
+        https["filter_chains"][0]["filters"][0]["typed_config"]["stat_prefix"] =
+            json!("ingress_https");
+        https["filter_chains"][0]["transport_socket"] = downstream_tls(h);
+        if let Some(listeners) = doc["static_resources"]["listeners"].as_array_mut() {
+            listeners.push(https);
+        }
+    }
+    Ok(doc)
 }
 
 /// The bootstrap as YAML, with a header saying what it was derived from.

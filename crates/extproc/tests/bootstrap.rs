@@ -12,6 +12,7 @@ fn doc(flags: &[&str]) -> Yaml {
     let listeners = EnvoyListeners {
         http: "0.0.0.0:10000".parse().unwrap(),
         admin: "127.0.0.1:9901".parse().unwrap(),
+        https: None,
     };
     let text = bootstrap_yaml(&config, listeners).unwrap();
     let mut docs =
@@ -155,6 +156,7 @@ fn needs_a_fixed_extproc_port() {
     let listeners = EnvoyListeners {
         http: "0.0.0.0:10000".parse().unwrap(),
         admin: "127.0.0.1:9901".parse().unwrap(),
+        https: None,
     };
     for flags in [
         ["--extproc-listen", ""],
@@ -164,10 +166,77 @@ fn needs_a_fixed_extproc_port() {
             .unwrap()
             .resolve()
             .unwrap();
-        let e = bootstrap_yaml(&config, listeners).unwrap_err();
+        let e = bootstrap_yaml(&config, listeners.clone()).unwrap_err();
         assert!(
             e.0.starts_with("invalid configuration: --extproc-listen"),
             "{e}"
         );
     }
+}
+
+#[test]
+fn an_https_listener_enforces_client_certificates_and_the_spiffe_allowlist() {
+    use valet_extproc::bootstrap::EnvoyHttps;
+    let config = RouterArgs::try_parse_flags(["--extproc-listen", "127.0.0.1:50051"])
+        .unwrap()
+        .resolve()
+        .unwrap();
+    let listeners = EnvoyListeners {
+        http: "0.0.0.0:10000".parse().unwrap(),
+        admin: "127.0.0.1:9901".parse().unwrap(),
+        https: Some(EnvoyHttps {
+            addr: "0.0.0.0:10443".parse().unwrap(),
+            cert_file: "/etc/valet/tls.crt".into(),
+            key_file: "/etc/valet/tls.key".into(),
+            client_ca_file: Some("/etc/valet/clients-ca.crt".into()),
+            allowed_spiffe_ids: vec![
+                "spiffe://cluster.local/ns/apps/".into(),
+                "spiffe://cluster.local/ns/ops/sa/admin".into(),
+            ],
+        }),
+    };
+    let text = bootstrap_yaml(&config, listeners).unwrap();
+    let d = YamlLoader::load_from_str(&text).unwrap().remove(0);
+    let https = &d["static_resources"]["listeners"][1];
+    assert_eq!(https["name"].as_str(), Some("ingress_https_listener"));
+    assert_eq!(
+        https["address"]["socket_address"]["port_value"].as_i64(),
+        Some(10443)
+    );
+    let tls = &https["filter_chains"][0]["transport_socket"]["typed_config"];
+    assert_eq!(tls["require_client_certificate"].as_bool(), Some(true));
+    let common = &tls["common_tls_context"];
+    let alpn: Vec<&str> = common["alpn_protocols"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .filter_map(Yaml::as_str)
+        .collect();
+    assert_eq!(alpn, ["h2", "http/1.1"]);
+    assert_eq!(
+        common["tls_certificates"][0]["certificate_chain"]["filename"].as_str(),
+        Some("/etc/valet/tls.crt")
+    );
+    let v = &common["validation_context"];
+    assert_eq!(
+        v["trusted_ca"]["filename"].as_str(),
+        Some("/etc/valet/clients-ca.crt")
+    );
+    let m = v["match_typed_subject_alt_names"].as_vec().unwrap();
+    assert_eq!(m[0]["san_type"].as_str(), Some("URI"));
+    assert_eq!(
+        m[0]["matcher"]["prefix"].as_str(),
+        Some("spiffe://cluster.local/ns/apps/")
+    );
+    assert_eq!(
+        m[1]["matcher"]["exact"].as_str(),
+        Some("spiffe://cluster.local/ns/ops/sa/admin")
+    );
+    // The same filters as the HTTP listener: the ext_proc decision applies to both.
+    let filters =
+        |l: &Yaml| l["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"].clone();
+    assert_eq!(
+        filters(https),
+        filters(&d["static_resources"]["listeners"][0])
+    );
 }

@@ -35,7 +35,7 @@ const HOP_BY_HOP: &[&str] = &[
     "upgrade",
 ];
 
-fn full(status: StatusCode, content_type: &str, body: String) -> Response<Body> {
+pub(crate) fn full(status: StatusCode, content_type: &str, body: String) -> Response<Body> {
     Response::builder()
         .status(status)
         .header(header::CONTENT_TYPE, content_type)

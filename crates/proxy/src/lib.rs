@@ -18,5 +18,6 @@
 mod body;
 mod forward;
 mod server;
+pub mod tls;
 
 pub use server::{HttpServer, Limits};

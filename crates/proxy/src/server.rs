@@ -18,7 +18,8 @@ use valet_router::status::RouteRecord;
 use valet_router::{Decision, Denial, Router, Verdict};
 
 use crate::body::{Held, RequestBody};
-use crate::forward::{Body, Outgoing, Sent, render};
+use crate::forward::{Body, Outgoing, Sent, full, render};
+use crate::tls::IngressTls;
 
 /// Explicit input limits of the data plane.
 #[derive(Debug, Clone, Copy)]
@@ -78,8 +79,29 @@ pub struct HttpServer {
 }
 
 impl HttpServer {
-    /// Starts serving on `listener`.
+    /// Starts serving plaintext HTTP/1.1 and h2c on `listener`.
     pub fn spawn(listener: TcpListener, router: Router, limits: Limits) -> std::io::Result<Self> {
+        Self::spawn_with(listener, router, limits, None)
+    }
+
+    /// Starts serving HTTPS on `listener` (ALPN `h2` and `http/1.1`); a client
+    /// certificate the allowlist refuses gets 403 for every request, before any
+    /// control-plane call.
+    pub fn spawn_https(
+        listener: TcpListener,
+        router: Router,
+        limits: Limits,
+        tls: IngressTls,
+    ) -> std::io::Result<Self> {
+        Self::spawn_with(listener, router, limits, Some(tls))
+    }
+
+    fn spawn_with(
+        listener: TcpListener,
+        router: Router,
+        limits: Limits,
+        tls: Option<IngressTls>,
+    ) -> std::io::Result<Self> {
         let addr = listener.local_addr()?;
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
@@ -102,6 +124,7 @@ impl HttpServer {
         let connections = TaskTracker::new();
         connections.spawn(accept_loop(
             listener,
+            tls,
             shared,
             stop.clone(),
             force.clone(),
@@ -206,6 +229,7 @@ async fn sniff(stream: &TcpStream) -> std::io::Result<Option<Protocol>> {
 
 async fn accept_loop(
     listener: TcpListener,
+    tls: Option<IngressTls>,
     shared: Arc<Shared>,
     stop: CancellationToken,
     force: CancellationToken,
@@ -241,44 +265,137 @@ async fn accept_loop(
         let shared = Arc::clone(&shared);
         let (http1, http2) = (http1.clone(), http2.clone());
         let (stop, force) = (stop.clone(), force.clone());
+        let tls = tls.clone();
         connections.spawn(async move {
-            // A connection that has sent nothing has no request to lose: a drain
-            // closes it.
-            let protocol = tokio::select! {
-                sniffed = tokio::time::timeout(HEADER_READ_TIMEOUT, sniff(&stream)) => match sniffed {
-                    Ok(Ok(Some(p))) => p,
-                    Ok(Ok(None)) => return,
-                    Ok(Err(e)) => {
-                        tracing::debug!(%peer, error = %e, "connection failed before a request");
-                        return;
-                    }
-                    Err(_) => {
-                        tracing::debug!(%peer, "no request within the header read timeout");
-                        return;
-                    }
-                },
-                () = stop.cancelled() => return,
+            let conn = Conn {
+                shared,
+                peer,
+                http1,
+                http2,
+                stop,
+                force,
             };
-            let service = hyper::service::service_fn(move |req| {
-                // Before hyper reads on: see `own_head`.
-                let req = own_head(req);
-                let shared = Arc::clone(&shared);
-                async move { Ok::<_, Infallible>(handle(&shared, req, peer).await) }
-            });
-            let io = TokioIo::new(stream);
-            // Boxed, each sized to its protocol: the task's own future stays small
-            // instead of the larger of the two.
-            match protocol {
-                Protocol::Http1 => {
-                    let conn = http1.serve_connection(io, service).with_upgrades();
-                    Box::pin(drive(conn, |c| c.graceful_shutdown(), peer, &stop, &force)).await;
-                }
-                Protocol::Http2 => {
-                    let conn = http2.serve_connection(io, service);
-                    Box::pin(drive(conn, |c| c.graceful_shutdown(), peer, &stop, &force)).await;
-                }
+            match tls {
+                None => conn.plain(stream).await,
+                Some(tls) => conn.https(stream, tls).await,
             }
         });
+    }
+}
+
+/// One accepted connection and what serving it needs.
+struct Conn {
+    shared: Arc<Shared>,
+    peer: SocketAddr,
+    http1: hyper::server::conn::http1::Builder,
+    http2: hyper::server::conn::http2::Builder<TokioExecutor>,
+    stop: CancellationToken,
+    force: CancellationToken,
+}
+
+impl Conn {
+    async fn plain(self, stream: TcpStream) {
+        let peer = self.peer;
+        // A connection that has sent nothing has no request to lose: a drain
+        // closes it.
+        let protocol = tokio::select! {
+            sniffed = tokio::time::timeout(HEADER_READ_TIMEOUT, sniff(&stream)) => match sniffed {
+                Ok(Ok(Some(p))) => p,
+                Ok(Ok(None)) => return,
+                Ok(Err(e)) => {
+                    tracing::debug!(%peer, error = %e, "connection failed before a request");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!(%peer, "no request within the header read timeout");
+                    return;
+                }
+            },
+            () = self.stop.cancelled() => return,
+        };
+        self.serve(TokioIo::new(stream), protocol, None).await;
+    }
+
+    async fn https(self, stream: TcpStream, tls: IngressTls) {
+        let peer = self.peer;
+        let accepted = tokio::select! {
+            a = tokio::time::timeout(HEADER_READ_TIMEOUT, tls.acceptor.accept(stream)) => a,
+            () = self.stop.cancelled() => return,
+        };
+        let stream = match accepted {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(%peer, "no TLS handshake within the header read timeout");
+                return;
+            }
+        };
+        let (_, session) = stream.get_ref();
+        let protocol = if session.alpn_protocol() == Some(b"h2".as_slice()) {
+            Protocol::Http2
+        } else {
+            Protocol::Http1
+        };
+        let refused = tls.allowlist.as_ref().and_then(|allowlist| {
+            let leaf = session.peer_certificates().and_then(|c| c.first());
+            match leaf {
+                Some(der) => allowlist.check(der).err(),
+                None => Some("no client certificate".to_owned()),
+            }
+        });
+        if let Some(why) = &refused {
+            tracing::info!(%peer, %why, "client certificate refused");
+        }
+        self.serve(TokioIo::new(stream), protocol, refused.map(Arc::from))
+            .await;
+    }
+
+    /// Serves `io` in `protocol`; with `refused`, every request gets 403 and nothing
+    /// reaches the pipeline.
+    async fn serve<I>(self, io: TokioIo<I>, protocol: Protocol, refused: Option<Arc<str>>)
+    where
+        I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let Self {
+            shared,
+            peer,
+            http1,
+            http2,
+            stop,
+            force,
+        } = self;
+        let service = hyper::service::service_fn(move |req| {
+            let refused = refused.clone();
+            // Before hyper reads on: see `own_head`.
+            let req = own_head(req);
+            let shared = Arc::clone(&shared);
+            async move {
+                if let Some(why) = refused {
+                    let body = format!("client certificate not allowed: {why}\n");
+                    return Ok::<_, Infallible>(full(
+                        http::StatusCode::FORBIDDEN,
+                        "text/plain; charset=utf-8",
+                        body,
+                    ));
+                }
+                Ok::<_, Infallible>(handle(&shared, req, peer).await)
+            }
+        });
+        // Boxed, each sized to its protocol: the task's own future stays small
+        // instead of the larger of the two.
+        match protocol {
+            Protocol::Http1 => {
+                let conn = http1.serve_connection(io, service).with_upgrades();
+                Box::pin(drive(conn, |c| c.graceful_shutdown(), peer, &stop, &force)).await;
+            }
+            Protocol::Http2 => {
+                let conn = http2.serve_connection(io, service);
+                Box::pin(drive(conn, |c| c.graceful_shutdown(), peer, &stop, &force)).await;
+            }
+        }
     }
 }
 

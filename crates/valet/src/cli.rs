@@ -271,6 +271,11 @@ pub(crate) struct EnvoyBootstrapArgs {
         value_name = "ADDR"
     )]
     pub(crate) envoy_admin: std::net::SocketAddr,
+
+    /// Envoy's HTTPS listener (here --listen-https is where Envoy serves HTTPS, with
+    /// the ingress certificate files, which Envoy reads itself).
+    #[command(flatten)]
+    pub(crate) ingress: IngressArgs,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -281,6 +286,89 @@ pub(crate) struct RouterCmd {
     /// Validate the configuration, print the effective flags and exit.
     #[arg(long)]
     pub(crate) check: bool,
+
+    #[command(flatten)]
+    pub(crate) ingress: IngressArgs,
+}
+
+/// HTTPS ingress of the built-in data plane.
+#[derive(Debug, Clone, Default, Args)]
+pub(crate) struct IngressArgs {
+    /// Address of the HTTPS listener (ALPN h2 and http/1.1); empty turns it off.
+    #[arg(
+        long,
+        env = "VALET_LISTEN_HTTPS",
+        default_value = "",
+        value_name = "ADDR"
+    )]
+    pub(crate) listen_https: String,
+    /// PEM certificate chain of the HTTPS listener; without it (and its key) a
+    /// self-signed certificate is generated at start, with a warning.
+    #[arg(
+        long,
+        env = "VALET_INGRESS_TLS_CERT_FILE",
+        value_name = "PATH",
+        requires = "ingress_tls_key_file"
+    )]
+    pub(crate) ingress_tls_cert_file: Option<PathBuf>,
+    /// PEM key of --ingress-tls-cert-file.
+    #[arg(
+        long,
+        env = "VALET_INGRESS_TLS_KEY_FILE",
+        value_name = "PATH",
+        requires = "ingress_tls_cert_file"
+    )]
+    pub(crate) ingress_tls_key_file: Option<PathBuf>,
+    /// PEM CA client certificates must chain to; makes them required.
+    #[arg(long, env = "VALET_INGRESS_CLIENT_CA_FILE", value_name = "PATH")]
+    pub(crate) ingress_client_ca_file: Option<PathBuf>,
+    /// Comma-separated SPIFFE IDs admitted (the client certificate's only URI SAN):
+    /// an entry ending in `/` admits IDs extending it by whole path segments. Others
+    /// get 403 before any control-plane call. Needs --ingress-client-ca-file.
+    #[arg(long, env = "VALET_INGRESS_ALLOWED_SPIFFE_IDS", value_name = "IDS")]
+    pub(crate) ingress_allowed_spiffe_ids: Option<String>,
+}
+
+impl IngressArgs {
+    /// The HTTPS listener's address and TLS, when on; every file read now.
+    pub(crate) fn resolve(
+        &self,
+    ) -> Result<Option<(std::net::SocketAddr, valet_proxy::tls::IngressTls)>, String> {
+        use valet_proxy::tls::{IngressCert, IngressTls, SpiffeAllowlist};
+        if self.listen_https.is_empty() {
+            if self.ingress_tls_cert_file.is_some()
+                || self.ingress_client_ca_file.is_some()
+                || self.ingress_allowed_spiffe_ids.is_some()
+            {
+                return Err("invalid configuration: --listen-https=: the ingress TLS flags need an HTTPS listener".into());
+            }
+            return Ok(None);
+        }
+        let addr: std::net::SocketAddr = self.listen_https.parse().map_err(|_| {
+            format!(
+                "invalid configuration: --listen-https={}: must be <ip>:<port> (port 0 picks one), or empty to turn it off",
+                self.listen_https
+            )
+        })?;
+        let allowlist = match &self.ingress_allowed_spiffe_ids {
+            Some(ids) => Some(SpiffeAllowlist::parse(ids).map_err(|why| {
+                format!("invalid configuration: --ingress-allowed-spiffe-ids={ids}: {why}")
+            })?),
+            None => None,
+        };
+        let cert = match (&self.ingress_tls_cert_file, &self.ingress_tls_key_file) {
+            (Some(cert), Some(key)) => IngressCert::Files { cert, key },
+            _ => {
+                tracing::warn!(
+                    "no --ingress-tls-cert-file: the HTTPS listener serves a self-signed certificate generated at start"
+                );
+                IngressCert::SelfSigned(vec!["localhost".into(), addr.ip().to_string()])
+            }
+        };
+        let tls = IngressTls::new(cert, self.ingress_client_ca_file.as_deref(), allowlist)
+            .map_err(|e| e.to_string())?;
+        Ok(Some((addr, tls)))
+    }
 }
 
 #[derive(Debug, Clone, Args)]

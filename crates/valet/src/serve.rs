@@ -15,7 +15,8 @@ use crate::admin::{self, Health};
 /// The router with everything it serves.
 pub(crate) struct RunningRouter {
     router: Router,
-    http: Option<HttpServer>,
+    /// The plaintext and the HTTPS listeners of the built-in data plane, when on.
+    http: Vec<HttpServer>,
     extproc: Option<ExtProcServer>,
     admin: Option<tokio::task::JoinHandle<()>>,
     probe: tokio::task::JoinHandle<()>,
@@ -34,7 +35,10 @@ async fn bind(flag: &str, addr: SocketAddr) -> Result<TcpListener, String> {
 impl RunningRouter {
     /// Binds every configured listener and starts serving; prints one
     /// `listening <part> <address>` line per listener.
-    pub(crate) async fn start(config: RouterConfig) -> Result<Self, String> {
+    pub(crate) async fn start(
+        config: RouterConfig,
+        https: Option<(SocketAddr, valet_proxy::tls::IngressTls)>,
+    ) -> Result<Self, String> {
         let config = Arc::new(config);
         let cp = GrpcControlPlane::connect_lazy(config.control_plane(), config.credentials())
             .map_err(|e| format!("--control-plane={}: {e}", config.control_plane()))?;
@@ -56,6 +60,17 @@ impl RunningRouter {
             }
             None => None,
         };
+        let https = match https {
+            Some((addr, tls)) => {
+                let l = bind("--listen-https", addr).await?;
+                let server = HttpServer::spawn_https(l, router.clone(), Limits::default(), tls)
+                    .map_err(|e| format!("--listen-https={addr}: {e}"))?;
+                listeners.push(("router-https", server.local_addr()));
+                Some(server)
+            }
+            None => None,
+        };
+        let http: Vec<HttpServer> = http.into_iter().chain(https).collect();
         let extproc = match config.extproc_listen() {
             Some(addr) => {
                 let l = bind("--extproc-listen", addr).await?;
@@ -131,7 +146,7 @@ impl RunningRouter {
         self.health.set_draining();
         tracing::info!(delay = ?config.drain_delay(), "draining: readiness fails");
         tokio::time::sleep(config.drain_delay()).await;
-        if let Some(http) = &self.http {
+        for http in &self.http {
             http.stop_accepting();
         }
         if let Some(extproc) = &self.extproc {
@@ -152,7 +167,7 @@ impl RunningRouter {
             ..
         } = self;
         {
-            let mut drained = std::pin::pin!(planes_drained(http.as_ref(), extproc.as_mut()));
+            let mut drained = std::pin::pin!(planes_drained(&http, extproc.as_mut()));
             if tokio::time::timeout(config.drain_timeout(), &mut drained)
                 .await
                 .is_ok()
@@ -164,7 +179,7 @@ impl RunningRouter {
                     "drain timeout: answering what still waits with 'router shutting down'"
                 );
                 router.cut_off_waiting();
-                if let Some(http) = &http {
+                for http in &http {
                     http.close_tunnels();
                 }
                 if tokio::time::timeout(CUT_OFF_GRACE, &mut drained)
@@ -175,7 +190,7 @@ impl RunningRouter {
                 }
             }
         }
-        if let Some(http) = &http {
+        for http in &http {
             http.close().await;
         }
         if let Some(extproc) = extproc.as_mut() {
@@ -197,10 +212,10 @@ impl RunningRouter {
 pub(crate) const CUT_OFF_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Resolves once every connection, tunnel and stream of both data planes has ended.
-async fn planes_drained(http: Option<&HttpServer>, extproc: Option<&mut ExtProcServer>) {
+async fn planes_drained(http: &[HttpServer], extproc: Option<&mut ExtProcServer>) {
     let http = async {
-        if let Some(http) = http {
-            http.drained().await;
+        for h in http {
+            h.drained().await;
         }
     };
     let extproc = async {

@@ -501,3 +501,172 @@ async fn bad_tls_flags_are_configuration_errors() {
         assert!(stderr.contains(flag), "{args:?}: {stderr}");
     }
 }
+
+/// A client certificate signed by `authority` with these URI SANs (SPIFFE IDs).
+fn spiffe_client(
+    authority: &CertifiedIssuer<'static, KeyPair>,
+    uris: &[&str],
+) -> (
+    Vec<rustls_pki_types::CertificateDer<'static>>,
+    rustls_pki_types::PrivateKeyDer<'static>,
+) {
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    for u in uris {
+        params.subject_alt_names.push(rcgen::SanType::URI(
+            rcgen::string::Ia5String::try_from(*u).unwrap(),
+        ));
+    }
+    let cert = params.signed_by(&key, authority).unwrap();
+    (
+        vec![cert.der().clone()],
+        rustls_pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+    )
+}
+
+/// One GET over HTTPS with `alpn`, presenting `identity`; the status and the HTTP
+/// version answered, or `None` when the TLS handshake fails.
+async fn https_get(
+    addr: std::net::SocketAddr,
+    ca: &Path,
+    identity: Option<(
+        Vec<rustls_pki_types::CertificateDer<'static>>,
+        rustls_pki_types::PrivateKeyDer<'static>,
+    )>,
+    alpn: &[u8],
+) -> Option<(u16, http::Version)> {
+    use rustls_pki_types::pem::PemObject;
+    use tokio_rustls::rustls::{ClientConfig, RootCertStore, crypto::ring};
+    let mut roots = RootCertStore::empty();
+    for c in rustls_pki_types::CertificateDer::pem_file_iter(ca).unwrap() {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let builder =
+        ClientConfig::builder_with_provider(std::sync::Arc::new(ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots);
+    let mut config = match identity {
+        Some((chain, key)) => builder.with_client_auth_cert(chain, key).unwrap(),
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = vec![alpn.to_vec()];
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
+    let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect(name, tcp)
+        .await
+        .ok()?;
+    let io = hyper_util::rt::TokioIo::new(tls);
+    let req = |uri: &str| {
+        http::Request::builder()
+            .uri(uri)
+            .header("host", host("p1"))
+            .body(http_body_util::Empty::<bytes::Bytes>::new())
+            .unwrap()
+    };
+    let resp = if alpn == b"h2" {
+        let (mut send, conn) =
+            hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), io)
+                .await
+                .ok()?;
+        tokio::spawn(conn);
+        send.send_request(req(&format!("https://{}/", host("p1"))))
+            .await
+            .ok()?
+    } else {
+        let (mut send, conn) = hyper::client::conn::http1::handshake(io).await.ok()?;
+        tokio::spawn(conn);
+        send.send_request(req("/")).await.ok()?
+    };
+    Some((resp.status().as_u16(), resp.version()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_ingress_speaks_both_protocols_and_checks_spiffe_ids() {
+    let pki = pki();
+    // The client certificates' CA (also the server's here).
+    let authority = ca("ingress clients CA");
+    let clients_ca = pki.dir.path().join("clients-ca.pem");
+    std::fs::write(&clients_ca, authority.as_ref().pem()).unwrap();
+    let args = [
+        "router",
+        "--listen",
+        "",
+        "--extproc-listen",
+        "",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--listen-https",
+        "127.0.0.1:0",
+        "--ingress-tls-cert-file",
+        s(&pki.server_cert),
+        "--ingress-tls-key-file",
+        s(&pki.server_key),
+        "--ingress-client-ca-file",
+        s(&clients_ca),
+        "--ingress-allowed-spiffe-ids",
+        "spiffe://cluster.local/ns/apps/,spiffe://cluster.local/ns/ops/sa/admin",
+        // No control plane listens here: an admitted request parks and gets 503.
+        "--control-plane",
+        "http://127.0.0.1:9",
+        "--parked-request-budget",
+        "200ms",
+    ];
+    let r = Proc::start("admin", &args).await;
+    let addr = r.addrs["router-https"];
+    let attempts = || r.metric("atenet_router_resume_attempts_total", &[]);
+
+    let admitted = [
+        &["spiffe://cluster.local/ns/ops/sa/admin"][..],
+        &["spiffe://cluster.local/ns/apps/sa/x"][..],
+    ];
+    for uris in admitted {
+        for alpn in [&b"h2"[..], &b"http/1.1"[..]] {
+            let before = attempts().await;
+            let (status, version) =
+                https_get(addr, &pki.ca, Some(spiffe_client(&authority, uris)), alpn)
+                    .await
+                    .unwrap_or_else(|| panic!("{uris:?}: handshake failed"));
+            assert_eq!(status, 503, "{uris:?} reaches the pipeline");
+            let expected = if alpn == b"h2" {
+                http::Version::HTTP_2
+            } else {
+                http::Version::HTTP_11
+            };
+            assert_eq!(version, expected, "ALPN {}", String::from_utf8_lossy(alpn));
+            assert!(
+                attempts().await > before,
+                "{uris:?}: the control plane was asked"
+            );
+        }
+    }
+    let refused = [
+        &["spiffe://cluster.local/ns/apps-evil/sa/x"][..],
+        &[
+            "spiffe://cluster.local/ns/apps/sa/x",
+            "spiffe://cluster.local/ns/ops/sa/admin",
+        ][..],
+        &[][..],
+        &["spiffe://cluster.local/ns/ops/sa/admin2"][..],
+    ];
+    for uris in refused {
+        let before = attempts().await;
+        let (status, _) = https_get(
+            addr,
+            &pki.ca,
+            Some(spiffe_client(&authority, uris)),
+            b"http/1.1",
+        )
+        .await
+        .unwrap_or_else(|| panic!("{uris:?}: handshake failed"));
+        assert_eq!(status, 403, "{uris:?}");
+        assert_eq!(
+            attempts().await,
+            before,
+            "{uris:?}: refused before any control-plane call"
+        );
+    }
+    // No client certificate: the handshake itself fails.
+    assert_eq!(https_get(addr, &pki.ca, None, b"http/1.1").await, None);
+}

@@ -16,13 +16,20 @@ pub(crate) async fn run(cmd: RouterCmd) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
+    let https = match cmd.ingress.resolve() {
+        Ok(h) => h,
+        Err(e) => {
+            eprintln!("valet router: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
     if cmd.check {
         for (flag, value) in config.effective_flags() {
             println!("{flag}={value}");
         }
         return ExitCode::SUCCESS;
     }
-    let running = match RunningRouter::start(config).await {
+    let running = match RunningRouter::start(config, https).await {
         Ok(r) => r,
         Err(e) => {
             eprintln!("valet router: {e}");

@@ -136,7 +136,9 @@ async fn up(
         .resolve()
         .map_err(|e| UpError::Config(e.to_string()))?;
     let domain = config.actor_domain().to_string();
-    let running = RunningRouter::start(config).await.map_err(UpError::Start)?;
+    let running = RunningRouter::start(config, None)
+        .await
+        .map_err(UpError::Start)?;
     let names: Vec<String> = actors.iter().map(ToString::to_string).collect();
     println!(
         "valet up: pool counter with {n} workers; actors {}; data in {}",
