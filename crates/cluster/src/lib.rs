@@ -58,6 +58,18 @@ pub struct ClusterConfig {
     pub metrics_listen: Option<SocketAddr>,
     /// How long the control plane's shutdown waits for operations in progress.
     pub shutdown_timeout: Duration,
+    /// TLS: the control plane's server settings and the workers' credentials; h2c
+    /// when `None`.
+    pub tls: Option<ClusterTls>,
+}
+
+/// TLS inside the embedded cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterTls {
+    /// The control plane's server side.
+    pub server: valet_control::auth::ServerSecurity,
+    /// What the workers present and check.
+    pub client: valet_proto::auth::ClientCredentials,
 }
 
 impl ClusterConfig {
@@ -72,6 +84,7 @@ impl ClusterConfig {
             pools: vec![PoolSpec::new("counter", workers)],
             metrics_listen: None,
             shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
+            tls: None,
         }
     }
 }
@@ -119,14 +132,17 @@ impl Cluster {
             }
             None => (None, None),
         };
+        let (security, credentials, scheme) = match &config.tls {
+            Some(t) => (t.server.clone(), t.client.clone(), "https"),
+            None => (Default::default(), Default::default(), "http"),
+        };
         let server = {
             let (plane, stop) = (plane.clone(), stop.clone());
             let timeout = config.shutdown_timeout;
             tokio::spawn(async move {
                 let shutdown = async move { stop.cancelled().await };
                 if let Err(e) =
-                    valet_control::serve(listener, plane, shutdown, timeout, Default::default())
-                        .await
+                    valet_control::serve(listener, plane, shutdown, timeout, security).await
                 {
                     tracing::error!(error = %e, "control plane failed");
                 }
@@ -136,8 +152,8 @@ impl Cluster {
         for spec in &config.pools {
             for i in 1..=spec.workers {
                 let worker = Worker::spawn(WorkerConfig {
-                    credentials: Default::default(),
-                    control_plane: format!("http://{addr}"),
+                    credentials: credentials.clone(),
+                    control_plane: format!("{scheme}://{addr}"),
                     pool: spec.pool.clone(),
                     listen: SocketAddr::from(([127, 0, 0, 1], 0)),
                     snapshot_dir: config.data_dir.join("snapshots"),

@@ -404,6 +404,21 @@ pub(crate) struct UpArgs {
     #[arg(long, env = "VALET_CONTROL_PLANE_LISTEN", default_value = DEFAULT_CONTROL_PLANE_LISTEN, value_name = "ADDR")]
     pub(crate) control_plane_listen: std::net::SocketAddr,
 
+    /// TLS everywhere on loopback: a throwaway CA and certificates are generated under
+    /// <data-dir>/tls at each start; the control plane serves TLS, workers and router
+    /// verify it, and the router also serves HTTPS on --listen-https.
+    #[arg(long, env = "VALET_TLS")]
+    pub(crate) tls: bool,
+
+    /// The HTTPS listener with --tls; port 0 picks one.
+    #[arg(
+        long,
+        env = "VALET_LISTEN_HTTPS",
+        default_value = "127.0.0.1:8443",
+        value_name = "ADDR"
+    )]
+    pub(crate) listen_https: std::net::SocketAddr,
+
     /// Actors to create (if missing) at start, as atespace/name,...; empty for none.
     #[arg(
         long,

@@ -670,3 +670,45 @@ async fn https_ingress_speaks_both_protocols_and_checks_spiffe_ids() {
     // No client certificate: the handshake itself fails.
     assert_eq!(https_get(addr, &pki.ca, None, b"http/1.1").await, None);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valet_up_with_tls_serves_the_walkthrough_over_https() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let up = common::Up::start_in(dir, &data, &["--tls", "--listen-https", "127.0.0.1:0"]).await;
+    let ca = data.join("tls").join("ca.pem");
+    // The README's first request, over HTTPS, verified against the throwaway CA: the
+    // router resumed p1 through a TLS control plane that its worker reached over TLS.
+    for alpn in [&b"http/1.1"[..], &b"h2"[..]] {
+        let answer = https_get(up.https.expect("an HTTPS listener"), &ca, None, alpn).await;
+        assert_eq!(
+            answer.map(|(s, _)| s),
+            Some(200),
+            "{}",
+            String::from_utf8_lossy(alpn)
+        );
+    }
+    // valet ctl reaches the same control plane over TLS.
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_valet"))
+        .args([
+            "ctl",
+            "--control-plane",
+            &format!("https://{}", up.control_plane),
+            "--ateapi-ca-file",
+            s(&ca),
+            "actor",
+            "list",
+        ])
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        stdout.contains("p1") && stdout.contains("RUNNING"),
+        "{stdout}"
+    );
+    // Plaintext to the control plane is refused now.
+    let plain = common::client(up.control_plane).list_atespaces(()).await;
+    assert!(plain.is_err(), "h2c against a TLS control plane");
+}

@@ -61,8 +61,17 @@ async fn up(
             "invalid configuration: --workers=0: must be >= 1".into(),
         ));
     }
+    let tls = if args.tls {
+        Some(UpTls::generate(&args.data_dir.join("tls")).map_err(UpError::Start)?)
+    } else {
+        None
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    if let Some(t) = &tls {
+        args.router.ateapi.ateapi_ca_file = Some(t.ca.clone());
+    }
     // Validate the router's flags before anything is bound.
-    args.router.control_plane = format!("http://{}", args.control_plane_listen);
+    args.router.control_plane = format!("{scheme}://{}", args.control_plane_listen);
     args.router
         .resolve()
         .map_err(|e| UpError::Config(e.to_string()))?;
@@ -75,6 +84,10 @@ async fn up(
         listen: args.control_plane_listen,
         metrics_listen,
         shutdown_timeout: args.shutdown_timeout,
+        tls: match &tls {
+            Some(t) => Some(t.cluster().map_err(UpError::Start)?),
+            None => None,
+        },
         plane: PlaneConfig {
             capacity_wait: args.capacity_wait == OnOff::On,
             idle_suspend_after: args.idle_suspend_after,
@@ -130,13 +143,17 @@ async fn up(
         }
     }
 
-    args.router.control_plane = format!("http://{cp_addr}");
+    args.router.control_plane = format!("{scheme}://{cp_addr}");
     let config = args
         .router
         .resolve()
         .map_err(|e| UpError::Config(e.to_string()))?;
     let domain = config.actor_domain().to_string();
-    let running = RunningRouter::start(config, None)
+    let https = match &tls {
+        Some(t) => Some((args.listen_https, t.ingress().map_err(UpError::Start)?)),
+        None => None,
+    };
+    let running = RunningRouter::start(config, https)
         .await
         .map_err(UpError::Start)?;
     let names: Vec<String> = actors.iter().map(ToString::to_string).collect();
@@ -156,6 +173,16 @@ async fn up(
             first.atespace()
         );
     }
+    if let (Some(https), Some(first), Some(t)) =
+        (running.addr("router-https"), actors.first(), &tls)
+    {
+        println!(
+            "try: curl --cacert {} -H 'Host: {}.{}.{domain}' https://{https}/",
+            t.ca.display(),
+            first.name(),
+            first.atespace()
+        );
+    }
     if let Some(admin) = running.addr("admin") {
         println!("status: http://{admin}/statusz   metrics: http://{admin}/metrics");
     }
@@ -167,4 +194,84 @@ async fn up(
     cluster.shutdown().await;
     tracing::info!("valet up stopped");
     Ok(())
+}
+
+/// The throwaway PKI of `valet up --tls`: one CA, a certificate for the control plane
+/// and one for the HTTPS ingress, both for `localhost` and `127.0.0.1`.
+struct UpTls {
+    ca: std::path::PathBuf,
+    cp_cert: std::path::PathBuf,
+    cp_key: std::path::PathBuf,
+    ingress_cert: std::path::PathBuf,
+    ingress_key: std::path::PathBuf,
+}
+
+impl UpTls {
+    fn generate(dir: &std::path::Path) -> Result<Self, String> {
+        use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+        let e = |what: &str, err: &dyn std::fmt::Display| format!("--tls: {what}: {err}");
+        std::fs::create_dir_all(dir).map_err(|x| e(&dir.display().to_string(), &x))?;
+        let mut params = CertificateParams::new(Vec::<String>::new()).map_err(|x| e("CA", &x))?;
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "valet up throwaway CA");
+        let key = KeyPair::generate().map_err(|x| e("CA key", &x))?;
+        let ca = CertifiedIssuer::self_signed(params, key).map_err(|x| e("CA", &x))?;
+        let write = |name: &str, pem: &str| -> Result<std::path::PathBuf, String> {
+            let p = dir.join(name);
+            std::fs::write(&p, pem).map_err(|x| e(&p.display().to_string(), &x))?;
+            Ok(p)
+        };
+        let leaf = |name: &str| -> Result<(std::path::PathBuf, std::path::PathBuf), String> {
+            let key = KeyPair::generate().map_err(|x| e(name, &x))?;
+            let cert = CertificateParams::new(vec!["localhost".into(), "127.0.0.1".into()])
+                .and_then(|p| p.signed_by(&key, &ca))
+                .map_err(|x| e(name, &x))?;
+            Ok((
+                write(&format!("{name}.pem"), &cert.pem())?,
+                write(&format!("{name}.key"), &key.serialize_pem())?,
+            ))
+        };
+        let (cp_cert, cp_key) = leaf("control-plane")?;
+        let (ingress_cert, ingress_key) = leaf("ingress")?;
+        Ok(Self {
+            ca: write("ca.pem", &ca.as_ref().pem())?,
+            cp_cert,
+            cp_key,
+            ingress_cert,
+            ingress_key,
+        })
+    }
+
+    fn cluster(&self) -> Result<valet_cluster::ClusterTls, String> {
+        let server = valet_control::auth::server_tls(&self.cp_cert, &self.cp_key, None)
+            .map_err(|x| x.to_string())?;
+        let files = valet_proto::auth::ClientTlsFiles {
+            ca: self.ca.clone(),
+            identity: None,
+            server_name: None,
+        };
+        let client =
+            valet_proto::auth::ClientCredentials::tls(&files, None).map_err(|x| x.to_string())?;
+        Ok(valet_cluster::ClusterTls {
+            server: valet_control::auth::ServerSecurity {
+                tls: Some(server),
+                jwt: None,
+            },
+            client,
+        })
+    }
+
+    fn ingress(&self) -> Result<valet_proxy::tls::IngressTls, String> {
+        valet_proxy::tls::IngressTls::new(
+            valet_proxy::tls::IngressCert::Files {
+                cert: &self.ingress_cert,
+                key: &self.ingress_key,
+            },
+            None,
+            None,
+        )
+        .map_err(|x| x.to_string())
+    }
 }

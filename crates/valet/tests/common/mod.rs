@@ -297,6 +297,8 @@ pub struct Up {
     pub router: SocketAddr,
     pub admin: SocketAddr,
     pub extproc: Option<SocketAddr>,
+    /// The HTTPS listener (with `--tls`).
+    pub https: Option<SocketAddr>,
     /// The control plane's probes and metrics.
     pub metrics: SocketAddr,
     pub dir: tempfile::TempDir,
@@ -363,6 +365,7 @@ impl Up {
             router: found["router"],
             admin: found["admin"],
             extproc: found.get("extproc").copied(),
+            https: found.get("router-https").copied(),
             metrics: found["metrics"],
             dir,
         }
