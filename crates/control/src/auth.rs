@@ -217,6 +217,15 @@ impl JwtVerifier {
             v.leeway = LEEWAY.as_secs();
             v.validate_exp = true;
             v.validate_nbf = true;
+            // A configured audience or issuer must be present, not only match when it is.
+            let mut required = vec!["exp"];
+            if self.audience.is_some() {
+                required.push("aud");
+            }
+            if self.issuer.is_some() {
+                required.push("iss");
+            }
+            v.set_required_spec_claims(&required);
             match &self.audience {
                 Some(aud) => v.set_audience(&[aud]),
                 None => v.validate_aud = false,

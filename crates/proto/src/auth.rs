@@ -18,10 +18,20 @@ use tonic::{Request, Status};
 pub type CpChannel = InterceptedService<Channel, BearerToken>;
 
 /// What a client presents to, and checks of, the control plane.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct ClientCredentials {
     tls: Option<ClientTlsConfig>,
     token: BearerToken,
+}
+
+/// Never the key material (tonic's own `Debug` of an identity would print it).
+impl std::fmt::Debug for ClientCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientCredentials")
+            .field("tls", &self.tls.is_some())
+            .field("token_file", &self.token.0)
+            .finish()
+    }
 }
 
 /// The PEM files of a TLS client, read at start.

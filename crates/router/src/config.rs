@@ -146,15 +146,23 @@ impl AteapiArgs {
                 .unwrap_or_default()
         };
         if url.starts_with("http://") {
-            if let Some(mode) = self.ateapi_auth {
-                let mode = if mode == AteapiAuth::Jwt {
-                    "jwt"
-                } else {
-                    "mtls"
-                };
+            // Any TLS or token flag on a plaintext URL is a mistake, never ignored.
+            let mode = self
+                .ateapi_auth
+                .map(|m| if m == AteapiAuth::Jwt { "jwt" } else { "mtls" }.to_owned());
+            let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
+            let given = [
+                ("--ateapi-auth", mode),
+                ("--ateapi-ca-file", path(&self.ateapi_ca_file)),
+                ("--ateapi-cert-file", path(&self.ateapi_cert_file)),
+                ("--ateapi-key-file", path(&self.ateapi_key_file)),
+                ("--ateapi-server-name", self.ateapi_server_name.clone()),
+                ("--ateapi-token-file", path(&self.ateapi_token_file)),
+            ];
+            if let Some((flag, Some(value))) = given.into_iter().find(|(_, v)| v.is_some()) {
                 return Err(ConfigError::new(
-                    "--ateapi-auth",
-                    mode,
+                    flag,
+                    value,
                     format!("needs an https:// --control-plane, not {url}"),
                 ));
             }

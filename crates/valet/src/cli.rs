@@ -802,6 +802,18 @@ pub(crate) fn parse_error_exit(e: &clap::Error) -> ExitCode {
                 .lines()
                 .find(|l| !l.trim().is_empty())
                 .unwrap_or("invalid command line");
+            // A missing required argument is named on the next line: keep it.
+            if e.kind() == ErrorKind::MissingRequiredArgument {
+                let missing: Vec<&str> = rendered
+                    .lines()
+                    .skip_while(|l| *l != line)
+                    .skip(1)
+                    .map(str::trim)
+                    .take_while(|l| !l.is_empty())
+                    .collect();
+                eprintln!("{line} {}", missing.join(", "));
+                return ExitCode::from(EXIT_CONFIG);
+            }
             // The rule of an enumerated flag is its possible values: on the same line.
             match rendered
                 .lines()

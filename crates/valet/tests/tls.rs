@@ -392,6 +392,18 @@ async fn bad_tokens_get_401_and_are_not_retried_and_a_swapped_token_is_used() {
             ),
         ),
         (
+            "no audience",
+            es256(&pki, &serde_json::json!({"iss": "test", "exp": t + 3600})),
+        ),
+        (
+            "no issuer",
+            es256(&pki, &serde_json::json!({"aud": "valet", "exp": t + 3600})),
+        ),
+        (
+            "no expiry",
+            es256(&pki, &serde_json::json!({"aud": "valet", "iss": "test"})),
+        ),
+        (
             "alg none",
             format!("{}.{}.", b64(&header("none")), b64(&claims)),
         ),
@@ -433,7 +445,21 @@ async fn bad_tls_flags_are_configuration_errors() {
     let pki = pki();
     let garbage = pki.dir.path().join("garbage.pem");
     std::fs::write(&garbage, "not a key").unwrap();
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 7] = [
+        (
+            &[
+                "router",
+                "--control-plane",
+                "http://127.0.0.1:7070",
+                "--ateapi-token-file",
+                s(&pki.ca),
+            ],
+            "--ateapi-token-file",
+        ),
+        (
+            &["control-plane", "--tls-cert-file", s(&pki.server_cert)],
+            "--tls-key-file",
+        ),
         (
             &[
                 "router",

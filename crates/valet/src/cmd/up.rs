@@ -228,10 +228,12 @@ impl UpTls {
             let cert = CertificateParams::new(vec!["localhost".into(), "127.0.0.1".into()])
                 .and_then(|p| p.signed_by(&key, &ca))
                 .map_err(|x| e(name, &x))?;
-            Ok((
-                write(&format!("{name}.pem"), &cert.pem())?,
-                write(&format!("{name}.key"), &key.serialize_pem())?,
-            ))
+            let key_file = write(&format!("{name}.key"), &key.serialize_pem())?;
+            // Keys readable by their owner only.
+            use std::os::unix::fs::PermissionsExt as _;
+            std::fs::set_permissions(&key_file, std::fs::Permissions::from_mode(0o600))
+                .map_err(|x| e(&key_file.display().to_string(), &x))?;
+            Ok((write(&format!("{name}.pem"), &cert.pem())?, key_file))
         };
         let (cp_cert, cp_key) = leaf("control-plane")?;
         let (ingress_cert, ingress_key) = leaf("ingress")?;
