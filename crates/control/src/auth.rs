@@ -66,8 +66,13 @@ pub fn server_tls(
     key: &Path,
     client_ca: Option<&Path>,
 ) -> Result<ServerTlsConfig, SecurityError> {
-    let cert = pem("--tls-cert-file", cert, "CERTIFICATE")?;
-    let key = pem("--tls-key-file", key, "")?;
+    let cert_pem = pem("--tls-cert-file", cert, "CERTIFICATE")?;
+    let key_pem = pem("--tls-key-file", key, "")?;
+    usable_identity(
+        ("--tls-cert-file", cert, &cert_pem),
+        ("--tls-key-file", key, &key_pem),
+    )?;
+    let (cert, key) = (cert_pem, key_pem);
     let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(cert, key));
     if let Some(ca) = client_ca {
         tls = tls.client_ca_root(Certificate::from_pem(pem(
@@ -77,6 +82,33 @@ pub fn server_tls(
         )?));
     }
     Ok(tls)
+}
+
+/// Checks now, so that a bad file is a configuration error naming its flag rather than a
+/// transport error once serving: certificates parse, and the key is a private key.
+fn usable_identity(
+    cert: (&'static str, &Path, &[u8]),
+    key: (&'static str, &Path, &[u8]),
+) -> Result<(), SecurityError> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(cert.2).collect();
+    match certs {
+        Ok(c) if !c.is_empty() => {}
+        _ => {
+            return Err(SecurityError {
+                flag: cert.0,
+                path: cert.1.to_owned(),
+                why: "no readable PEM certificate in it".into(),
+            });
+        }
+    }
+    PrivateKeyDer::from_pem_slice(key.2).map_err(|e| SecurityError {
+        flag: key.0,
+        path: key.1.to_owned(),
+        why: format!("no PEM private key in it ({e})"),
+    })?;
+    Ok(())
 }
 
 /// One verification key and the algorithms it may verify.

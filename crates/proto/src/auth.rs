@@ -84,7 +84,24 @@ impl ClientCredentials {
         }
         let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca));
         if let Some((cert, key)) = &files.identity {
-            tls = tls.identity(Identity::from_pem(read(cert)?, read(key)?));
+            use rustls_pki_types::pem::PemObject;
+            use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+            let (cert_pem, key_pem) = (read(cert)?, read(key)?);
+            // Checked now: a bad file is a configuration error, not a failed connection.
+            let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(&cert_pem).collect();
+            if !certs.is_ok_and(|c| !c.is_empty()) {
+                return Err(CredentialError {
+                    path: cert.clone(),
+                    why: "no readable PEM certificate in it".into(),
+                });
+            }
+            if let Err(e) = PrivateKeyDer::from_pem_slice(&key_pem) {
+                return Err(CredentialError {
+                    path: key.clone(),
+                    why: format!("no PEM private key in it ({e})"),
+                });
+            }
+            tls = tls.identity(Identity::from_pem(cert_pem, key_pem));
         }
         if let Some(name) = &files.server_name {
             tls = tls.domain_name(name.clone());

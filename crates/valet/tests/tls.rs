@@ -445,7 +445,31 @@ async fn bad_tls_flags_are_configuration_errors() {
     let pki = pki();
     let garbage = pki.dir.path().join("garbage.pem");
     std::fs::write(&garbage, "not a key").unwrap();
-    let cases: [(&[&str], &str); 7] = [
+    let cases: [(&[&str], &str); 9] = [
+        (
+            &[
+                "control-plane",
+                "--tls-cert-file",
+                s(&pki.server_cert),
+                "--tls-key-file",
+                s(&pki.server_cert),
+            ],
+            "--tls-key-file",
+        ),
+        (
+            &[
+                "worker",
+                "--control-plane",
+                "https://127.0.0.1:7070",
+                "--ateapi-ca-file",
+                s(&pki.ca),
+                "--ateapi-cert-file",
+                s(&pki.client_cert),
+                "--ateapi-key-file",
+                s(&garbage),
+            ],
+            "--ateapi-key-file",
+        ),
         (
             &[
                 "router",
