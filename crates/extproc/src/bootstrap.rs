@@ -43,6 +43,18 @@ pub struct EnvoyHttps {
     pub allowed_spiffe_ids: Vec<String>,
 }
 
+/// `s` with every RE2 metacharacter escaped.
+fn regex_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if "\\.+*?()|[]{}^$".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
 /// The DownstreamTlsContext of the HTTPS listener. Envoy cannot require exactly one
 /// URI SAN; it admits a certificate with any URI SAN that matches.
 fn downstream_tls(h: &EnvoyHttps) -> Value {
@@ -61,8 +73,10 @@ fn downstream_tls(h: &EnvoyHttps) -> Value {
                 .allowed_spiffe_ids
                 .iter()
                 .map(|id| {
+                    // An entry ending in `/` admits whole segments after it, as the
+                    // router does: not the entry itself, no empty segment.
                     let m = if id.ends_with('/') {
-                        json!({ "prefix": id })
+                        json!({ "safe_regex": { "regex": format!("^{}[^/]+(/[^/]+)*$", regex_escape(id)) } })
                     } else {
                         json!({ "exact": id })
                     };
