@@ -8,20 +8,25 @@ use std::time::Duration;
 
 use jsonwebtoken::jwk::{AlgorithmParameters, JwkSet};
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
+use tokio_rustls::rustls::server::WebPkiClientVerifier;
+use tokio_rustls::rustls::{ServerConfig, crypto::ring};
 use tonic::service::Interceptor;
-use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 use tonic::{Request, Status};
+use valet_proto::auth::{CredentialError, pem_certificates, pem_private_key, pem_roots};
+use valet_proto::reload::Reloading;
 
 /// Clock skew tolerated on `exp` and `nbf`.
 const LEEWAY: Duration = Duration::from_secs(30);
 
-/// What the control plane's server requires of its clients.
+/// What the control plane's server requires of its clients. Both are rebuilt when their
+/// files change (see [`valet_proto::reload`]); each new connection takes the current
+/// TLS configuration, each call the current verification keys.
 #[derive(Debug, Clone, Default)]
 pub struct ServerSecurity {
     /// TLS (server certificate, optional client CA); plaintext h2c when `None`.
-    pub tls: Option<ServerTlsConfig>,
+    pub tls: Option<Reloading<ServerConfig>>,
     /// Bearer-token verification; none when `None`.
-    pub jwt: Option<Arc<JwtVerifier>>,
+    pub jwt: Option<Reloading<JwtVerifier>>,
 }
 
 /// Why the security settings could not be built: the flag, the file, what went wrong.
@@ -44,71 +49,105 @@ fn read(flag: &'static str, path: &Path) -> Result<Vec<u8>, SecurityError> {
     })
 }
 
-fn pem(flag: &'static str, path: &Path, what: &str) -> Result<Vec<u8>, SecurityError> {
-    let bytes = read(flag, path)?;
-    if !String::from_utf8_lossy(&bytes).contains(&format!("-----BEGIN {what}")) {
-        return Err(SecurityError {
-            flag,
-            path: path.to_owned(),
-            why: format!("no PEM {} in it", what.to_ascii_lowercase()),
-        });
+/// `e` (about one of the files) as the error of its flag.
+fn flagged(flag: &'static str) -> impl Fn(CredentialError) -> SecurityError {
+    move |e| SecurityError {
+        flag,
+        path: e.path,
+        why: e.why,
     }
-    Ok(bytes)
 }
 
 /// The server's TLS from PEM files: certificate chain, key, and (optionally) the CA
-/// client certificates must chain to, which makes them required.
+/// client certificates must chain to, which makes them required. Read now, and again
+/// whenever one of them changes.
 ///
 /// # Errors
-/// A file that cannot be read or holds no PEM of its kind.
+/// A file that cannot be read or holds no usable PEM of its kind.
 pub fn server_tls(
     cert: &Path,
     key: &Path,
     client_ca: Option<&Path>,
-) -> Result<ServerTlsConfig, SecurityError> {
-    let cert_pem = pem("--tls-cert-file", cert, "CERTIFICATE")?;
-    let key_pem = pem("--tls-key-file", key, "")?;
-    usable_identity(
-        ("--tls-cert-file", cert, &cert_pem),
-        ("--tls-key-file", key, &key_pem),
-    )?;
-    let (cert, key) = (cert_pem, key_pem);
-    let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(cert, key));
-    if let Some(ca) = client_ca {
-        tls = tls.client_ca_root(Certificate::from_pem(pem(
-            "--client-ca-file",
-            ca,
-            "CERTIFICATE",
-        )?));
-    }
-    Ok(tls)
+) -> Result<Reloading<ServerConfig>, SecurityError> {
+    let (cert, key, ca) = (
+        cert.to_owned(),
+        key.to_owned(),
+        client_ca.map(Path::to_owned),
+    );
+    let mut files = vec![cert.clone(), key.clone()];
+    files.extend(ca.clone());
+    Reloading::new("control-plane server TLS", files, move || {
+        server_config(&cert, &key, ca.as_deref())
+    })
 }
 
-/// Checks now, so that a bad file is a configuration error naming its flag rather than a
-/// transport error once serving: certificates parse, and the key is a private key.
-fn usable_identity(
-    cert: (&'static str, &Path, &[u8]),
-    key: (&'static str, &Path, &[u8]),
-) -> Result<(), SecurityError> {
-    use rustls_pki_types::pem::PemObject;
-    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-    let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(cert.2).collect();
-    match certs {
-        Ok(c) if !c.is_empty() => {}
-        _ => {
-            return Err(SecurityError {
-                flag: cert.0,
-                path: cert.1.to_owned(),
-                why: "no readable PEM certificate in it".into(),
-            });
+fn server_config(
+    cert: &Path,
+    key: &Path,
+    client_ca: Option<&Path>,
+) -> Result<ServerConfig, SecurityError> {
+    let chain = pem_certificates(cert).map_err(flagged("--tls-cert-file"))?;
+    let key_der = pem_private_key(key).map_err(flagged("--tls-key-file"))?;
+    let provider = Arc::new(ring::default_provider());
+    let builder = ServerConfig::builder_with_provider(Arc::clone(&provider))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| SecurityError {
+            flag: "--tls-cert-file",
+            path: cert.to_owned(),
+            why: e.to_string(),
+        })?;
+    let builder = match client_ca {
+        Some(ca) => {
+            let roots = pem_roots(ca).map_err(flagged("--client-ca-file"))?;
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                .build()
+                .map_err(|e| SecurityError {
+                    flag: "--client-ca-file",
+                    path: ca.to_owned(),
+                    why: e.to_string(),
+                })?;
+            builder.with_client_cert_verifier(verifier)
         }
-    }
-    PrivateKeyDer::from_pem_slice(key.2).map_err(|e| SecurityError {
-        flag: key.0,
-        path: key.1.to_owned(),
-        why: format!("no PEM private key in it ({e})"),
-    })?;
-    Ok(())
+        None => builder.with_no_client_auth(),
+    };
+    let mut config = builder
+        .with_single_cert(chain, key_der)
+        .map_err(|e| SecurityError {
+            flag: "--tls-key-file",
+            path: key.to_owned(),
+            why: format!("does not match the certificate ({e})"),
+        })?;
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(config)
+}
+
+/// Where bearer tokens' verification keys come from.
+#[derive(Debug, Clone)]
+pub enum JwtKeys {
+    /// One PEM public key (`--jwt-public-key-file`).
+    PublicKeyFile(PathBuf),
+    /// A JWKS document (`--jwt-jwks-file`).
+    JwksFile(PathBuf),
+}
+
+/// A verifier of `keys`, rebuilt whenever the key file changes.
+///
+/// # Errors
+/// The key file cannot be read or used.
+pub fn jwt_verifier(
+    keys: JwtKeys,
+    audience: Option<String>,
+    issuer: Option<String>,
+) -> Result<Reloading<JwtVerifier>, SecurityError> {
+    let file = match &keys {
+        JwtKeys::PublicKeyFile(p) | JwtKeys::JwksFile(p) => p.clone(),
+    };
+    Reloading::new("JWT verification keys", vec![file], move || match &keys {
+        JwtKeys::PublicKeyFile(p) => {
+            JwtVerifier::from_public_key_file(p, audience.clone(), issuer.clone())
+        }
+        JwtKeys::JwksFile(p) => JwtVerifier::from_jwks_file(p, audience.clone(), issuer.clone()),
+    })
 }
 
 /// One verification key and the algorithms it may verify.
@@ -277,7 +316,7 @@ impl JwtVerifier {
 /// Refuses calls without a valid bearer token (`Unauthenticated`, which a router
 /// answers 401 and does not retry); passes everything when no verifier is set.
 #[derive(Debug, Clone, Default)]
-pub struct Authn(pub Option<Arc<JwtVerifier>>);
+pub struct Authn(pub Option<Reloading<JwtVerifier>>);
 
 impl Interceptor for Authn {
     fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
@@ -293,7 +332,7 @@ impl Interceptor for Authn {
                     .or_else(|| v.strip_prefix("bearer "))
             })
             .ok_or_else(|| Status::unauthenticated("a bearer token is required"))?;
-        match verifier.verify(token.trim()) {
+        match verifier.load().verify(token.trim()) {
             Ok(()) => Ok(req),
             Err(why) => {
                 tracing::debug!(%why, "bearer token refused");

@@ -48,18 +48,13 @@ pub async fn serve(
         .register_encoded_file_descriptor_set(valet_proto::ateapi::FILE_DESCRIPTOR_SET)
         .build_v1()
         .expect("the embedded descriptor set is valid");
-    // `Server::tcp_nodelay` is ignored for a given incoming stream: the stream sets it.
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let stop = tokio_util::sync::CancellationToken::new();
     let mut builder = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(1)))
         .http2_keepalive_timeout(Some(Duration::from_secs(3)));
-    if let Some(tls) = security.tls {
-        builder = builder.tls_config(tls)?;
-    }
     // Every valet service checks the bearer token (when one is required); reflection
     // describes the schema only.
-    let server = builder
+    let router = builder
         .add_service(InterceptedService::new(
             control_server::ControlServer::new(ControlService {
                 plane: plane.clone(),
@@ -80,9 +75,22 @@ pub async fn serve(
             }),
             authn,
         ))
-        .add_service(reflection)
-        .serve_with_incoming_shutdown(incoming, stop.clone().cancelled_owned());
-    tokio::pin!(server);
+        .add_service(reflection);
+    let stopped = stop.clone().cancelled_owned();
+    let mut server: Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> =
+        match security.tls {
+            // TLS is done here rather than by tonic, so that each connection takes the
+            // configuration current when it is accepted (rotated files, no restart).
+            Some(tls) => {
+                Box::pin(router.serve_with_incoming_shutdown(tls_incoming(listener, tls), stopped))
+            }
+            // `Server::tcp_nodelay` is ignored for a given incoming stream: the stream
+            // sets it.
+            None => Box::pin(router.serve_with_incoming_shutdown(
+                TcpIncoming::from(listener).with_nodelay(Some(true)),
+                stopped,
+            )),
+        };
     tokio::select! {
         served = &mut server => return served,
         () = shutdown => {}
@@ -100,6 +108,55 @@ pub async fn serve(
             Ok(())
         }
     }
+}
+
+/// How long a client may take to complete its TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Connections accepted on `listener`, through a TLS handshake with the configuration
+/// current at accept time. Failed handshakes are logged and dropped. The accepting task
+/// (and the handshakes in progress) end when the server drops the stream.
+fn tls_incoming(
+    listener: TcpListener,
+    tls: valet_proto::reload::Reloading<tokio_rustls::rustls::ServerConfig>,
+) -> ReceiverStream<Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>, std::io::Error>>
+{
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(async move {
+        let mut handshakes = tokio::task::JoinSet::new();
+        loop {
+            tokio::select! {
+                () = tx.closed() => return,
+                Some(_) = handshakes.join_next(), if !handshakes.is_empty() => {}
+                accepted = listener.accept() => {
+                    let (tcp, peer) = match accepted {
+                        Ok(a) => a,
+                        Err(e) => {
+                            // Out of descriptors, say: back off a little, bounded.
+                            tracing::warn!(error = %e, "cannot accept a connection");
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            continue;
+                        }
+                    };
+                    let _ = tcp.set_nodelay(true);
+                    let acceptor = tokio_rustls::TlsAcceptor::from(tls.load());
+                    let tx = tx.clone();
+                    handshakes.spawn(async move {
+                        match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                            Ok(Ok(stream)) => {
+                                let _ = tx.send(Ok(stream)).await;
+                            }
+                            Ok(Err(e)) => {
+                                tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                            }
+                            Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                        }
+                    });
+                }
+            }
+        }
+    });
+    ReceiverStream::new(rx)
 }
 
 /// `ateapi.Control` over the plane.

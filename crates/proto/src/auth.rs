@@ -4,14 +4,27 @@
 //! its file for every call (Kubernetes rotates projected tokens by swapping a
 //! symlink).
 
+use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioIo;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
+use tokio_rustls::rustls::{ClientConfig, RootCertStore, crypto::ring};
+use tokio_util::either::Either;
 use tonic::metadata::MetadataValue;
 use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+use tonic::transport::{Channel, Endpoint, Uri};
 use tonic::{Request, Status};
+
+use crate::reload::Reloading;
 
 /// A channel to the control plane with its credentials: every client of
 /// `ateapi.Control`, `valet.worker.Workers` and `valet.leases.Leases` uses this type.
@@ -20,11 +33,19 @@ pub type CpChannel = InterceptedService<Channel, BearerToken>;
 /// What a client presents to, and checks of, the control plane.
 #[derive(Clone, Default)]
 pub struct ClientCredentials {
-    tls: Option<ClientTlsConfig>,
+    tls: Option<ClientTls>,
     token: BearerToken,
 }
 
-/// Never the key material (tonic's own `Debug` of an identity would print it).
+/// The TLS side: the rustls configuration (rebuilt when its files change; each new
+/// connection takes the current one) and the name to check.
+#[derive(Clone)]
+struct ClientTls {
+    config: Reloading<ClientConfig>,
+    server_name: Option<String>,
+}
+
+/// Never the key material.
 impl std::fmt::Debug for ClientCredentials {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ClientCredentials")
@@ -34,7 +55,7 @@ impl std::fmt::Debug for ClientCredentials {
     }
 }
 
-/// The PEM files of a TLS client, read at start.
+/// The PEM files of a TLS client.
 #[derive(Debug, Clone, Default)]
 pub struct ClientTlsFiles {
     /// The CA the server's certificate must chain to.
@@ -63,55 +84,106 @@ fn read(path: &Path) -> Result<Vec<u8>, CredentialError> {
     })
 }
 
+/// PEM certificates from `path`: at least one, all readable.
+///
+/// # Errors
+/// An unreadable file, or no readable PEM certificate in it.
+pub fn pem_certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, CredentialError> {
+    let bytes = read(path)?;
+    match CertificateDer::pem_slice_iter(&bytes).collect::<Result<Vec<_>, _>>() {
+        Ok(c) if !c.is_empty() => Ok(c),
+        _ => Err(CredentialError {
+            path: path.to_owned(),
+            why: "no readable PEM certificate in it".into(),
+        }),
+    }
+}
+
+/// A PEM private key from `path`.
+///
+/// # Errors
+/// An unreadable file, or no PEM private key in it.
+pub fn pem_private_key(path: &Path) -> Result<PrivateKeyDer<'static>, CredentialError> {
+    let bytes = read(path)?;
+    PrivateKeyDer::from_pem_slice(&bytes).map_err(|e| CredentialError {
+        path: path.to_owned(),
+        why: format!("no PEM private key in it ({e})"),
+    })
+}
+
+/// A root store of the PEM certificates in `path`.
+///
+/// # Errors
+/// An unreadable file, no PEM certificate in it, or one that cannot be a root.
+pub fn pem_roots(path: &Path) -> Result<RootCertStore, CredentialError> {
+    let mut roots = RootCertStore::empty();
+    for c in pem_certificates(path)? {
+        roots.add(c).map_err(|e| CredentialError {
+            path: path.to_owned(),
+            why: format!("not a usable CA certificate ({e})"),
+        })?;
+    }
+    Ok(roots)
+}
+
+/// The rustls client configuration of `files`, read now: ALPN `h2`, the server
+/// verified against the CA, the client certificate when given.
+fn client_config(files: &ClientTlsFiles) -> Result<ClientConfig, CredentialError> {
+    let roots = pem_roots(&files.ca)?;
+    let builder = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| CredentialError {
+            path: files.ca.clone(),
+            why: e.to_string(),
+        })?
+        .with_root_certificates(roots);
+    let mut config = match &files.identity {
+        Some((cert, key)) => {
+            let chain = pem_certificates(cert)?;
+            let key_der = pem_private_key(key)?;
+            builder
+                .with_client_auth_cert(chain, key_der)
+                .map_err(|e| CredentialError {
+                    path: key.clone(),
+                    why: format!("does not match the certificate ({e})"),
+                })?
+        }
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(config)
+}
+
 impl ClientCredentials {
     /// Plaintext h2c, no token.
     pub fn plaintext() -> Self {
         Self::default()
     }
 
-    /// TLS from `files` (read now), with a bearer token from `token_file` for every
-    /// call when given.
+    /// TLS from `files` (read now, and again whenever they change: see
+    /// [`crate::reload`]), with a bearer token from `token_file` for every call when
+    /// given.
     ///
     /// # Errors
     /// A file that cannot be read, or is not PEM.
     pub fn tls(files: &ClientTlsFiles, token_file: Option<&Path>) -> Result<Self, CredentialError> {
-        let ca = read(&files.ca)?;
-        if !String::from_utf8_lossy(&ca).contains("-----BEGIN CERTIFICATE-----") {
-            return Err(CredentialError {
-                path: files.ca.clone(),
-                why: "no PEM certificate in it".into(),
-            });
-        }
-        let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca));
-        if let Some((cert, key)) = &files.identity {
-            use rustls_pki_types::pem::PemObject;
-            use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-            let (cert_pem, key_pem) = (read(cert)?, read(key)?);
-            // Checked now: a bad file is a configuration error, not a failed connection.
-            let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(&cert_pem).collect();
-            if !certs.is_ok_and(|c| !c.is_empty()) {
-                return Err(CredentialError {
-                    path: cert.clone(),
-                    why: "no readable PEM certificate in it".into(),
-                });
-            }
-            if let Err(e) = PrivateKeyDer::from_pem_slice(&key_pem) {
-                return Err(CredentialError {
-                    path: key.clone(),
-                    why: format!("no PEM private key in it ({e})"),
-                });
-            }
-            tls = tls.identity(Identity::from_pem(cert_pem, key_pem));
-        }
-        if let Some(name) = &files.server_name {
-            tls = tls.domain_name(name.clone());
-        }
         if let Some(t) = token_file {
             // Readable now; read again for every call.
             read(t)?;
         }
+        let mut watched = vec![files.ca.clone()];
+        if let Some((cert, key)) = &files.identity {
+            watched.extend([cert.clone(), key.clone()]);
+        }
+        let owned = files.clone();
+        let config = Reloading::new("control-plane client TLS", watched, move || {
+            client_config(&owned)
+        })?;
         Ok(Self {
-            tls: Some(tls),
+            tls: Some(ClientTls {
+                config,
+                server_name: files.server_name.clone(),
+            }),
             token: BearerToken(token_file.map(Arc::from)),
         })
     }
@@ -121,20 +193,121 @@ impl ClientCredentials {
         self.tls.is_some()
     }
 
-    /// `endpoint` with these credentials' TLS settings.
+    /// An endpoint for `url`. TLS is done by [`CpConnector`] (so that every new
+    /// connection takes the current files), so for `https://` the endpoint tonic sees
+    /// is `http://` and its origin (`:scheme` and `:authority`) the `https://` URL.
     ///
     /// # Errors
-    /// When TLS cannot be configured for the endpoint.
-    pub fn endpoint(&self, endpoint: Endpoint) -> Result<Endpoint, tonic::transport::Error> {
-        match &self.tls {
-            Some(tls) => endpoint.tls_config(tls.clone()),
-            None => Ok(endpoint),
+    /// When `url` is not a valid endpoint.
+    pub fn endpoint(&self, url: &str) -> Result<Endpoint, tonic::transport::Error> {
+        let endpoint = Endpoint::from_shared(url.to_owned())?;
+        if self.tls.is_none() || endpoint.uri().scheme_str() != Some("https") {
+            return Ok(endpoint);
+        }
+        let uri = endpoint.uri().clone();
+        let mut parts = uri.clone().into_parts();
+        parts.scheme = Some(http::uri::Scheme::HTTP);
+        // The same authority and path under another scheme: always valid.
+        Ok(match Uri::from_parts(parts) {
+            Ok(plain) => Endpoint::from(plain).origin(uri),
+            Err(_) => endpoint,
+        })
+    }
+
+    /// The connector of these credentials over `http` (TCP settings).
+    pub fn connector(&self, http: HttpConnector) -> CpConnector {
+        CpConnector {
+            http,
+            tls: self.tls.clone(),
         }
     }
 
-    /// `channel` with the bearer token (when any) added to every call.
-    pub fn intercept(&self, channel: Channel) -> CpChannel {
+    /// A lazily connecting channel to `endpoint` (from [`Self::endpoint`]), with the
+    /// bearer token (when any) added to every call.
+    pub fn connect_lazy(&self, endpoint: &Endpoint, http: HttpConnector) -> CpChannel {
+        self.intercept(endpoint.connect_with_connector_lazy(self.connector(http)))
+    }
+
+    /// A channel to `endpoint` (from [`Self::endpoint`]), connected now.
+    ///
+    /// # Errors
+    /// When the connection (TCP, TLS or HTTP/2) cannot be made.
+    pub async fn connect(
+        &self,
+        endpoint: &Endpoint,
+        http: HttpConnector,
+    ) -> Result<CpChannel, tonic::transport::Error> {
+        let channel = endpoint
+            .connect_with_connector(self.connector(http))
+            .await?;
+        Ok(self.intercept(channel))
+    }
+
+    fn intercept(&self, channel: Channel) -> CpChannel {
         InterceptedService::new(channel, self.token.clone())
+    }
+}
+
+/// A TCP connector for [`ClientCredentials::connect_lazy`]: any scheme (TLS is done
+/// above it), `TCP_NODELAY`.
+pub fn tcp_connector() -> HttpConnector {
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http
+}
+
+/// Plain TCP (`TCP_NODELAY` and timeouts set by its [`HttpConnector`]), then TLS with
+/// the configuration current when the connection is made.
+#[derive(Clone)]
+pub struct CpConnector {
+    http: HttpConnector,
+    tls: Option<ClientTls>,
+}
+
+impl std::fmt::Debug for CpConnector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpConnector")
+            .field("tls", &self.tls.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type Io = TokioIo<Either<TcpStream, tokio_rustls::client::TlsStream<TcpStream>>>;
+
+impl tower_service::Service<Uri> for CpConnector {
+    type Response = Io;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Io, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        tower_service::Service::poll_ready(&mut self.http, cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let connect = tower_service::Service::call(&mut self.http, uri.clone());
+        let tls = self.tls.clone();
+        Box::pin(async move {
+            let tcp = connect.await?.into_inner();
+            let Some(tls) = tls else {
+                return Ok(TokioIo::new(Either::Left(tcp)));
+            };
+            let host = match &tls.server_name {
+                Some(name) => name.clone(),
+                None => uri
+                    .host()
+                    .unwrap_or_default()
+                    .trim_start_matches('[')
+                    .trim_end_matches(']')
+                    .to_owned(),
+            };
+            let name = ServerName::try_from(host)?;
+            let stream = TlsConnector::from(tls.config.load())
+                .connect(name, tcp)
+                .await?;
+            Ok(TokioIo::new(Either::Right(stream)))
+        })
     }
 }
 

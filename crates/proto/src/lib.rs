@@ -26,3 +26,4 @@ pub mod leases {
 }
 
 pub mod auth;
+pub mod reload;

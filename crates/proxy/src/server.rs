@@ -319,7 +319,7 @@ impl Conn {
     async fn https(self, stream: TcpStream, tls: IngressTls) {
         let peer = self.peer;
         let accepted = tokio::select! {
-            a = tokio::time::timeout(HEADER_READ_TIMEOUT, tls.acceptor.accept(stream)) => a,
+            a = tokio::time::timeout(HEADER_READ_TIMEOUT, tokio_rustls::TlsAcceptor::from(tls.config.load()).accept(stream)) => a,
             () = self.stop.cancelled() => return,
         };
         let stream = match accepted {

@@ -2,19 +2,21 @@
 //! and `http/1.1`, optional client certificates, and the SPIFFE-ID allowlist a client
 //! certificate must match.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-use tokio_rustls::TlsAcceptor;
 use tokio_rustls::rustls::server::WebPkiClientVerifier;
-use tokio_rustls::rustls::{RootCertStore, ServerConfig, crypto::ring};
+use tokio_rustls::rustls::{ServerConfig, crypto::ring};
+use valet_proto::auth::{CredentialError, pem_certificates, pem_private_key, pem_roots};
+use valet_proto::reload::Reloading;
 
-/// The HTTPS listener's TLS settings.
+/// The HTTPS listener's TLS settings. The configuration is rebuilt whenever one of its
+/// files changes (see [`valet_proto::reload`]); each connection takes the one current
+/// when it is accepted.
 #[derive(Clone)]
 pub struct IngressTls {
-    pub(crate) acceptor: TlsAcceptor,
+    pub(crate) config: Reloading<ServerConfig>,
     pub(crate) allowlist: Option<Arc<SpiffeAllowlist>>,
 }
 
@@ -52,6 +54,16 @@ fn err(flag: &'static str, why: impl std::fmt::Display) -> IngressTlsError {
     }
 }
 
+fn flagged(flag: &'static str) -> impl Fn(CredentialError) -> IngressTlsError {
+    move |e| err(flag, e)
+}
+
+/// The certificate and key, as files (read at every build) or generated once.
+enum Identity {
+    Files { cert: PathBuf, key: PathBuf },
+    Generated(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>),
+}
+
 impl IngressTls {
     /// Builds the listener's TLS: the certificate, client certificates required and
     /// verified against `client_ca` when given, and `allowlist` checked on them.
@@ -64,28 +76,17 @@ impl IngressTls {
         client_ca: Option<&Path>,
         allowlist: Option<SpiffeAllowlist>,
     ) -> Result<Self, IngressTlsError> {
-        let provider = Arc::new(ring::default_provider());
-        let (chain, key): (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>) = match cert {
-            IngressCert::Files { cert, key } => {
-                let chain = CertificateDer::pem_file_iter(cert)
-                    .and_then(|i| i.collect::<Result<Vec<_>, _>>())
-                    .map_err(|e| {
-                        err(
-                            "--ingress-tls-cert-file",
-                            format!("{}: {e}", cert.display()),
-                        )
-                    })?;
-                if chain.is_empty() {
-                    return Err(err(
-                        "--ingress-tls-cert-file",
-                        format!("{}: no PEM certificate", cert.display()),
-                    ));
-                }
-                let key = PrivateKeyDer::from_pem_file(key).map_err(|e| {
-                    err("--ingress-tls-key-file", format!("{}: {e}", key.display()))
-                })?;
-                (chain, key)
-            }
+        if client_ca.is_none() && allowlist.is_some() {
+            return Err(err(
+                "--ingress-allowed-spiffe-ids",
+                "needs --ingress-client-ca-file: only verified client certificates are checked",
+            ));
+        }
+        let identity = match cert {
+            IngressCert::Files { cert, key } => Identity::Files {
+                cert: cert.to_owned(),
+                key: key.to_owned(),
+            },
             IngressCert::SelfSigned(names) => {
                 let c = rcgen::generate_simple_self_signed(names).map_err(|e| {
                     err(
@@ -94,56 +95,55 @@ impl IngressTls {
                     )
                 })?;
                 let key = PrivateKeyDer::Pkcs8(c.signing_key.serialize_der().into());
-                (vec![c.cert.der().clone()], key)
+                Identity::Generated(vec![c.cert.der().clone()], key)
             }
         };
-        let builder = ServerConfig::builder_with_provider(Arc::clone(&provider))
-            .with_safe_default_protocol_versions()
-            .map_err(|e| err("--listen-https", e))?;
-        let builder = match client_ca {
-            Some(ca) => {
-                let mut roots = RootCertStore::empty();
-                let certs = CertificateDer::pem_file_iter(ca)
-                    .and_then(|i| i.collect::<Result<Vec<_>, _>>())
-                    .map_err(|e| {
-                        err("--ingress-client-ca-file", format!("{}: {e}", ca.display()))
-                    })?;
-                for c in certs {
-                    roots.add(c).map_err(|e| {
-                        err("--ingress-client-ca-file", format!("{}: {e}", ca.display()))
-                    })?;
-                }
-                if roots.is_empty() {
-                    return Err(err(
-                        "--ingress-client-ca-file",
-                        format!("{}: no PEM certificate", ca.display()),
-                    ));
-                }
-                let verifier =
-                    WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
-                        .build()
-                        .map_err(|e| err("--ingress-client-ca-file", e))?;
-                builder.with_client_cert_verifier(verifier)
-            }
-            None => {
-                if allowlist.is_some() {
-                    return Err(err(
-                        "--ingress-allowed-spiffe-ids",
-                        "needs --ingress-client-ca-file: only verified client certificates are checked",
-                    ));
-                }
-                builder.with_no_client_auth()
-            }
+        let mut files = match &identity {
+            Identity::Files { cert, key } => vec![cert.clone(), key.clone()],
+            Identity::Generated(..) => Vec::new(),
         };
-        let mut config = builder
-            .with_single_cert(chain, key)
-            .map_err(|e| err("--ingress-tls-key-file", e))?;
-        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        files.extend(client_ca.map(Path::to_owned));
+        let ca = client_ca.map(Path::to_owned);
+        let config = Reloading::new("ingress TLS", files, move || {
+            server_config(&identity, ca.as_deref())
+        })?;
         Ok(Self {
-            acceptor: TlsAcceptor::from(Arc::new(config)),
+            config,
             allowlist: allowlist.map(Arc::new),
         })
     }
+}
+
+fn server_config(
+    identity: &Identity,
+    client_ca: Option<&Path>,
+) -> Result<ServerConfig, IngressTlsError> {
+    let (chain, key) = match identity {
+        Identity::Files { cert, key } => (
+            pem_certificates(cert).map_err(flagged("--ingress-tls-cert-file"))?,
+            pem_private_key(key).map_err(flagged("--ingress-tls-key-file"))?,
+        ),
+        Identity::Generated(chain, key) => (chain.clone(), key.clone_key()),
+    };
+    let provider = Arc::new(ring::default_provider());
+    let builder = ServerConfig::builder_with_provider(Arc::clone(&provider))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| err("--listen-https", e))?;
+    let builder = match client_ca {
+        Some(ca) => {
+            let roots = pem_roots(ca).map_err(flagged("--ingress-client-ca-file"))?;
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                .build()
+                .map_err(|e| err("--ingress-client-ca-file", e))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let mut config = builder
+        .with_single_cert(chain, key)
+        .map_err(|e| err("--ingress-tls-key-file", e))?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(config)
 }
 
 /// SPIFFE IDs admitted: an entry admits the ID equal to it, or, for an entry ending in

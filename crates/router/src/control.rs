@@ -14,7 +14,6 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use tonic::Code;
-use tonic::transport::Endpoint;
 use tonic_types::StatusExt;
 use valet_proto::ateapi;
 use valet_proto::auth::{ClientCredentials, CpChannel};
@@ -152,18 +151,16 @@ pub fn channel(
     url: &str,
     credentials: &ClientCredentials,
 ) -> Result<CpChannel, tonic::transport::Error> {
-    let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
-    http.enforce_http(false);
-    http.set_nodelay(true);
+    let mut http = valet_proto::auth::tcp_connector();
     http.set_connect_timeout(Some(CONNECT_TIMEOUT));
     http.set_tcp_user_timeout(Some(TCP_USER_TIMEOUT));
-    let endpoint = Endpoint::from_shared(url.to_owned())?
+    let endpoint = credentials
+        .endpoint(url)?
         .connect_timeout(CONNECT_TIMEOUT)
         .http2_keep_alive_interval(PING_INTERVAL)
         .keep_alive_timeout(PING_TIMEOUT)
         .keep_alive_while_idle(true);
-    let endpoint = credentials.endpoint(endpoint)?;
-    Ok(credentials.intercept(endpoint.connect_with_connector_lazy(http)))
+    Ok(credentials.connect_lazy(&endpoint, http))
 }
 
 /// The boxed future a [`ControlPlane`] returns.

@@ -609,21 +609,18 @@ impl ServerSecurityArgs {
     pub(crate) fn resolve(
         &self,
     ) -> Result<valet_control::auth::ServerSecurity, valet_control::auth::SecurityError> {
-        use valet_control::auth::{JwtVerifier, server_tls};
+        use valet_control::auth::{JwtKeys, jwt_verifier, server_tls};
         let tls = match (&self.tls_cert_file, &self.tls_key_file) {
             (Some(c), Some(k)) => Some(server_tls(c, k, self.client_ca_file.as_deref())?),
             _ => None,
         };
         let (aud, iss) = (self.jwt_audience.clone(), self.jwt_issuer.clone());
         let jwt = match (&self.jwt_public_key_file, &self.jwt_jwks_file) {
-            (Some(p), _) => Some(JwtVerifier::from_public_key_file(p, aud, iss)?),
-            (None, Some(j)) => Some(JwtVerifier::from_jwks_file(j, aud, iss)?),
+            (Some(p), _) => Some(jwt_verifier(JwtKeys::PublicKeyFile(p.clone()), aud, iss)?),
+            (None, Some(j)) => Some(jwt_verifier(JwtKeys::JwksFile(j.clone()), aud, iss)?),
             (None, None) => None,
         };
-        Ok(valet_control::auth::ServerSecurity {
-            tls,
-            jwt: jwt.map(std::sync::Arc::new),
-        })
+        Ok(valet_control::auth::ServerSecurity { tls, jwt })
     }
 }
 

@@ -27,6 +27,8 @@ struct Pki {
     other_ca: PathBuf,
     jwt_private: Vec<u8>,
     jwt_public: PathBuf,
+    /// Private keys made later in a test (PEM), for [`assert_no_secrets`].
+    extra_keys: std::sync::Mutex<Vec<String>>,
 }
 
 fn ca(name: &str) -> CertifiedIssuer<'static, KeyPair> {
@@ -38,6 +40,17 @@ fn ca(name: &str) -> CertifiedIssuer<'static, KeyPair> {
     CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap()
 }
 
+/// A certificate for `names` signed by `authority`, and its key, as PEM.
+fn leaf(authority: &CertifiedIssuer<'static, KeyPair>, names: &[&str]) -> (String, String) {
+    let key = KeyPair::generate().unwrap();
+    let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
+    let cert = CertificateParams::new(names)
+        .unwrap()
+        .signed_by(&key, authority)
+        .unwrap();
+    (cert.pem(), key.serialize_pem())
+}
+
 fn pki() -> Pki {
     let dir = tempfile::tempdir().unwrap();
     let write = |name: &str, pem: String| {
@@ -46,16 +59,8 @@ fn pki() -> Pki {
         p
     };
     let authority = ca("valet test CA");
-    let leaf = |names: Vec<String>| {
-        let key = KeyPair::generate().unwrap();
-        let cert = CertificateParams::new(names)
-            .unwrap()
-            .signed_by(&key, &authority)
-            .unwrap();
-        (cert.pem(), key.serialize_pem())
-    };
-    let (server_cert, server_key) = leaf(vec!["localhost".into(), "127.0.0.1".into()]);
-    let (client_cert, client_key) = leaf(vec!["router.valet.test".into()]);
+    let (server_cert, server_key) = leaf(&authority, &["localhost", "127.0.0.1"]);
+    let (client_cert, client_key) = leaf(&authority, &["router.valet.test"]);
     let jwt = KeyPair::generate().unwrap();
     Pki {
         ca: write("ca.pem", authority.as_ref().pem()),
@@ -66,6 +71,7 @@ fn pki() -> Pki {
         other_ca: write("other-ca.pem", ca("some other CA").as_ref().pem()),
         jwt_private: jwt.serialize_pem().into_bytes(),
         jwt_public: write("jwt.pub.pem", jwt.public_key_pem()),
+        extra_keys: std::sync::Mutex::default(),
         dir,
     }
 }
@@ -92,7 +98,7 @@ async fn control_plane(pki: &Pki, extra: &[&str]) -> Proc {
         s(&pki.server_key),
     ];
     args.extend_from_slice(extra);
-    Proc::start("control-plane", &args).await
+    Proc::start_logged("control-plane", &args).await
 }
 
 fn rand_suffix() -> u128 {
@@ -107,6 +113,10 @@ fn url(cp: &Proc) -> String {
 }
 
 async fn worker(pki: &Pki, cp: &Proc, extra: &[&str]) -> Proc {
+    worker_trusting(pki, cp, &pki.ca, extra).await
+}
+
+async fn worker_trusting(pki: &Pki, cp: &Proc, ca: &Path, extra: &[&str]) -> Proc {
     let snapshots = pki.dir.path().join("snapshots");
     let url = url(cp);
     let mut args = vec![
@@ -116,10 +126,10 @@ async fn worker(pki: &Pki, cp: &Proc, extra: &[&str]) -> Proc {
         "--snapshot-dir",
         s(&snapshots),
         "--ateapi-ca-file",
-        s(&pki.ca),
+        s(ca),
     ];
     args.extend_from_slice(extra);
-    Proc::start("worker", &args).await
+    Proc::start_logged("worker", &args).await
 }
 
 async fn router(pki: &Pki, cp: &Proc, ca: &Path, extra: &[&str]) -> Proc {
@@ -141,7 +151,7 @@ async fn router(pki: &Pki, cp: &Proc, ca: &Path, extra: &[&str]) -> Proc {
     ];
     args.extend_from_slice(extra);
     let _ = pki;
-    Proc::start("admin", &args).await
+    Proc::start_logged("admin", &args).await
 }
 
 /// A client of the control plane over TLS (with a token file when given), as the
@@ -153,11 +163,11 @@ fn client(pki: &Pki, cp: &Proc, identity: bool, token: Option<&Path>) -> Control
         server_name: None,
     };
     let creds = ClientCredentials::tls(&files, token).unwrap();
-    let endpoint = tonic::transport::Endpoint::from_shared(url(cp))
+    let endpoint = creds
+        .endpoint(&url(cp))
         .unwrap()
         .timeout(Duration::from_secs(10));
-    let channel = creds.endpoint(endpoint).unwrap().connect_lazy();
-    ControlClient::new(creds.intercept(channel))
+    ControlClient::new(creds.connect_lazy(&endpoint, valet_proto::auth::tcp_connector()))
 }
 
 /// Atespace `demo` with actor `p1`, once a worker has joined.
@@ -432,12 +442,70 @@ async fn bad_tokens_get_401_and_are_not_retried_and_a_swapped_token_is_used() {
     let (status, body) = get_p1(&r).await;
     assert_eq!(status, 200, "{body}");
 
-    // No token or key material in the router's status page.
-    let statusz = http_get(r.addrs["admin"], "/statusz", &[]).await.1;
-    for (_, token) in &bad {
-        assert!(!statusz.contains(token.as_str()));
+    // The verification key rotated on disk: tokens signed by the new key are accepted
+    // once the control plane has re-read it, without a restart.
+    let next = KeyPair::generate().unwrap();
+    std::fs::write(&pki.jwt_public, next.public_key_pem()).unwrap();
+    let next_token = jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::ES256),
+        &serde_json::json!({"aud": "valet", "iss": "test", "exp": now() + 3600}),
+        &jsonwebtoken::EncodingKey::from_ec_pem(next.serialize_pem().as_bytes()).unwrap(),
+    )
+    .unwrap();
+    swap_token(&tokens, &link, &next_token);
+    // Asked directly: the router's route lease for p1 would spare it the call.
+    let direct = client(&pki, &cp, false, Some(&link));
+    eventually("a token of the new key is accepted", WITHIN, || async {
+        direct.clone().list_atespaces(()).await.ok()
+    })
+    .await;
+
+    // No token or key material in any log (at debug) or on the status page.
+    let mut tokens: Vec<String> = bad.into_iter().map(|(_, t)| t).collect();
+    tokens.extend([good(&pki), next_token]);
+    let tokens: Vec<&str> = tokens.iter().map(String::as_str).collect();
+    assert_no_secrets(&pki, &[&cp, &r, &_w], &tokens).await;
+}
+
+/// Neither a token, nor the signature part of one, nor the body of any private key,
+/// nor an `authorization` value appears in the logs of `procs` or on their status pages.
+async fn assert_no_secrets(pki: &Pki, procs: &[&Proc], tokens: &[&str]) {
+    let mut secrets: Vec<String> = Vec::new();
+    for t in tokens {
+        secrets.push((*t).to_owned());
+        if let Some((_, signature)) = t.rsplit_once('.')
+            && signature.len() >= 16
+        {
+            secrets.push(signature.to_owned());
+        }
     }
-    assert!(!statusz.contains(&good(&pki)[..40]));
+    let mut keys = vec![
+        std::fs::read_to_string(&pki.server_key).unwrap(),
+        std::fs::read_to_string(&pki.client_key).unwrap(),
+        String::from_utf8(pki.jwt_private.clone()).unwrap(),
+    ];
+    keys.extend(pki.extra_keys.lock().unwrap().iter().cloned());
+    for key in keys {
+        secrets.extend(
+            key.lines()
+                .filter(|l| !l.starts_with("-----") && l.len() >= 16)
+                .map(str::to_owned),
+        );
+    }
+    for p in procs {
+        let mut seen = p.logs();
+        assert!(!seen.is_empty(), "the logs were captured");
+        if let Some(admin) = p.addrs.get("admin") {
+            seen.push_str(&http_get(*admin, "/statusz", &[]).await.1);
+            seen.push_str(&http_get(*admin, "/statusz?format=json", &[]).await.1);
+        }
+        for needle in ["PRIVATE KEY", "Bearer ", "authorization: "] {
+            assert!(!seen.contains(needle), "`{needle}` in {seen}");
+        }
+        for secret in &secrets {
+            assert!(!seen.contains(secret.as_str()), "secret material in {seen}");
+        }
+    }
 }
 
 #[tokio::test]
@@ -663,7 +731,7 @@ async fn https_ingress_speaks_both_protocols_and_checks_spiffe_ids() {
         "--parked-request-budget",
         "200ms",
     ];
-    let r = Proc::start("admin", &args).await;
+    let r = Proc::start_logged("admin", &args).await;
     let addr = r.addrs["router-https"];
     let attempts = || r.metric("atenet_router_resume_attempts_total", &[]);
 
@@ -761,4 +829,258 @@ async fn valet_up_with_tls_serves_the_walkthrough_over_https() {
     // Plaintext to the control plane is refused now.
     let plain = common::client(up.control_plane).list_atespaces(()).await;
     assert!(plain.is_err(), "h2c against a TLS control plane");
+}
+
+/// Replaces `path` with `contents` the way deployment tools do: written beside it,
+/// then renamed over it.
+fn replace(path: &Path, contents: &str) {
+    let next = path.with_extension(format!("next-{}", rand_suffix()));
+    std::fs::write(&next, contents).unwrap();
+    std::fs::rename(&next, path).unwrap();
+}
+
+/// A rustls client trusting the PEM CAs in `ca`, presenting `identity` (PEM files).
+fn tls_client(
+    ca: &Path,
+    identity: Option<(&Path, &Path)>,
+    alpn: &[u8],
+) -> tokio_rustls::TlsConnector {
+    use rustls_pki_types::pem::PemObject;
+    use tokio_rustls::rustls::{ClientConfig, RootCertStore, crypto::ring};
+    let mut roots = RootCertStore::empty();
+    for c in rustls_pki_types::CertificateDer::pem_file_iter(ca).unwrap() {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let builder =
+        ClientConfig::builder_with_provider(std::sync::Arc::new(ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots);
+    let mut config = match identity {
+        Some((cert, key)) => builder
+            .with_client_auth_cert(
+                rustls_pki_types::CertificateDer::pem_file_iter(cert)
+                    .unwrap()
+                    .map(Result::unwrap)
+                    .collect(),
+                rustls_pki_types::PrivateKeyDer::from_pem_file(key).unwrap(),
+            )
+            .unwrap(),
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = vec![alpn.to_vec()];
+    tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+}
+
+/// A TLS connection to `addr` as `localhost`, or `None` when the handshake fails.
+async fn tls_connect(
+    addr: std::net::SocketAddr,
+    client: &tokio_rustls::TlsConnector,
+) -> Option<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
+    client.connect(name, tcp).await.ok()
+}
+
+/// The end-entity certificate a TLS server presented.
+fn presented(tls: &tokio_rustls::client::TlsStream<tokio::net::TcpStream>) -> Vec<u8> {
+    tls.get_ref().1.peer_certificates().unwrap()[0].to_vec()
+}
+
+/// The DER of the first certificate in `pem`.
+fn der(pem: &str) -> Vec<u8> {
+    use rustls_pki_types::pem::PemObject;
+    rustls_pki_types::CertificateDer::from_pem_slice(pem.as_bytes())
+        .unwrap()
+        .to_vec()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ingress_certificates_rotate_on_disk_without_a_restart() {
+    let pki = pki();
+    let dir = pki.dir.path();
+    let authority = ca("rotating CA");
+    let trust = dir.join("rotating-ca.pem");
+    std::fs::write(&trust, authority.as_ref().pem()).unwrap();
+    let (cert, key) = (dir.join("ingress.pem"), dir.join("ingress.key"));
+    let (first, first_key) = leaf(&authority, &["localhost"]);
+    std::fs::write(&cert, &first).unwrap();
+    std::fs::write(&key, &first_key).unwrap();
+    let r = Proc::start_logged(
+        "admin",
+        &[
+            "router",
+            "--listen",
+            "",
+            "--extproc-listen",
+            "",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--listen-https",
+            "127.0.0.1:0",
+            "--ingress-tls-cert-file",
+            s(&cert),
+            "--ingress-tls-key-file",
+            s(&key),
+            // Nothing listens here: requests park and get the budget's 503.
+            "--control-plane",
+            "http://127.0.0.1:9",
+            "--parked-request-budget",
+            "200ms",
+        ],
+    )
+    .await;
+    let addr = r.addrs["router-https"];
+    let client = tls_client(&trust, None, b"http/1.1");
+
+    // A connection made before the rotation, kept open.
+    let before = tls_connect(addr, &client).await.expect("handshake");
+    assert_eq!(presented(&before), der(&first));
+    let (mut old, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(before))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let request = || {
+        http::Request::builder()
+            .uri("/")
+            .header("host", host("p1"))
+            .body(http_body_util::Empty::<bytes::Bytes>::new())
+            .unwrap()
+    };
+    assert_eq!(old.send_request(request()).await.unwrap().status(), 503);
+
+    // Rotated on disk: new connections get the new certificate.
+    let (second, second_key) = leaf(&authority, &["localhost"]);
+    pki.extra_keys
+        .lock()
+        .unwrap()
+        .extend([first_key, second_key.clone()]);
+    replace(&key, &second_key);
+    replace(&cert, &second);
+    eventually(
+        "new connections get the new certificate",
+        WITHIN,
+        || async {
+            let tls = tls_connect(addr, &client).await?;
+            (presented(&tls) == der(&second)).then_some(())
+        },
+    )
+    .await;
+    // The connection made before keeps serving, on its old credentials.
+    assert_eq!(old.send_request(request()).await.unwrap().status(), 503);
+
+    // A file that cannot be used: the reload fails, says why, and keeps the last good
+    // certificate.
+    replace(&cert, "not a certificate");
+    let failures = || r.logs().matches("reload failed").count();
+    eventually("the failed reload is logged", WITHIN, || async {
+        (failures() > 0).then_some(())
+    })
+    .await;
+    assert!(r.logs().contains("ingress TLS"), "{}", r.logs());
+    let tls = tls_connect(addr, &client).await.expect("still serving");
+    assert_eq!(presented(&tls), der(&second));
+
+    // SIGHUP re-reads the files, changed or not (and does not stop the process).
+    let seen = failures();
+    common::signal(&r.child, "HUP");
+    eventually("SIGHUP re-read the files", WITHIN, || async {
+        (failures() > seen).then_some(())
+    })
+    .await;
+    assert!(r.logs().contains("SIGHUP received"), "{}", r.logs());
+    replace(&cert, &second);
+    let tls = tls_connect(addr, &client).await.expect("still serving");
+    assert_eq!(presented(&tls), der(&second));
+    assert_no_secrets(&pki, &[&r], &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_plane_credentials_rotate_on_disk_without_a_restart() {
+    let pki = pki();
+    let dir = pki.dir.path();
+    let wrong = std::fs::read_to_string(&pki.other_ca).unwrap();
+    let right = std::fs::read_to_string(&pki.ca).unwrap();
+    // The files the processes were started with: every CA the wrong one.
+    let (cp_cert, cp_key) = (dir.join("cp.pem"), dir.join("cp.key"));
+    std::fs::copy(&pki.server_cert, &cp_cert).unwrap();
+    std::fs::copy(&pki.server_key, &cp_key).unwrap();
+    let clients_ca = dir.join("cp-clients-ca.pem");
+    std::fs::write(&clients_ca, &wrong).unwrap();
+    let trust = dir.join("trusted-ca.pem");
+    std::fs::write(&trust, &wrong).unwrap();
+
+    let data = dir.join("data");
+    let cp = Proc::start_logged(
+        "control-plane",
+        &[
+            "control-plane",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            s(&data),
+            "--tls-cert-file",
+            s(&cp_cert),
+            "--tls-key-file",
+            s(&cp_key),
+            "--client-ca-file",
+            s(&clients_ca),
+        ],
+    )
+    .await;
+    let id = [
+        "--ateapi-cert-file",
+        s(&pki.client_cert),
+        "--ateapi-key-file",
+        s(&pki.client_key),
+    ];
+    let w = worker_trusting(&pki, &cp, &trust, &id).await;
+    let r = router(&pki, &cp, &trust, &id).await;
+    let (status, _) = get_p1(&r).await;
+    assert_eq!(status, 503, "neither side trusts the other yet");
+
+    // The clients' CA, then the server's client CA, rewritten: the worker attaches and
+    // the router is served, with no restart.
+    replace(&trust, &right);
+    replace(&clients_ca, &right);
+    demo(&client(&pki, &cp, true, None)).await;
+    eventually("the router is served", WITHIN, || async {
+        (get_p1(&r).await.0 == 200).then_some(())
+    })
+    .await;
+
+    // The server's certificate rotated to one from a new CA (clients trust both first):
+    // new connections get it, connections made before go on serving.
+    let next_ca = ca("next CA");
+    replace(&trust, &format!("{right}{}", next_ca.as_ref().pem()));
+    let (next, next_key) = leaf(&next_ca, &["localhost", "127.0.0.1"]);
+    pki.extra_keys.lock().unwrap().push(next_key.clone());
+    replace(&cp_key, &next_key);
+    replace(&cp_cert, &next);
+    let client = tls_client(&trust, Some((&pki.client_cert, &pki.client_key)), b"h2");
+    eventually(
+        "new connections get the new certificate",
+        WITHIN,
+        || async {
+            let tls = tls_connect(cp.addr, &client).await?;
+            (presented(&tls) == der(&next)).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(get_p1(&r).await.0, 200);
+    // A new client trusting only the new CA is served.
+    let only_next = dir.join("only-next-ca.pem");
+    std::fs::write(&only_next, next_ca.as_ref().pem()).unwrap();
+    let files = ClientTlsFiles {
+        ca: only_next,
+        identity: Some((pki.client_cert.clone(), pki.client_key.clone())),
+        server_name: None,
+    };
+    let creds = ClientCredentials::tls(&files, None).unwrap();
+    let endpoint = creds.endpoint(&url(&cp)).unwrap();
+    let mut fresh =
+        ControlClient::new(creds.connect_lazy(&endpoint, valet_proto::auth::tcp_connector()));
+    assert!(fresh.list_atespaces(()).await.is_ok());
+    assert_no_secrets(&pki, &[&cp, &w, &r], &[]).await;
 }

@@ -107,15 +107,13 @@ impl Worker {
                 source,
             }
         })?;
-        let endpoint = tonic::transport::Endpoint::from_shared(config.control_plane.clone())
+        let endpoint = config
+            .credentials
+            .endpoint(&config.control_plane)
             .map_err(|_| WorkerError::ControlPlane(config.control_plane.clone()))?
             .connect_timeout(Duration::from_secs(2))
             .http2_keep_alive_interval(Duration::from_secs(1))
             .keep_alive_timeout(Duration::from_secs(3));
-        let endpoint = config
-            .credentials
-            .endpoint(endpoint)
-            .map_err(|_| WorkerError::ControlPlane(config.control_plane.clone()))?;
         let credentials = config.credentials.clone();
         let listener =
             TcpListener::bind(config.listen)
@@ -327,11 +325,11 @@ impl Agent {
         credentials: &valet_proto::auth::ClientCredentials,
         stop: &CancellationToken,
     ) -> Result<(), tonic::Status> {
-        let channel = endpoint
-            .connect()
+        let channel = credentials
+            .connect(endpoint, valet_proto::auth::tcp_connector())
             .await
             .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-        let mut client = WorkersClient::new(credentials.intercept(channel));
+        let mut client = WorkersClient::new(channel);
         let (tx, rx) = mpsc::channel(16);
         let hosting = self.slot.borrow().as_ref().map(|h| {
             let (atespace, name) = h.actor.split_once('/').unwrap_or_default();

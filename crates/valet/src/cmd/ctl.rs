@@ -4,7 +4,6 @@
 use std::process::ExitCode;
 
 use serde_json::{Value, json};
-use tonic::transport::Endpoint;
 use valet_proto::ateapi::{self, control_client::ControlClient};
 
 use crate::EXIT_CONFIG;
@@ -20,12 +19,10 @@ pub(crate) async fn run(args: CtlArgs) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    let endpoint = Endpoint::from_shared(url)
-        .map(|e| {
-            e.connect_timeout(std::time::Duration::from_secs(3))
-                .timeout(args.timeout)
-        })
-        .and_then(|e| credentials.endpoint(e));
+    let endpoint = credentials.endpoint(&url).map(|e| {
+        e.connect_timeout(std::time::Duration::from_secs(3))
+            .timeout(args.timeout)
+    });
     let endpoint = match endpoint {
         Ok(e) => e,
         Err(e) => {
@@ -36,7 +33,8 @@ pub(crate) async fn run(args: CtlArgs) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    let client = ControlClient::new(credentials.intercept(endpoint.connect_lazy()));
+    let client =
+        ControlClient::new(credentials.connect_lazy(&endpoint, valet_proto::auth::tcp_connector()));
     match execute(client, &args).await {
         Ok(out) => {
             print!("{out}");

@@ -25,19 +25,46 @@ pub struct Proc {
     pub addr: SocketAddr,
     /// Every `listening <part> <addr>` it printed before that part's.
     pub addrs: std::collections::HashMap<String, SocketAddr>,
+    /// Its stderr, when started with [`Proc::start_logged`].
+    pub logs: std::sync::Arc<std::sync::Mutex<String>>,
 }
 
 impl Proc {
     /// Starts `valet <args>` and waits (bounded) for its `listening <part> <addr>` line.
     pub async fn start(part: &str, args: &[&str]) -> Self {
+        Self::spawn(part, args, false).await
+    }
+
+    /// As [`Proc::start`], logging everything at `debug` into [`Proc::logs`].
+    pub async fn start_logged(part: &str, args: &[&str]) -> Self {
+        Self::spawn(part, args, true).await
+    }
+
+    async fn spawn(part: &str, args: &[&str], logged: bool) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_valet"))
             .args(args)
-            .env("VALET_LOG", "warn")
+            .env("VALET_LOG", if logged { "debug" } else { "warn" })
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(if logged {
+                Stdio::piped()
+            } else {
+                Stdio::inherit()
+            })
             .kill_on_drop(true)
             .spawn()
             .expect("valet starts");
+        let logs = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        if let Some(stderr) = child.stderr.take() {
+            let logs = logs.clone();
+            tokio::spawn(async move {
+                let mut lines = BufReader::new(stderr).lines();
+                while let Ok(Some(l)) = lines.next_line().await {
+                    let mut logs = logs.lock().unwrap();
+                    logs.push_str(&l);
+                    logs.push('\n');
+                }
+            });
+        }
         let stdout = child.stdout.take().unwrap();
         let mut lines = BufReader::new(stdout).lines();
         let mut addrs = std::collections::HashMap::new();
@@ -59,7 +86,17 @@ impl Proc {
         .await
         .expect("valet prints its address");
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        Self { child, addr, addrs }
+        Self {
+            child,
+            addr,
+            addrs,
+            logs,
+        }
+    }
+
+    /// What it has logged so far (with [`Proc::start_logged`]).
+    pub fn logs(&self) -> String {
+        self.logs.lock().unwrap().clone()
     }
 
     /// SIGKILL, and reap.
