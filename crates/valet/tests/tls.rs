@@ -204,8 +204,21 @@ async fn demo(c: &ControlClient<CpChannel>) {
         .unwrap();
 }
 
+/// A client's own credentials, which the router passes on and never logs.
+const CLIENT_AUTHORIZATION: &str = "Bearer client-secret-0f3a9c";
+const CLIENT_COOKIE: &str = "session=cookie-secret-7d21e4";
+
 async fn get_p1(r: &Proc) -> (u16, String) {
-    http_get(r.addrs["router"], "/", &[("Host", &host("p1"))]).await
+    http_get(
+        r.addrs["router"],
+        "/",
+        &[
+            ("Host", &host("p1")),
+            ("Authorization", CLIENT_AUTHORIZATION),
+            ("Cookie", CLIENT_COOKIE),
+        ],
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -470,7 +483,7 @@ async fn bad_tokens_get_401_and_are_not_retried_and_a_swapped_token_is_used() {
 /// Neither a token, nor the signature part of one, nor the body of any private key,
 /// nor an `authorization` value appears in the logs of `procs` or on their status pages.
 async fn assert_no_secrets(pki: &Pki, procs: &[&Proc], tokens: &[&str]) {
-    let mut secrets: Vec<String> = Vec::new();
+    let mut secrets: Vec<String> = vec!["client-secret".into(), "cookie-secret".into()];
     for t in tokens {
         secrets.push((*t).to_owned());
         if let Some((_, signature)) = t.rsplit_once('.')
@@ -785,8 +798,23 @@ async fn https_ingress_speaks_both_protocols_and_checks_spiffe_ids() {
             "{uris:?}: refused before any control-plane call"
         );
     }
-    // No client certificate: the handshake itself fails.
-    assert_eq!(https_get(addr, &pki.ca, None, b"http/1.1").await, None);
+    // No client certificate: the server refuses the handshake (under TLS 1.3 the client
+    // learns it at its first read), before any control-plane call.
+    let before = attempts().await;
+    let refused = match tls_connect(addr, &tls_client(&pki.ca, None, b"http/1.1")).await {
+        None => panic!("the client's side of the handshake completes"),
+        Some(mut tls) => {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let _ = tls.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n").await;
+            let mut buf = [0u8; 64];
+            match tls.read(&mut buf).await {
+                Err(e) => e.to_string(),
+                Ok(n) => format!("read {n} bytes"),
+            }
+        }
+    };
+    assert!(refused.contains("CertificateRequired"), "{refused}");
+    assert_eq!(attempts().await, before);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -62,7 +62,10 @@ async fn up(
         ));
     }
     let tls = if args.tls {
-        Some(UpTls::generate(&args.data_dir.join("tls")).map_err(UpError::Start)?)
+        // Clients dial the listen addresses as given (`0.0.0.0` included): the
+        // certificates name them besides the loopback names.
+        let ips = [args.control_plane_listen.ip(), args.listen_https.ip()];
+        Some(UpTls::generate(&args.data_dir.join("tls"), &ips).map_err(UpError::Start)?)
     } else {
         None
     };
@@ -197,7 +200,8 @@ async fn up(
 }
 
 /// The throwaway PKI of `valet up --tls`: one CA, a certificate for the control plane
-/// and one for the HTTPS ingress, both for `localhost` and `127.0.0.1`.
+/// and one for the HTTPS ingress, both for `localhost`, `127.0.0.1`, `::1` and the
+/// addresses the parts listen on.
 struct UpTls {
     ca: std::path::PathBuf,
     cp_cert: std::path::PathBuf,
@@ -207,7 +211,7 @@ struct UpTls {
 }
 
 impl UpTls {
-    fn generate(dir: &std::path::Path) -> Result<Self, String> {
+    fn generate(dir: &std::path::Path, ips: &[std::net::IpAddr]) -> Result<Self, String> {
         use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
         let e = |what: &str, err: &dyn std::fmt::Display| format!("--tls: {what}: {err}");
         std::fs::create_dir_all(dir).map_err(|x| e(&dir.display().to_string(), &x))?;
@@ -223,9 +227,15 @@ impl UpTls {
             std::fs::write(&p, pem).map_err(|x| e(&p.display().to_string(), &x))?;
             Ok(p)
         };
+        let mut names: Vec<String> = vec!["localhost".into(), "127.0.0.1".into(), "::1".into()];
+        for ip in ips {
+            if !names.contains(&ip.to_string()) {
+                names.push(ip.to_string());
+            }
+        }
         let leaf = |name: &str| -> Result<(std::path::PathBuf, std::path::PathBuf), String> {
             let key = KeyPair::generate().map_err(|x| e(name, &x))?;
-            let cert = CertificateParams::new(vec!["localhost".into(), "127.0.0.1".into()])
+            let cert = CertificateParams::new(names.clone())
                 .and_then(|p| p.signed_by(&key, &ca))
                 .map_err(|x| e(name, &x))?;
             let key_file = write(&format!("{name}.key"), &key.serialize_pem())?;
