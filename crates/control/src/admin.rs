@@ -1,5 +1,6 @@
 //! The control plane's own probes and metrics (`--metrics-listen`): `/metrics`,
-//! `/healthz` (the process lives) and `/readyz` (serving, not shutting down).
+//! `/healthz` (the process lives) and `/readyz` (serving, not shutting down, and its
+//! database answers).
 
 use axum::extract::State;
 use axum::http::{StatusCode, header};
@@ -54,6 +55,8 @@ async fn readyz(State(plane): State<Plane>) -> Response {
             "not ready: shutting down\n",
         )
             .into_response()
+    } else if let Err(e) = plane.database_ready().await {
+        (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {e}\n")).into_response()
     } else {
         (StatusCode::OK, "ready\n").into_response()
     }

@@ -1,7 +1,7 @@
 //! valet's reference control plane: `ateapi.Control` on one machine.
 //!
 //! ```text
-//! gRPC (grpc) ─▶ Plane: catalog · lifecycle · capacity · membership ─▶ Store (SQLite)
+//! gRPC (grpc) ─▶ Plane: catalog · lifecycle · capacity · membership ─▶ Store (SQLite or PostgreSQL)
 //!                   │ one Op per operation; each step: durable write → memory →
 //!                   │ release → hand a freed worker to the oldest waiter
 //!                   │ commands over each worker's Attach stream (link)
@@ -20,11 +20,15 @@ mod link;
 mod metrics;
 pub mod model;
 pub mod plane;
+pub mod postgres;
 pub mod store;
+#[cfg(any(test, feature = "testing"))]
+pub mod tempdb;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
 pub use grpc::serve;
 pub use model::{ActorKey, ActorStatus, Template};
 pub use plane::{Plane, PlaneConfig, StatsSnapshot};
+pub use postgres::PostgresStore;
 pub use store::{SqliteStore, Store};

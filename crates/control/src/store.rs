@@ -105,6 +105,16 @@ pub enum StoreError {
     Join(String),
     #[error("database write refused: {0}")]
     Refused(String),
+    #[error(
+        "database {database}: schema version {found} is newer than this binary's ({supported}); run a newer valet"
+    )]
+    NewerSchema {
+        database: String,
+        found: i64,
+        supported: i64,
+    },
+    #[error("database {database}: {why}")]
+    Postgres { database: String, why: String },
 }
 
 /// The future of a store call.
@@ -119,8 +129,87 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// none of it when it returns `Err`.
     fn write(&self, batch: Batch) -> StoreFuture<'_, ()>;
 
-    /// What the store is, for logs (`sqlite /path/to/file`).
+    /// What the store is, for logs (`sqlite /path/to/file`); never a password.
     fn describe(&self) -> String;
+
+    /// Whether the database answers now (`/readyz`).
+    fn ping(&self) -> StoreFuture<'_, ()> {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+/// The schema version this binary writes. Both stores record theirs and upgrade an
+/// older database at start, one numbered migration at a time; a newer one is refused.
+///
+/// 1. `atespaces` and `actors` (also what databases written before versions were
+///    recorded hold).
+/// 2. No worker hosts or is claimed for two actors: a unique constraint on
+///    `actors.worker`.
+pub const SCHEMA_VERSION: i64 = 2;
+
+/// SQLite's migrations: `SQLITE_MIGRATIONS[v - 1]` brings version `v - 1` to `v`.
+const SQLITE_MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
+    "CREATE TABLE IF NOT EXISTS atespaces (
+         name TEXT PRIMARY KEY
+     ) STRICT;
+     CREATE TABLE IF NOT EXISTS actors (
+         atespace TEXT NOT NULL,
+         name TEXT NOT NULL,
+         uid TEXT NOT NULL,
+         template_namespace TEXT NOT NULL,
+         template TEXT NOT NULL,
+         pool TEXT NOT NULL,
+         status INTEGER NOT NULL,
+         version INTEGER NOT NULL,
+         worker TEXT,
+         selector TEXT NOT NULL,
+         revert_pending INTEGER NOT NULL DEFAULT 0,
+         PRIMARY KEY (atespace, name)
+     ) STRICT;",
+    "CREATE UNIQUE INDEX actors_one_per_worker ON actors (worker);",
+];
+
+/// Brings the SQLite database to [`SCHEMA_VERSION`] (`PRAGMA user_version`), each
+/// migration in its own transaction.
+fn migrate_sqlite(conn: &mut Connection, database: &str) -> Result<(), StoreError> {
+    let err = |source| StoreError::Sqlite {
+        path: PathBuf::from(database),
+        source,
+    };
+    let mut version: i64 = conn
+        .pragma_query_value(None, "user_version", |r| r.get(0))
+        .map_err(err)?;
+    if version == 0 {
+        // Written before versions were recorded: its tables are version 1's.
+        let legacy: bool = conn
+            .query_row(
+                "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'actors')",
+                [],
+                |r| r.get(0),
+            )
+            .map_err(err)?;
+        if legacy {
+            version = 1;
+        }
+    }
+    if version > SCHEMA_VERSION {
+        return Err(StoreError::NewerSchema {
+            database: database.to_owned(),
+            found: version,
+            supported: SCHEMA_VERSION,
+        });
+    }
+    for (i, sql) in SQLITE_MIGRATIONS.iter().enumerate().skip(version as usize) {
+        let to = i as i64 + 1;
+        let tx = conn.transaction().map_err(err)?;
+        tx.execute_batch(sql).map_err(err)?;
+        tx.pragma_update(None, "user_version", to).map_err(err)?;
+        tx.commit().map_err(err)?;
+        if to > 1 {
+            tracing::info!(database, version = to, "database schema upgraded");
+        }
+    }
+    Ok(())
 }
 
 /// The embedded SQLite store. Cheap to clone.
@@ -145,30 +234,14 @@ impl SqliteStore {
             path: path.clone(),
             source: rusqlite::Error::ToSqlConversionFailure(Box::new(e)),
         })?;
-        let conn = Connection::open(&path).map_err(err)?;
+        let mut conn = Connection::open(&path).map_err(err)?;
         conn.execute_batch(
             "PRAGMA journal_mode = WAL;
              PRAGMA synchronous = FULL;
-             PRAGMA busy_timeout = 5000;
-             CREATE TABLE IF NOT EXISTS atespaces (
-                 name TEXT PRIMARY KEY
-             ) STRICT;
-             CREATE TABLE IF NOT EXISTS actors (
-                 atespace TEXT NOT NULL,
-                 name TEXT NOT NULL,
-                 uid TEXT NOT NULL,
-                 template_namespace TEXT NOT NULL,
-                 template TEXT NOT NULL,
-                 pool TEXT NOT NULL,
-                 status INTEGER NOT NULL,
-                 version INTEGER NOT NULL,
-                 worker TEXT,
-                 selector TEXT NOT NULL,
-                 revert_pending INTEGER NOT NULL DEFAULT 0,
-                 PRIMARY KEY (atespace, name)
-             ) STRICT;",
+             PRAGMA busy_timeout = 5000;",
         )
         .map_err(err)?;
+        migrate_sqlite(&mut conn, &path.display().to_string())?;
         Ok(Self {
             conn: Arc::new(Mutex::new(conn)),
             path,
@@ -234,6 +307,15 @@ impl Store for SqliteStore {
                 for name in &batch.put_atespaces {
                     tx.execute("INSERT OR IGNORE INTO atespaces (name) VALUES (?1)", [name])?;
                 }
+                // A batch may move a worker from one actor to another: release every
+                // written actor's worker first, so that the order of the rows never
+                // trips the one-actor-per-worker constraint.
+                for row in &batch.put_actors {
+                    tx.execute(
+                        "UPDATE actors SET worker = NULL WHERE atespace = ?1 AND name = ?2",
+                        params![row.atespace, row.name],
+                    )?;
+                }
                 for row in &batch.put_actors {
                     put_actor(&tx, row)?;
                 }
@@ -286,9 +368,14 @@ const SELECT_ACTOR: &str = "SELECT atespace, name, uid, template_namespace, temp
 fn put_actor(c: &Connection, row: &ActorRow) -> rusqlite::Result<()> {
     let selector = encode_selector(&row.selector);
     c.execute(
-        "INSERT OR REPLACE INTO actors (atespace, name, uid, template_namespace, template, \
+        "INSERT INTO actors (atespace, name, uid, template_namespace, template, \
          pool, status, version, worker, selector, revert_pending) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11) \
+         ON CONFLICT (atespace, name) DO UPDATE SET uid = excluded.uid, \
+         template_namespace = excluded.template_namespace, template = excluded.template, \
+         pool = excluded.pool, status = excluded.status, version = excluded.version, \
+         worker = excluded.worker, selector = excluded.selector, \
+         revert_pending = excluded.revert_pending",
         params![
             row.atespace,
             row.name,
@@ -343,7 +430,7 @@ fn row_to_actor(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawActor> {
 }
 
 /// Labels as `k=v` lines; keys and values are label-like and never contain newlines.
-fn encode_selector(labels: &[(String, String)]) -> String {
+pub(crate) fn encode_selector(labels: &[(String, String)]) -> String {
     labels
         .iter()
         .map(|(k, v)| format!("{}={}", k.replace('\n', " "), v.replace('\n', " ")))
@@ -351,7 +438,7 @@ fn encode_selector(labels: &[(String, String)]) -> String {
         .join("\n")
 }
 
-fn decode_selector(s: &str) -> Vec<(String, String)> {
+pub(crate) fn decode_selector(s: &str) -> Vec<(String, String)> {
     s.lines()
         .filter_map(|l| l.split_once('='))
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
@@ -426,5 +513,62 @@ mod tests {
         assert_eq!(store.load().await.unwrap().actors, vec![row("p1")]);
         store.write(Batch::put([p1.clone()])).await.unwrap();
         assert_eq!(store.get_actor(&p1.key()).await.unwrap(), Some(p1));
+    }
+
+    #[tokio::test]
+    async fn a_database_from_before_schema_versions_is_upgraded() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            // What the first wave wrote: version 1's tables, no version recorded.
+            let c = Connection::open(dir.path().join(DB_FILE)).unwrap();
+            c.execute_batch(SQLITE_MIGRATIONS[0]).unwrap();
+            c.execute("INSERT INTO atespaces (name) VALUES ('demo')", [])
+                .unwrap();
+        }
+        let store = SqliteStore::open(dir.path()).unwrap();
+        assert_eq!(
+            store.load().await.unwrap().atespaces,
+            vec!["demo".to_owned()]
+        );
+        let version: i64 = store
+            .run(|c| c.pragma_query_value(None, "user_version", |r| r.get(0)))
+            .await
+            .unwrap();
+        assert_eq!(version, SCHEMA_VERSION);
+    }
+
+    #[tokio::test]
+    async fn a_newer_schema_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        drop(SqliteStore::open(dir.path()).unwrap());
+        Connection::open(dir.path().join(DB_FILE))
+            .unwrap()
+            .pragma_update(None, "user_version", SCHEMA_VERSION + 1)
+            .unwrap();
+        let e = SqliteStore::open(dir.path()).unwrap_err();
+        assert!(
+            matches!(e, StoreError::NewerSchema { found, .. } if found == SCHEMA_VERSION + 1),
+            "{e}"
+        );
+    }
+
+    #[tokio::test]
+    async fn no_worker_is_recorded_for_two_actors() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path()).unwrap();
+        let on = |name: &str, worker: &str| ActorRow {
+            status: ActorStatus::Running,
+            worker: Some(worker.into()),
+            ..row(name)
+        };
+        store.write(Batch::put([on("p1", "w1")])).await.unwrap();
+        assert!(store.write(Batch::put([on("p2", "w1")])).await.is_err());
+        // Handed over in one batch, in either order: allowed.
+        store
+            .write(Batch::put([on("p2", "w1"), row("p1")]))
+            .await
+            .unwrap();
+        let loaded = store.load().await.unwrap().actors;
+        assert_eq!(loaded, vec![row("p1"), on("p2", "w1")]);
     }
 }

@@ -497,6 +497,13 @@ pub(crate) struct ControlPlaneArgs {
     #[arg(long, env = "VALET_DATA_DIR", default_value = DEFAULT_DATA_DIR, value_name = "DIR")]
     pub(crate) data_dir: PathBuf,
 
+    /// PostgreSQL instead of the embedded database: postgres://USER[:PASSWORD]@HOST[:PORT]/DB
+    /// (docs/scale-out.md). One control plane is active on a database at a time; one
+    /// started while another is active waits as a standby, not listening, and takes
+    /// over when that one's connection ends. Needs --route-lease 0 (its default then).
+    #[arg(long, env = "VALET_DATABASE", value_name = "URL")]
+    pub(crate) database: Option<String>,
+
     /// Honour ResumeActor's wait_for_capacity (first-come hand-off of freed workers);
     /// off answers at once, like a server without the extension.
     #[arg(

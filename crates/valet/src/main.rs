@@ -47,6 +47,16 @@ fn main() -> ExitCode {
             }
         }
     }
+    // With --database, route leases default to off (they are not shared across
+    // replicas yet); one given explicitly is checked by the command.
+    if let (Command::ControlPlane(cp), Some(m)) = (
+        &mut cli.command,
+        matches.subcommand_matches("control-plane"),
+    ) && cp.database.is_some()
+        && m.value_source("route_lease") == Some(ValueSource::DefaultValue)
+    {
+        cp.leases.route_lease = std::time::Duration::ZERO;
+    }
     // Load runs and demos embed every part: keep their output to results and warnings.
     let quiet = matches!(cli.command, Command::Load(_) | Command::Demo(_));
     init_tracing(

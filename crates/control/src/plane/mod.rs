@@ -467,6 +467,14 @@ impl Plane {
         self.inner.metrics.render(&pools, &waiters)
     }
 
+    /// Whether its database answers now (`/readyz`).
+    ///
+    /// # Errors
+    /// The database's error.
+    pub async fn database_ready(&self) -> Result<(), StoreError> {
+        self.inner.store.ping().await
+    }
+
     /// Whether the plane has begun shutting down.
     pub fn is_shutting_down(&self) -> bool {
         self.inner.shutdown.is_cancelled()

@@ -1,5 +1,6 @@
-//! A real control plane (gRPC on 127.0.0.1:0, SQLite in a temp dir) with real worker
-//! tasks attached over gRPC.
+//! A real control plane (gRPC on 127.0.0.1:0) with real worker tasks attached over
+//! gRPC, on SQLite in a temp dir, or, with `VALET_TEST_STORE=postgres`, on a throwaway
+//! PostgreSQL server (the README's test command runs these tests both ways).
 
 #![allow(dead_code, unreachable_pub)]
 
@@ -22,6 +23,8 @@ pub struct System {
     pub client: ControlClient<Channel>,
     pub workers: Vec<Worker>,
     pub dir: tempfile::TempDir,
+    /// The PostgreSQL server under the plane (`VALET_TEST_STORE=postgres`).
+    pub postgres: Option<valet_control::tempdb::TempPostgres>,
     stop: CancellationToken,
     server: tokio::task::JoinHandle<()>,
 }
@@ -38,10 +41,20 @@ pub async fn system(workers: usize, config: PlaneConfig) -> System {
 
 pub async fn system_with(workers: usize, config: PlaneConfig, restore_delay: Duration) -> System {
     let dir = tempfile::tempdir().unwrap();
-    let store = SqliteStore::open(&dir.path().join("data")).unwrap();
-    let plane = Plane::open(std::sync::Arc::new(store), config)
-        .await
-        .unwrap();
+    let (store, postgres): (std::sync::Arc<dyn valet_control::Store>, _) =
+        match std::env::var("VALET_TEST_STORE").as_deref() {
+            Ok("postgres") => {
+                let pg = valet_control::tempdb::TempPostgres::start_async().await;
+                let store = valet_control::PostgresStore::open(&pg.url()).await.unwrap();
+                (std::sync::Arc::new(store), Some(pg))
+            }
+            Ok("sqlite") | Err(_) => (
+                std::sync::Arc::new(SqliteStore::open(&dir.path().join("data")).unwrap()),
+                None,
+            ),
+            Ok(other) => panic!("VALET_TEST_STORE={other}: sqlite or postgres"),
+        };
+    let plane = Plane::open(store, config).await.unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let stop = CancellationToken::new();
@@ -72,6 +85,7 @@ pub async fn system_with(workers: usize, config: PlaneConfig, restore_delay: Dur
         client,
         workers: Vec::new(),
         dir,
+        postgres,
         stop,
         server,
     };

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use valet_control::{Plane, PlaneConfig, SqliteStore, Store};
+use valet_control::{Plane, PlaneConfig, PostgresStore, SqliteStore, Store};
 
 use crate::EXIT_CONFIG;
 use crate::cli::{ControlPlaneArgs, OnOff};
@@ -49,11 +49,48 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         return ExitCode::from(EXIT_CONFIG);
     }
     let tls = security.tls.is_some();
-    let store = match SqliteStore::open(&args.data_dir) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("valet control-plane: {e}");
-            return ExitCode::FAILURE;
+    if let Some(url) = &args.database {
+        if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+            eprintln!(
+                "valet control-plane: invalid configuration: --database: must be a postgres:// URL"
+            );
+            return ExitCode::from(EXIT_CONFIG);
+        }
+        if !args.leases.route_lease.is_zero() {
+            eprintln!(
+                "valet control-plane: invalid configuration: --route-lease={}: must be 0 with --database (route leases are not shared across replicas yet)",
+                humantime_secs(args.leases.route_lease)
+            );
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    }
+    let mut terminated = Box::pin(terminated);
+    // Losing the database's active lock: another replica may take over, so stop.
+    let mut lost = CancellationToken::new();
+    let store: Arc<dyn Store> = match &args.database {
+        None => match SqliteStore::open(&args.data_dir) {
+            Ok(s) => Arc::new(s),
+            Err(e) => {
+                eprintln!("valet control-plane: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+        Some(url) => {
+            // A standby waits here until it is the active replica; SIGTERM ends the wait.
+            let opened = tokio::select! {
+                opened = PostgresStore::open(url) => opened,
+                () = &mut terminated => return ExitCode::SUCCESS,
+            };
+            match opened {
+                Ok(s) => {
+                    lost = s.lost();
+                    Arc::new(s)
+                }
+                Err(e) => {
+                    eprintln!("valet control-plane: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
         }
     };
     let database = store.describe();
@@ -68,7 +105,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         route_lease: args.leases.route_lease,
         hosting_lease: args.leases.hosting_lease,
     };
-    let plane = match Plane::open(Arc::new(store), config).await {
+    let plane = match Plane::open(store, config).await {
         Ok(p) => p,
         Err(e) => {
             eprintln!("valet control-plane: {e}");
@@ -114,14 +151,30 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         tls,
         "control plane serving"
     );
+    let stop = {
+        let lost = lost.clone();
+        async move {
+            tokio::select! {
+                () = terminated => {}
+                () = lost.cancelled() => {}
+            }
+        }
+    };
     let result = valet_control::serve(
         listener,
         plane.clone(),
-        terminated,
+        stop,
         args.shutdown_timeout,
         security,
     )
     .await;
+    if lost.is_cancelled() {
+        stop_metrics.cancel();
+        eprintln!(
+            "valet control-plane: lost the database lock ({database}): another replica may take over; exiting"
+        );
+        return ExitCode::FAILURE;
+    }
     stop_metrics.cancel();
     if let Some(m) = metrics {
         let _ = m.await;
@@ -136,4 +189,9 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `d` as the flag would take it (`5s`, `1.5s`).
+fn humantime_secs(d: std::time::Duration) -> String {
+    format!("{}s", d.as_secs_f64())
 }

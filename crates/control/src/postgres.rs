@@ -1,0 +1,433 @@
+//! [`PostgresStore`]: the control plane's record in PostgreSQL (`--database
+//! postgres://…`), through `tokio-postgres` with a `deadpool-postgres` pool.
+//!
+//! One control plane is active on a database at a time (docs/scale-out.md): it holds a
+//! session advisory lock on a dedicated connection, and writes under the epoch it
+//! took when it became active. A replica started while another is active waits, as a
+//! standby, for the lock (not listening meanwhile), then takes over with the next
+//! epoch, as a restart would. A write whose transaction finds another epoch is
+//! refused (fenced), and losing the lock's connection ends the process, so a replica
+//! that was replaced never writes again.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use deadpool_postgres::GenericClient;
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use tokio_postgres::{Client, Config, NoTls};
+use tokio_util::sync::CancellationToken;
+
+use crate::model::ActorStatus;
+use crate::store::{ActorRow, Batch, Loaded, SCHEMA_VERSION, Store, StoreError, StoreFuture};
+
+/// Advisory-lock key serializing migrations ("valet-mg").
+const MIGRATION_LOCK: i64 = 0x7661_6c65_742d_6d67;
+/// Advisory-lock key of the active control plane ("valet-cp").
+const ACTIVE_LOCK: i64 = 0x7661_6c65_742d_6370;
+/// Connections in the pool.
+const POOL_SIZE: usize = 8;
+/// How long a write or a probe may wait for a pooled connection.
+const POOL_WAIT: Duration = Duration::from_secs(5);
+/// How long connecting may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// PostgreSQL's migrations: `MIGRATIONS[v - 1]` brings version `v - 1` to `v` (see
+/// [`SCHEMA_VERSION`]).
+const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
+    "CREATE TABLE atespaces (
+         name TEXT PRIMARY KEY
+     );
+     CREATE TABLE actors (
+         atespace TEXT NOT NULL,
+         name TEXT NOT NULL,
+         uid TEXT NOT NULL,
+         template_namespace TEXT NOT NULL,
+         template TEXT NOT NULL,
+         pool TEXT NOT NULL,
+         status INTEGER NOT NULL,
+         version BIGINT NOT NULL,
+         worker TEXT,
+         selector TEXT NOT NULL,
+         revert_pending BOOLEAN NOT NULL DEFAULT FALSE,
+         PRIMARY KEY (atespace, name)
+     );
+     CREATE TABLE valet_active (
+         id INTEGER PRIMARY KEY CHECK (id = 1),
+         epoch BIGINT NOT NULL
+     );
+     INSERT INTO valet_active (id, epoch) VALUES (1, 0);",
+    // Deferred: a batch that moves a worker between actors is checked at commit.
+    "ALTER TABLE actors ADD CONSTRAINT actors_one_per_worker UNIQUE (worker)
+         DEFERRABLE INITIALLY DEFERRED;",
+];
+
+/// The control plane's record in PostgreSQL. Cheap to clone.
+#[derive(Clone)]
+pub struct PostgresStore {
+    pool: Pool,
+    epoch: i64,
+    database: String,
+    lost: CancellationToken,
+    /// Keeps the advisory lock's connection (and so the lock) alive.
+    _active: std::sync::Arc<Client>,
+}
+
+impl std::fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("database", &self.database)
+            .field("epoch", &self.epoch)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The database's address for logs: hosts, ports, database and user, never the
+/// password.
+fn describe(config: &Config) -> String {
+    let hosts: Vec<String> = config
+        .get_hosts()
+        .iter()
+        .zip(config.get_ports().iter().chain(std::iter::repeat(&5432)))
+        .map(|(h, p)| match h {
+            tokio_postgres::config::Host::Tcp(h) => format!("{h}:{p}"),
+            tokio_postgres::config::Host::Unix(path) => format!("{}:{p}", path.display()),
+        })
+        .collect();
+    format!(
+        "postgres {}/{} (user {})",
+        hosts.join(","),
+        config.get_dbname().unwrap_or("postgres"),
+        config.get_user().unwrap_or("-"),
+    )
+}
+
+/// The server's message for database errors, the error itself otherwise.
+fn why(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("{}: {}", db.severity(), db.message()),
+        None => {
+            let mut s = e.to_string();
+            let mut source = std::error::Error::source(e);
+            while let Some(inner) = source {
+                s.push_str(": ");
+                s.push_str(&inner.to_string());
+                source = inner.source();
+            }
+            s
+        }
+    }
+}
+
+impl PostgresStore {
+    /// Connects to `url`, brings the schema to [`SCHEMA_VERSION`] (under an advisory
+    /// lock, so replicas starting together migrate once), then waits until no other
+    /// control plane is active on the database and becomes the active one.
+    ///
+    /// # Errors
+    /// An invalid URL, an unreachable database, a failed migration, or a schema newer
+    /// than this binary's.
+    pub async fn open(url: &str) -> Result<Self, StoreError> {
+        let mut config = Config::from_str(url).map_err(|e| StoreError::Postgres {
+            database: "--database".into(),
+            why: format!("not a PostgreSQL URL: {}", why(&e)),
+        })?;
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(CONNECT_TIMEOUT);
+        }
+        config.application_name("valet control-plane");
+        let database = describe(&config);
+        let err = |e: tokio_postgres::Error| StoreError::Postgres {
+            database: database.clone(),
+            why: why(&e),
+        };
+        let (client, connection) = config.connect(NoTls).await.map_err(err)?;
+        let lost = CancellationToken::new();
+        {
+            let lost = lost.clone();
+            let database = database.clone();
+            // Owned by the connection: it ends when the store's client is dropped.
+            tokio::spawn(async move {
+                if let Err(e) = connection.await {
+                    tracing::error!(%database, why = %why(&e), "lost the database connection");
+                }
+                lost.cancel();
+            });
+        }
+        migrate(&client, &database).await?;
+        let held: bool = client
+            .query_one("SELECT pg_try_advisory_lock($1)", &[&ACTIVE_LOCK])
+            .await
+            .map_err(err)?
+            .get(0);
+        if !held {
+            tracing::info!(
+                %database,
+                "standby: another control plane is active on this database; waiting to take over"
+            );
+            client
+                .execute("SELECT pg_advisory_lock($1)", &[&ACTIVE_LOCK])
+                .await
+                .map_err(err)?;
+        }
+        let epoch: i64 = client
+            .query_one(
+                "UPDATE valet_active SET epoch = epoch + 1 WHERE id = 1 RETURNING epoch",
+                &[],
+            )
+            .await
+            .map_err(err)?
+            .get(0);
+        tracing::info!(%database, epoch, "active on the database");
+        let manager = Manager::from_config(
+            config,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(POOL_SIZE)
+            .wait_timeout(Some(POOL_WAIT))
+            .create_timeout(Some(CONNECT_TIMEOUT))
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .build()
+            .map_err(|e| StoreError::Postgres {
+                database: database.clone(),
+                why: e.to_string(),
+            })?;
+        Ok(Self {
+            pool,
+            epoch,
+            database,
+            lost,
+            _active: std::sync::Arc::new(client),
+        })
+    }
+
+    /// Cancelled when the connection holding the active lock is lost: another replica
+    /// may take over, so this one must stop.
+    pub fn lost(&self) -> CancellationToken {
+        self.lost.clone()
+    }
+
+    /// The epoch this replica writes under.
+    pub fn epoch(&self) -> i64 {
+        self.epoch
+    }
+
+    fn err(&self) -> impl Fn(tokio_postgres::Error) -> StoreError + '_ {
+        |e| StoreError::Postgres {
+            database: self.database.clone(),
+            why: why(&e),
+        }
+    }
+
+    async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
+        self.pool.get().await.map_err(|e| StoreError::Postgres {
+            database: self.database.clone(),
+            why: format!("no connection: {e}"),
+        })
+    }
+}
+
+/// Brings the schema to [`SCHEMA_VERSION`], one migration per transaction, under the
+/// migration lock; refuses a newer schema.
+async fn migrate(client: &Client, database: &str) -> Result<(), StoreError> {
+    let err = |e: tokio_postgres::Error| StoreError::Postgres {
+        database: database.to_owned(),
+        why: format!("migrating the schema: {}", why(&e)),
+    };
+    client
+        .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
+        .await
+        .map_err(err)?;
+    let result = async {
+        client
+            .batch_execute("CREATE TABLE IF NOT EXISTS valet_schema (version BIGINT NOT NULL)")
+            .await
+            .map_err(err)?;
+        let found: Option<i64> = client
+            .query_opt("SELECT max(version) FROM valet_schema", &[])
+            .await
+            .map_err(err)?
+            .and_then(|r| r.get(0));
+        let found = found.unwrap_or(0);
+        if found > SCHEMA_VERSION {
+            return Err(StoreError::NewerSchema {
+                database: database.to_owned(),
+                found,
+                supported: SCHEMA_VERSION,
+            });
+        }
+        for (i, sql) in MIGRATIONS.iter().enumerate().skip(found as usize) {
+            let to = i as i64 + 1;
+            // `Client::transaction` needs `&mut`; the lock's client is shared.
+            client.batch_execute("BEGIN").await.map_err(err)?;
+            let step = async {
+                client.batch_execute(sql).await?;
+                client.execute("DELETE FROM valet_schema", &[]).await?;
+                client
+                    .execute("INSERT INTO valet_schema (version) VALUES ($1)", &[&to])
+                    .await?;
+                client.batch_execute("COMMIT").await
+            }
+            .await;
+            if let Err(e) = step {
+                let _ = client.batch_execute("ROLLBACK").await;
+                return Err(err(e));
+            }
+            tracing::info!(database, version = to, "database schema migrated");
+        }
+        Ok(())
+    }
+    .await;
+    let unlocked = client
+        .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK])
+        .await
+        .map_err(err);
+    result.and(unlocked.map(drop))
+}
+
+const SELECT_ACTOR: &str = "SELECT atespace, name, uid, template_namespace, template, pool, \
+     status, version, worker, selector, revert_pending FROM actors";
+
+impl Store for PostgresStore {
+    fn load(&self) -> StoreFuture<'_, Loaded> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            let atespaces = client
+                .query("SELECT name FROM atespaces ORDER BY name", &[])
+                .await
+                .map_err(self.err())?
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            let mut actors = Vec::new();
+            for r in client
+                .query(&format!("{SELECT_ACTOR} ORDER BY atespace, name"), &[])
+                .await
+                .map_err(self.err())?
+            {
+                let status: i32 = r.get(6);
+                let status = ActorStatus::from_wire(status)
+                    .ok_or_else(|| StoreError::Corrupt(self.database.clone(), status))?;
+                actors.push(ActorRow {
+                    atespace: r.get(0),
+                    name: r.get(1),
+                    uid: r.get(2),
+                    template_namespace: r.get(3),
+                    template: r.get(4),
+                    pool: r.get(5),
+                    status,
+                    version: r.get(7),
+                    worker: r.get(8),
+                    selector: crate::store::decode_selector(r.get(9)),
+                    revert_pending: r.get(10),
+                });
+            }
+            Ok(Loaded { atespaces, actors })
+        })
+    }
+
+    fn write(&self, batch: Batch) -> StoreFuture<'_, ()> {
+        Box::pin(async move {
+            if batch.is_empty() {
+                return Ok(());
+            }
+            let mut client = self.client().await?;
+            let tx = client.transaction().await.map_err(self.err())?;
+            // Fenced: only the replica of the current epoch writes. The row lock makes
+            // a takeover wait for this transaction, and this one see a takeover.
+            let epoch: i64 = tx
+                .query_one("SELECT epoch FROM valet_active WHERE id = 1 FOR SHARE", &[])
+                .await
+                .map_err(self.err())?
+                .get(0);
+            if epoch != self.epoch {
+                self.lost.cancel();
+                return Err(StoreError::Refused(format!(
+                    "another control plane took over {} (epoch {epoch}, this one {})",
+                    self.database, self.epoch
+                )));
+            }
+            for name in &batch.put_atespaces {
+                tx.execute(
+                    "INSERT INTO atespaces (name) VALUES ($1) ON CONFLICT DO NOTHING",
+                    &[name],
+                )
+                .await
+                .map_err(self.err())?;
+            }
+            for row in &batch.put_actors {
+                put_actor(&tx, row).await.map_err(self.err())?;
+            }
+            for key in &batch.delete_actors {
+                tx.execute(
+                    "DELETE FROM actors WHERE atespace = $1 AND name = $2",
+                    &[&key.atespace(), &key.name()],
+                )
+                .await
+                .map_err(self.err())?;
+            }
+            for name in &batch.delete_atespaces {
+                tx.execute("DELETE FROM atespaces WHERE name = $1", &[name])
+                    .await
+                    .map_err(self.err())?;
+            }
+            tx.commit().await.map_err(self.err())
+        })
+    }
+
+    fn describe(&self) -> String {
+        self.database.clone()
+    }
+
+    fn ping(&self) -> StoreFuture<'_, ()> {
+        Box::pin(async move {
+            if self.lost.is_cancelled() {
+                return Err(StoreError::Refused(format!(
+                    "{}: no longer the active control plane",
+                    self.database
+                )));
+            }
+            let client = self.client().await?;
+            tokio::time::timeout(POOL_WAIT, client.simple_query("SELECT 1"))
+                .await
+                .map_err(|_| StoreError::Postgres {
+                    database: self.database.clone(),
+                    why: "no answer".into(),
+                })?
+                .map_err(self.err())?;
+            Ok(())
+        })
+    }
+}
+
+async fn put_actor(c: &impl GenericClient, row: &ActorRow) -> Result<(), tokio_postgres::Error> {
+    let selector = crate::store::encode_selector(&row.selector);
+    c.execute(
+        "INSERT INTO actors (atespace, name, uid, template_namespace, template, pool, status, \
+         version, worker, selector, revert_pending) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) \
+         ON CONFLICT (atespace, name) DO UPDATE SET uid = excluded.uid, \
+         template_namespace = excluded.template_namespace, template = excluded.template, \
+         pool = excluded.pool, status = excluded.status, version = excluded.version, \
+         worker = excluded.worker, selector = excluded.selector, \
+         revert_pending = excluded.revert_pending",
+        &[
+            &row.atespace,
+            &row.name,
+            &row.uid,
+            &row.template_namespace,
+            &row.template,
+            &row.pool,
+            &row.status.wire(),
+            &row.version,
+            &row.worker,
+            &selector,
+            &row.revert_pending,
+        ],
+    )
+    .await
+    .map(drop)
+}

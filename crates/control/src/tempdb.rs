@@ -1,0 +1,192 @@
+//! A throwaway PostgreSQL server for tests (feature `testing`): `initdb` and `pg_ctl`
+//! in a temporary directory, on a free loopback port, stopped and removed on drop.
+//! Run as root (CI containers), the server runs as the `postgres` user, since
+//! PostgreSQL refuses to run as root.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// A running throwaway server.
+#[derive(Debug)]
+pub struct TempPostgres {
+    dir: PathBuf,
+    bin: PathBuf,
+    port: u16,
+    as_postgres: bool,
+}
+
+/// Where `initdb` and `pg_ctl` are: `VALET_PG_BIN`, else the newest
+/// `/usr/lib/postgresql/*/bin` (Debian), else `PATH`.
+fn bin_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("VALET_PG_BIN") {
+        return dir.into();
+    }
+    let mut versions: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.path().join("bin"))
+                .collect()
+        })
+        .unwrap_or_default();
+    versions.retain(|p| p.join("initdb").exists());
+    versions.sort();
+    versions.pop().unwrap_or_default()
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+impl TempPostgres {
+    /// Starts a server (blocking: call it on the blocking pool, see
+    /// [`TempPostgres::start_async`]).
+    ///
+    /// # Panics
+    /// When PostgreSQL is not installed or does not start (the message says which
+    /// step failed and how to install it).
+    pub fn start() -> Self {
+        let bin = bin_dir();
+        let as_postgres = is_root();
+        let dir = std::env::temp_dir().join(format!(
+            "valet-pg-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_nanos()
+        ));
+        std::fs::create_dir_all(&dir).expect("a temporary directory for PostgreSQL");
+        let server = Self {
+            dir,
+            bin,
+            port: free_port(),
+            as_postgres,
+        };
+        if as_postgres {
+            let ok = Command::new("chown")
+                .args(["postgres:postgres"])
+                .arg(&server.dir)
+                .status()
+                .is_ok_and(|s| s.success());
+            assert!(
+                ok,
+                "chown postgres {}: is PostgreSQL installed?",
+                server.dir.display()
+            );
+        }
+        let data = server.data();
+        server.run(
+            "initdb",
+            &[
+                "-D",
+                path(&data),
+                "-U",
+                "postgres",
+                "-A",
+                "trust",
+                "-E",
+                "UTF8",
+                "--no-locale",
+                "--no-sync",
+            ],
+        );
+        let options = format!(
+            "-p {} -c listen_addresses=127.0.0.1 -k {} -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=200",
+            server.port,
+            server.dir.display()
+        );
+        let log = server.dir.join("server.log");
+        server.run(
+            "pg_ctl",
+            &[
+                "-D",
+                path(&data),
+                "-l",
+                path(&log),
+                "-o",
+                &options,
+                "-w",
+                "-t",
+                "60",
+                "start",
+            ],
+        );
+        server
+    }
+
+    /// [`TempPostgres::start`] on the blocking pool.
+    pub async fn start_async() -> Self {
+        tokio::task::spawn_blocking(Self::start)
+            .await
+            .expect("PostgreSQL starts")
+    }
+
+    /// A URL of database `postgres` as user `postgres` (trust authentication).
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// The server's port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    fn data(&self) -> PathBuf {
+        self.dir.join("data")
+    }
+
+    fn run(&self, tool: &str, args: &[&str]) {
+        let exe = self.bin.join(tool);
+        let mut cmd = if self.as_postgres {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(&exe);
+            c
+        } else {
+            Command::new(&exe)
+        };
+        let out = cmd.args(args).output().unwrap_or_else(|e| {
+            panic!(
+                "cannot run {} ({e}): install PostgreSQL (Debian: apt-get install postgresql-15) or set VALET_PG_BIN",
+                exe.display()
+            )
+        });
+        assert!(
+            out.status.success(),
+            "{tool} failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().expect("temporary paths are UTF-8")
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+impl Drop for TempPostgres {
+    fn drop(&mut self) {
+        let data = self.data();
+        let stop = ["-D", path(&data), "-m", "immediate", "-w", "stop"];
+        let exe = self.bin.join("pg_ctl");
+        let _ = if self.as_postgres {
+            Command::new("runuser")
+                .args(["-u", "postgres", "--"])
+                .arg(&exe)
+                .args(stop)
+                .output()
+        } else {
+            Command::new(&exe).args(stop).output()
+        };
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
