@@ -70,7 +70,9 @@ pub struct RouterArgs {
     pub admin_listen: String,
 
     /// The control plane (`ateapi.Control`) to resume actors with; `http://` means h2c.
-    #[arg(long, env = "VALET_CONTROL_PLANE", default_value = DEFAULT_CONTROL_PLANE, value_name = "URL")]
+    /// Several replicas: a comma-separated list; attempts go round-robin and pass over
+    /// one that was just unreachable.
+    #[arg(long, env = "VALET_CONTROL_PLANE", default_value = DEFAULT_CONTROL_PLANE, value_name = "URL[,URL…]")]
     pub control_plane: String,
 
     /// DNS suffix of actor hosts: `<name>.<atespace>.<actor-domain>`.
@@ -330,6 +332,7 @@ pub struct RouterConfig {
     extproc_listen: Option<SocketAddr>,
     admin_listen: Option<SocketAddr>,
     control_plane: String,
+    control_planes: Vec<String>,
     credentials: ClientCredentials,
     actor_domain: ActorDomain,
     worker_port: u16,
@@ -356,9 +359,14 @@ impl RouterConfig {
     pub fn admin_listen(&self) -> Option<SocketAddr> {
         self.admin_listen
     }
-    /// The control plane's URL (`http://host:port` or `https://host:port`).
+    /// The control plane's URLs as configured, comma-separated (`http://host:port`
+    /// or `https://host:port`).
     pub fn control_plane(&self) -> &str {
         &self.control_plane
+    }
+    /// Each control-plane replica's URL.
+    pub fn control_planes(&self) -> &[String] {
+        &self.control_planes
     }
     /// How the control plane is reached (TLS, token).
     pub fn credentials(&self) -> &ClientCredentials {
@@ -600,8 +608,9 @@ impl RouterArgs {
         let listen = parse_listen("--listen", &self.listen)?;
         let extproc_listen = parse_listen("--extproc-listen", &self.extproc_listen)?;
         let admin_listen = parse_listen("--admin-listen", &self.admin_listen)?;
-        let control_plane = parse_control_plane(&self.control_plane)?;
-        let credentials = self.ateapi.credentials(&control_plane)?;
+        let control_planes = parse_control_planes(&self.control_plane)?;
+        let control_plane = control_planes.join(",");
+        let credentials = self.ateapi.credentials(&control_planes[0])?;
         let actor_domain: ActorDomain = self
             .actor_domain
             .parse()
@@ -658,6 +667,7 @@ impl RouterArgs {
             extproc_listen,
             admin_listen,
             control_plane,
+            control_planes,
             credentials,
             actor_domain,
             worker_port: self.worker_port,
@@ -686,11 +696,44 @@ fn parse_listen(flag: &'static str, value: &str) -> Result<Option<SocketAddr>, C
     })
 }
 
-/// A control-plane URL: `http://<host>:<port>` (h2c) or `https://<host>:<port>`
-/// (TLS), normalized without a trailing slash.
+/// `--control-plane`: one control-plane URL, or a comma-separated list of replicas,
+/// each `http://<host>:<port>` (h2c) or `https://<host>:<port>` (TLS), all of one
+/// scheme, normalized without a trailing slash.
 ///
 /// # Errors
 /// Anything else, naming the flag.
+pub fn parse_control_planes(value: &str) -> Result<Vec<String>, ConfigError> {
+    let urls = value
+        .split(',')
+        .map(|u| {
+            parse_control_plane(u.trim())
+                .map_err(|e| ConfigError::new("--control-plane", value, e.rule))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let https = urls[0].starts_with("https://");
+    if urls.iter().any(|u| u.starts_with("https://") != https) {
+        return Err(ConfigError::new(
+            "--control-plane",
+            value,
+            "replicas must all be http:// or all https://",
+        ));
+    }
+    for (i, u) in urls.iter().enumerate() {
+        if urls[..i].contains(u) {
+            return Err(ConfigError::new(
+                "--control-plane",
+                value,
+                format!("{u} is listed twice"),
+            ));
+        }
+    }
+    Ok(urls)
+}
+
+/// Parses one `--control-plane` URL.
+///
+/// # Errors
+/// Not an `http://` or `https://` URL of a host and port.
 pub fn parse_control_plane(value: &str) -> Result<String, ConfigError> {
     let rule = "must be http://<host>:<port> (h2c) or https://<host>:<port> (TLS)";
     let (scheme, rest) = value
@@ -799,6 +842,22 @@ mod tests {
 
     fn rule_of(args: &[&str]) -> String {
         resolve(args).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn control_plane_replicas_are_a_list_of_one_scheme() {
+        let c = resolve(&["--control-plane", "http://a:1, http://b:2/"]).unwrap();
+        assert_eq!(c.control_planes(), ["http://a:1", "http://b:2"]);
+        assert_eq!(c.control_plane(), "http://a:1,http://b:2");
+        let mixed = rule_of(&["--control-plane", "http://a:1,https://b:2"]);
+        assert!(
+            mixed.contains("must all be http:// or all https://"),
+            "{mixed}"
+        );
+        let twice = rule_of(&["--control-plane", "http://a:1,http://a:1"]);
+        assert!(twice.contains("listed twice"), "{twice}");
+        let empty = rule_of(&["--control-plane", "http://a:1,"]);
+        assert!(empty.contains("--control-plane"), "{empty}");
     }
 
     #[test]

@@ -172,11 +172,41 @@ pub trait ControlPlane: Send + Sync + 'static {
     fn resume_actor(&self, req: ResumeRequest) -> ResumeFuture<'_>;
 }
 
-/// `ateapi.Control` over gRPC (h2c for `http://` addresses).
+/// How long a replica whose attempt was `Unavailable` is passed over while another
+/// one may answer.
+pub const FAILOVER_HOLD: Duration = Duration::from_secs(1);
+
+/// `ateapi.Control` over gRPC (h2c for `http://` addresses), on one control plane or
+/// spread over several replicas.
 #[derive(Debug, Clone)]
 pub struct GrpcControlPlane {
+    replicas: std::sync::Arc<[Replica]>,
+    next: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+#[derive(Debug)]
+struct Replica {
     client: ateapi::control_client::ControlClient<CpChannel>,
     channel: CpChannel,
+    /// Passed over until then: its last attempt was `Unavailable`.
+    down_until: std::sync::Mutex<Option<tokio::time::Instant>>,
+}
+
+impl Replica {
+    fn is_down(&self, now: tokio::time::Instant) -> bool {
+        self.down_until
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_some_and(|until| now < until)
+    }
+
+    fn mark(&self, unavailable: bool) {
+        *self
+            .down_until
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+            unavailable.then(|| tokio::time::Instant::now() + FAILOVER_HOLD);
+    }
 }
 
 impl GrpcControlPlane {
@@ -189,22 +219,63 @@ impl GrpcControlPlane {
         url: &str,
         credentials: &ClientCredentials,
     ) -> Result<Self, tonic::transport::Error> {
-        let channel = channel(url, credentials)?;
+        Self::replicas(&[url.to_owned()], credentials)
+    }
+
+    /// A client of several replicas: attempts go round-robin over them, passing over
+    /// one whose last attempt was `Unavailable` (for [`FAILOVER_HOLD`]) while another
+    /// may answer. An attempt on an unreachable replica counts as `Unavailable`, so a
+    /// parked request's next attempt goes to the next replica.
+    ///
+    /// # Errors
+    /// When a URL is not a valid endpoint.
+    ///
+    /// # Panics
+    /// When `urls` is empty.
+    pub fn replicas(
+        urls: &[String],
+        credentials: &ClientCredentials,
+    ) -> Result<Self, tonic::transport::Error> {
+        assert!(!urls.is_empty(), "at least one control plane");
+        let replicas = urls
+            .iter()
+            .map(|url| {
+                let channel = channel(url, credentials)?;
+                Ok(Replica {
+                    client: ateapi::control_client::ControlClient::new(channel.clone()),
+                    channel,
+                    down_until: std::sync::Mutex::new(None),
+                })
+            })
+            .collect::<Result<Vec<_>, tonic::transport::Error>>()?;
         Ok(Self {
-            client: ateapi::control_client::ControlClient::new(channel.clone()),
-            channel,
+            replicas: replicas.into(),
+            next: std::sync::Arc::default(),
         })
     }
 
-    /// The channel it calls over (the lease watch shares it).
+    /// The channel of the first replica (the lease watch and the reachability probe
+    /// use it).
     pub fn channel(&self) -> CpChannel {
-        self.channel.clone()
+        self.replicas[0].channel.clone()
+    }
+
+    /// The replica for the next attempt.
+    fn pick(&self) -> &Replica {
+        let n = self.replicas.len();
+        let start = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let now = tokio::time::Instant::now();
+        (0..n)
+            .map(|i| &self.replicas[(start + i) % n])
+            .find(|r| !r.is_down(now))
+            .unwrap_or(&self.replicas[start % n])
     }
 }
 
 impl ControlPlane for GrpcControlPlane {
     fn resume_actor(&self, req: ResumeRequest) -> ResumeFuture<'_> {
-        let mut client = self.client.clone();
+        let replica = self.pick();
+        let mut client = replica.client.clone();
         Box::pin(async move {
             let mut request = tonic::Request::new(ateapi::ResumeActorRequest {
                 actor_ref: Some(ateapi::ActorRef {
@@ -218,7 +289,8 @@ impl ControlPlane for GrpcControlPlane {
             request.set_timeout(req.timeout);
             // grpc-timeout tells the server; the local timer covers a server that
             // never answers.
-            match tokio::time::timeout(req.timeout, client.resume_actor(request)).await {
+            let result = match tokio::time::timeout(req.timeout, client.resume_actor(request)).await
+            {
                 Ok(Ok(response)) => {
                     let r = response.into_inner();
                     let grant = r
@@ -238,7 +310,11 @@ impl ControlPlane for GrpcControlPlane {
                     Code::DeadlineExceeded,
                     "resume attempt timed out",
                 )),
+            };
+            if self.replicas.len() > 1 {
+                replica.mark(matches!(&result, Err(e) if e.code() == Code::Unavailable));
             }
+            result
         })
     }
 }

@@ -663,8 +663,9 @@ pub(crate) struct PolicyArgs {
 
 #[derive(Debug, Clone, Args)]
 pub(crate) struct WorkerArgs {
-    /// The control plane to join.
-    #[arg(long, env = "VALET_CONTROL_PLANE", default_value = DEFAULT_CONTROL_PLANE, value_name = "URL")]
+    /// The control plane to join; several replicas: a comma-separated list (an
+    /// attachment that fails or ends moves on to the next).
+    #[arg(long, env = "VALET_CONTROL_PLANE", default_value = DEFAULT_CONTROL_PLANE, value_name = "URL[,URL…]")]
     pub(crate) control_plane: String,
 
     /// The pool to join.
@@ -708,8 +709,9 @@ pub(crate) struct WorkerArgs {
 
 #[derive(Debug, Clone, Args)]
 pub(crate) struct CtlArgs {
-    /// The ateapi.Control server.
-    #[arg(long, env = "VALET_CONTROL_PLANE", default_value = DEFAULT_CONTROL_PLANE, value_name = "URL", global = true)]
+    /// The ateapi.Control server; several replicas: a comma-separated list, asked in
+    /// turn while the one asked is unavailable.
+    #[arg(long, env = "VALET_CONTROL_PLANE", default_value = DEFAULT_CONTROL_PLANE, value_name = "URL[,URL…]", global = true)]
     pub(crate) control_plane: String,
 
     /// Print JSON instead of tables.

@@ -40,7 +40,7 @@ impl RunningRouter {
         https: Option<(SocketAddr, valet_proxy::tls::IngressTls)>,
     ) -> Result<Self, String> {
         let config = Arc::new(config);
-        let cp = GrpcControlPlane::connect_lazy(config.control_plane(), config.credentials())
+        let cp = GrpcControlPlane::replicas(config.control_planes(), config.credentials())
             .map_err(|e| format!("--control-plane={}: {e}", config.control_plane()))?;
         let channel = cp.channel();
         let channel_for_probe = cp.channel();

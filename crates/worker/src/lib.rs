@@ -49,7 +49,9 @@ enum Refusal {
 /// How a worker runs.
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
-    /// The control plane to attach to (`http://host:port` or `https://host:port`).
+    /// The control plane to attach to (`http://host:port` or `https://host:port`), or
+    /// a comma-separated list of replicas: an attachment that fails or ends moves on
+    /// to the next.
     pub control_plane: String,
     /// How the control plane is reached (TLS, token); plaintext by default.
     pub credentials: valet_proto::auth::ClientCredentials,
@@ -107,13 +109,21 @@ impl Worker {
                 source,
             }
         })?;
-        let endpoint = config
-            .credentials
-            .endpoint(&config.control_plane)
-            .map_err(|_| WorkerError::ControlPlane(config.control_plane.clone()))?
-            .connect_timeout(Duration::from_secs(2))
-            .http2_keep_alive_interval(Duration::from_secs(1))
-            .keep_alive_timeout(Duration::from_secs(3));
+        let endpoints = config
+            .control_plane
+            .split(',')
+            .map(|url| {
+                config
+                    .credentials
+                    .endpoint(url.trim())
+                    .map_err(|_| WorkerError::ControlPlane(config.control_plane.clone()))
+                    .map(|e| {
+                        e.connect_timeout(Duration::from_secs(2))
+                            .http2_keep_alive_interval(Duration::from_secs(1))
+                            .keep_alive_timeout(Duration::from_secs(3))
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let credentials = config.credentials.clone();
         let listener =
             TcpListener::bind(config.listen)
@@ -145,7 +155,7 @@ impl Worker {
             slot: Arc::clone(&slot),
             lease,
         };
-        tasks.spawn(agent.run(endpoint, credentials, stop.clone()));
+        tasks.spawn(agent.run(endpoints, credentials, stop.clone()));
         Ok(Self {
             id,
             app_addr,
@@ -291,24 +301,32 @@ struct Agent {
 impl Agent {
     async fn run(
         self,
-        endpoint: tonic::transport::Endpoint,
+        endpoints: Vec<tonic::transport::Endpoint>,
         credentials: valet_proto::auth::ClientCredentials,
         stop: CancellationToken,
     ) {
         let mut backoff = Duration::from_millis(100);
+        // Which replica to attach to next: after an attachment fails or ends, the next
+        // one, at once; after every one was tried, wait (backing off) first.
+        let mut next = 0;
         loop {
+            let endpoint = &endpoints[next % endpoints.len()];
             let attached = tokio::select! {
                 () = stop.cancelled() => return,
-                r = self.attach_once(&endpoint, &credentials, &stop) => r,
+                r = self.attach_once(endpoint, &credentials, &stop) => r,
             };
             match attached {
                 Ok(()) => backoff = Duration::from_millis(100),
                 Err(e) => {
-                    tracing::warn!(worker = %self.id, error = %e, "control plane unreachable; retrying")
+                    tracing::warn!(worker = %self.id, control_plane = %endpoint.uri(), error = %e, "control plane unreachable; retrying")
                 }
             }
             if stop.is_cancelled() {
                 return;
+            }
+            next += 1;
+            if next % endpoints.len() != 0 {
+                continue;
             }
             tokio::select! {
                 () = stop.cancelled() => return,

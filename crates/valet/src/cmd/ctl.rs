@@ -10,32 +10,45 @@ use crate::EXIT_CONFIG;
 use crate::cli::{ActorCommand, AtespaceCommand, CtlArgs, CtlCommand};
 
 pub(crate) async fn run(args: CtlArgs) -> ExitCode {
-    let resolved = valet_router::config::parse_control_plane(&args.control_plane)
-        .and_then(|url| Ok((args.ateapi.credentials(&url)?, url)));
-    let (credentials, url) = match resolved {
+    let resolved = valet_router::config::parse_control_planes(&args.control_plane)
+        .and_then(|urls| Ok((args.ateapi.credentials(&urls[0])?, urls)));
+    let (credentials, urls) = match resolved {
         Ok(r) => r,
         Err(e) => {
             eprintln!("valet ctl: {e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    let endpoint = credentials.endpoint(&url).map(|e| {
-        e.connect_timeout(std::time::Duration::from_secs(3))
-            .timeout(args.timeout)
-    });
-    let endpoint = match endpoint {
-        Ok(e) => e,
-        Err(e) => {
-            eprintln!(
-                "valet ctl: invalid configuration: --control-plane={}: {e}",
-                args.control_plane
-            );
-            return ExitCode::from(EXIT_CONFIG);
+    let mut endpoints = Vec::new();
+    for url in &urls {
+        match credentials.endpoint(url) {
+            Ok(e) => endpoints.push(
+                e.connect_timeout(std::time::Duration::from_secs(3))
+                    .timeout(args.timeout),
+            ),
+            Err(e) => {
+                eprintln!(
+                    "valet ctl: invalid configuration: --control-plane={}: {e}",
+                    args.control_plane
+                );
+                return ExitCode::from(EXIT_CONFIG);
+            }
         }
-    };
-    let client =
-        ControlClient::new(credentials.connect_lazy(&endpoint, valet_proto::auth::tcp_connector()));
-    match execute(client, &args).await {
+    }
+    // Replicas in turn, while the one asked is unavailable.
+    let mut result = Err(CtlError::Usage("no control plane".into()));
+    for (i, endpoint) in endpoints.iter().enumerate() {
+        let client = ControlClient::new(
+            credentials.connect_lazy(endpoint, valet_proto::auth::tcp_connector()),
+        );
+        result = execute(client, &args).await;
+        let unavailable =
+            matches!(&result, Err(CtlError::Rpc(s)) if s.code() == tonic::Code::Unavailable);
+        if !unavailable || i + 1 == endpoints.len() {
+            break;
+        }
+    }
+    match result {
         Ok(out) => {
             print!("{out}");
             ExitCode::SUCCESS

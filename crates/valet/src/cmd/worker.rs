@@ -10,8 +10,8 @@ use crate::cli::WorkerArgs;
 pub(crate) async fn run(args: WorkerArgs) -> ExitCode {
     // Before anything is printed: see `signal::terminated`.
     let terminated = crate::signal::terminated();
-    let resolved = valet_router::config::parse_control_plane(&args.control_plane)
-        .and_then(|url| Ok((args.ateapi.credentials(&url)?, url)));
+    let resolved = valet_router::config::parse_control_planes(&args.control_plane)
+        .and_then(|urls| Ok((args.ateapi.credentials(&urls[0])?, urls.join(","))));
     let (credentials, control_plane) = match resolved {
         Ok(r) => r,
         Err(e) => {

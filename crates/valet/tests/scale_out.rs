@@ -1,0 +1,298 @@
+//! Control planes on PostgreSQL, as real processes over a throwaway PostgreSQL server:
+//! one replica active, another waiting as a standby; the active one SIGKILLed while
+//! requests park: the standby takes over, workers re-attach to it, routers listing
+//! both replicas serve every request within its budget, and nothing acknowledged is
+//! lost. Also: the configuration rules of `--database`, a schema newer than the
+//! binary, and a lost database.
+
+mod common;
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::{Proc, eventually, http_get};
+use valet_control::tempdb::TempPostgres;
+use valet_proto::ateapi;
+
+const WITHIN: Duration = Duration::from_secs(60);
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn replica_args<'a>(listen: &'a str, url: &'a str, data: &'a str) -> Vec<&'a str> {
+    vec![
+        "control-plane",
+        "--listen",
+        listen,
+        "--database",
+        url,
+        "--data-dir",
+        data,
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--rejoin-grace",
+        "5s",
+    ]
+}
+
+fn host(name: &str) -> String {
+    format!("{name}.demo.{}", common::DOMAIN)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_takes_over_from_a_killed_replica_and_parked_requests_are_served() {
+    let pg = TempPostgres::start_async().await;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("unused");
+    let data = data.to_str().unwrap();
+    let url = pg.url();
+    let (a, b) = (
+        format!("127.0.0.1:{}", free_port()),
+        format!("127.0.0.1:{}", free_port()),
+    );
+    let replicas = format!("http://{a},http://{b}");
+
+    let first = Proc::start_logged("control-plane", &replica_args(&a, &url, data)).await;
+    // The second waits for the database's active lock, without listening.
+    let second = tokio::spawn({
+        let (b, url, data) = (b.clone(), url.clone(), data.to_owned());
+        async move { Proc::start_logged("control-plane", &replica_args(&b, &url, &data)).await }
+    });
+
+    let snapshots = dir.path().join("snapshots");
+    let mut workers = Vec::new();
+    for id in ["w1", "w2"] {
+        workers.push(
+            Proc::start(
+                "worker",
+                &[
+                    "worker",
+                    "--control-plane",
+                    &replicas,
+                    "--snapshot-dir",
+                    snapshots.to_str().unwrap(),
+                    "--worker-id",
+                    id,
+                ],
+            )
+            .await,
+        );
+    }
+    let c = common::client(first.addr);
+    eventually("both workers attached", WITHIN, || async {
+        let n = c
+            .clone()
+            .list_workers(())
+            .await
+            .ok()?
+            .into_inner()
+            .workers
+            .len();
+        (n == 2).then_some(())
+    })
+    .await;
+    c.clone()
+        .create_atespace(ateapi::CreateAtespaceRequest {
+            name: "demo".into(),
+        })
+        .await
+        .unwrap();
+    for name in ["p1", "p2", "p3", "p4"] {
+        common::create(&c, &format!("demo/{name}")).await.unwrap();
+    }
+    let router = Proc::start(
+        "admin",
+        &[
+            "router",
+            "--listen",
+            "127.0.0.1:0",
+            "--extproc-listen",
+            "",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--control-plane",
+            &replicas,
+            "--parked-request-budget",
+            "30s",
+        ],
+    )
+    .await;
+    let get = |name: &'static str| {
+        let addr = router.addrs["router"];
+        async move { http_get(addr, "/", &[("Host", &host(name))]).await }
+    };
+    let (status, body) = get("p1").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("count: 1"), "{body}");
+
+    // The active replica dies while requests are in flight and more arrive: they
+    // park (each attempt Unavailable) until the standby has taken over.
+    let in_flight: Vec<_> = ["p1", "p2", "p1", "p2"]
+        .into_iter()
+        .map(|n| tokio::spawn(get(n)))
+        .collect();
+    first.kill().await;
+    let next: Vec<_> = ["p2", "p1"]
+        .into_iter()
+        .map(|n| tokio::spawn(get(n)))
+        .collect();
+    let second = tokio::time::timeout(WITHIN, second)
+        .await
+        .expect("the standby takes over")
+        .unwrap();
+    for r in in_flight.into_iter().chain(next) {
+        let (status, body) = r.await.unwrap();
+        assert_eq!(status, 200, "{body}");
+    }
+    assert!(
+        router
+            .metric(
+                "atenet_router_resume_attempts_total",
+                &[("code", "UNAVAILABLE")]
+            )
+            .await
+            >= 1.0,
+        "requests parked while no replica was active"
+    );
+
+    // Nothing acknowledged was lost: every actor created on the first replica is
+    // there, and p1's memory survived (its worker kept it running).
+    let c = common::client(second.addr);
+    let actors = c
+        .clone()
+        .list_actors(ateapi::ListActorsRequest {
+            atespace: "demo".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .actors;
+    let mut names: Vec<String> = actors.iter().map(|a| a.actor_id.clone()).collect();
+    names.sort();
+    assert_eq!(names, ["p1", "p2", "p3", "p4"]);
+    eventually(
+        "both workers re-attached to the new replica",
+        WITHIN,
+        || async {
+            let n = c
+                .clone()
+                .list_workers(())
+                .await
+                .ok()?
+                .into_inner()
+                .workers
+                .len();
+            (n == 2).then_some(())
+        },
+    )
+    .await;
+    let (status, body) = get("p1").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.contains("count: 5"),
+        "p1 counted every request: {body}"
+    );
+    assert!(
+        second.logs().contains("active on the database"),
+        "{}",
+        second.logs()
+    );
+
+    // Its probes reflect the database.
+    let metrics = second.addrs["metrics"];
+    assert_eq!(http_get(metrics, "/readyz", &[]).await.0, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn database_rules_a_newer_schema_and_a_lost_database() {
+    let pg = TempPostgres::start_async().await;
+    let url = pg.url();
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let run = |args: Vec<String>| async move {
+        let out = tokio::time::timeout(
+            WITHIN,
+            tokio::process::Command::new(env!("CARGO_BIN_EXE_valet"))
+                .args(&args)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .kill_on_drop(true)
+                .output(),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{args:?} did not exit"))
+        .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let args = |extra: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = ["control-plane", "--listen", "127.0.0.1:0", "--data-dir"]
+            .into_iter()
+            .map(str::to_owned)
+            .collect();
+        v.push(data.to_str().unwrap().to_owned());
+        v.extend(extra.iter().map(|s| (*s).to_owned()));
+        v
+    };
+    // Route leases are not shared across replicas yet: an explicit one is refused.
+    let (code, err) = run(args(&["--database", &url, "--route-lease", "5s"])).await;
+    assert_eq!(code, Some(64), "{err}");
+    assert!(
+        err.contains("--route-lease") && err.lines().count() == 1,
+        "{err}"
+    );
+    let (code, err) = run(args(&["--database", "mysql://db/x"])).await;
+    assert_eq!(code, Some(64), "{err}");
+    assert!(err.contains("--database"), "{err}");
+
+    // A live replica, then its database gone: it stops serving and exits 1.
+    let mut cp = Proc::start_logged(
+        "control-plane",
+        &[
+            "control-plane",
+            "--listen",
+            "127.0.0.1:0",
+            "--database",
+            &url,
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
+    )
+    .await;
+    assert_eq!(http_get(cp.addrs["metrics"], "/readyz", &[]).await.0, 200);
+    // A schema newer than the binary: refused at start, in one line, exit 1.
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let task = tokio::spawn(conn);
+    client
+        .batch_execute("UPDATE valet_schema SET version = version + 1")
+        .await
+        .unwrap();
+    let (code, err) = run(args(&["--database", &url])).await;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("newer than this binary") && err.lines().count() == 1,
+        "{err}"
+    );
+    // Every connection of the live replica cut, as a database restart would.
+    client
+        .batch_execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE application_name = 'valet control-plane'",
+        )
+        .await
+        .unwrap();
+    drop(client);
+    let _ = task.await;
+    assert_eq!(cp.exit_code(WITHIN).await, Some(1));
+    assert!(cp.logs().contains("lost the database"), "{}", cp.logs());
+}
