@@ -44,6 +44,17 @@ async fn sql(url: &str, statement: &str) {
     let _ = task.await;
 }
 
+async fn count(url: &str, query: &str) -> i64 {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let task = tokio::spawn(conn);
+    let n: i64 = client.query_one(query, &[]).await.unwrap().get(0);
+    drop(client);
+    let _ = task.await;
+    n
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_record_survives_a_reopen_and_batches_are_transactions() {
     let pg = TempPostgres::start_async().await;
@@ -127,8 +138,22 @@ async fn a_standby_takes_over_and_the_replaced_replica_is_fenced() {
         let url = url.clone();
         async move { PostgresStore::open(&url).await }
     });
-    // The active replica's lock connection dies (a partition, a crash of its host):
-    // the standby takes over with the next epoch.
+    // Once the standby waits for the active lock (its migration lock released)...
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while count(
+            &url,
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+        )
+        .await
+            != 1
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the standby waits for the lock");
+    // ...the active replica's lock connection dies (a partition, a crash of its
+    // host): the standby takes over with the next epoch.
     sql(
         &url,
         "SELECT pg_terminate_backend(pid) FROM pg_locks \
