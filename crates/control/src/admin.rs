@@ -1,6 +1,6 @@
 //! The control plane's own probes and metrics (`--metrics-listen`): `/metrics`,
 //! `/healthz` (the process lives) and `/readyz` (serving, not shutting down, and its
-//! database answers).
+//! database answers; a standby waiting to become active is alive but not ready).
 
 use axum::extract::State;
 use axum::http::{StatusCode, header};
@@ -12,17 +12,30 @@ use tokio_util::sync::CancellationToken;
 
 use crate::plane::Plane;
 
+/// The plane the probes describe, once there is one (a standby has none yet).
+pub type PlaneSlot = std::sync::Arc<std::sync::OnceLock<Plane>>;
+
 /// Serves the probes and metrics of `plane` on `listener` until `stop` is cancelled.
 pub fn spawn(
     listener: TcpListener,
     plane: Plane,
     stop: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
+    spawn_slot(listener, std::sync::Arc::new(plane.into()), stop)
+}
+
+/// As [`spawn`], for a plane that may not exist yet: until `slot` is filled,
+/// `/healthz` answers `ok`, `/readyz` 503 (standby) and `/metrics` nothing.
+pub fn spawn_slot(
+    listener: TcpListener,
+    slot: PlaneSlot,
+    stop: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
     let app = axum::Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .with_state(plane);
+        .with_state(slot);
     let listener = listener.tap_io(|tcp| {
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::debug!(error = %e, "cannot set TCP_NODELAY on a metrics connection");
@@ -37,7 +50,10 @@ pub fn spawn(
     })
 }
 
-async fn metrics(State(plane): State<Plane>) -> Response {
+async fn metrics(State(slot): State<PlaneSlot>) -> Response {
+    let Some(plane) = slot.get() else {
+        return (StatusCode::OK, String::new()).into_response();
+    };
     (
         [(
             header::CONTENT_TYPE,
@@ -48,7 +64,14 @@ async fn metrics(State(plane): State<Plane>) -> Response {
         .into_response()
 }
 
-async fn readyz(State(plane): State<Plane>) -> Response {
+async fn readyz(State(slot): State<PlaneSlot>) -> Response {
+    let Some(plane) = slot.get() else {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: standby, waiting to become the active control plane\n",
+        )
+            .into_response();
+    };
     if plane.is_shutting_down() {
         (
             StatusCode::SERVICE_UNAVAILABLE,

@@ -24,7 +24,12 @@ fn free_port() -> u16 {
         .port()
 }
 
-fn replica_args<'a>(listen: &'a str, url: &'a str, data: &'a str) -> Vec<&'a str> {
+fn replica_args<'a>(
+    listen: &'a str,
+    metrics: &'a str,
+    url: &'a str,
+    data: &'a str,
+) -> Vec<&'a str> {
     vec![
         "control-plane",
         "--listen",
@@ -34,7 +39,7 @@ fn replica_args<'a>(listen: &'a str, url: &'a str, data: &'a str) -> Vec<&'a str
         "--data-dir",
         data,
         "--metrics-listen",
-        "127.0.0.1:0",
+        metrics,
         "--rejoin-grace",
         "5s",
     ]
@@ -57,12 +62,27 @@ async fn a_standby_takes_over_from_a_killed_replica_and_parked_requests_are_serv
     );
     let replicas = format!("http://{a},http://{b}");
 
-    let first = Proc::start_logged("control-plane", &replica_args(&a, &url, data)).await;
-    // The second waits for the database's active lock, without listening.
+    let first = Proc::start_logged(
+        "control-plane",
+        &replica_args(&a, "127.0.0.1:0", &url, data),
+    )
+    .await;
+    // The second waits for the database's active lock, not listening for gRPC; its
+    // probes say it is alive but not ready.
+    let b_metrics: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let second = tokio::spawn({
         let (b, url, data) = (b.clone(), url.clone(), data.to_owned());
-        async move { Proc::start_logged("control-plane", &replica_args(&b, &url, &data)).await }
+        let metrics = b_metrics.to_string();
+        async move {
+            Proc::start_logged("control-plane", &replica_args(&b, &metrics, &url, &data)).await
+        }
     });
+    eventually("the standby's probes answer", WITHIN, || async {
+        let ready = common::try_http_get(b_metrics, "/readyz", &[]).await?;
+        (ready.0 == 503 && ready.1.contains("standby")).then_some(())
+    })
+    .await;
+    assert_eq!(http_get(b_metrics, "/healthz", &[]).await.0, 200);
 
     let snapshots = dir.path().join("snapshots");
     let mut workers = Vec::new();

@@ -64,6 +64,29 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     }
+    // Probes first: a standby waiting for the database is alive, not ready.
+    let slot = valet_control::admin::PlaneSlot::default();
+    let stop_metrics = CancellationToken::new();
+    let metrics = match metrics_listen {
+        Some(at) => match TcpListener::bind(at).await {
+            Ok(l) => {
+                let bound = l
+                    .local_addr()
+                    .map_or_else(|_| at.to_string(), |a| a.to_string());
+                println!("listening metrics {bound}");
+                Some(valet_control::admin::spawn_slot(
+                    l,
+                    slot.clone(),
+                    stop_metrics.clone(),
+                ))
+            }
+            Err(e) => {
+                eprintln!("valet control-plane: cannot listen on --metrics-listen={at}: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+        None => None,
+    };
     let mut terminated = Box::pin(terminated);
     // Losing the database's active lock: another replica may take over, so stop.
     let mut lost = CancellationToken::new();
@@ -119,27 +142,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let stop_metrics = CancellationToken::new();
-    let metrics = match metrics_listen {
-        Some(at) => match TcpListener::bind(at).await {
-            Ok(l) => {
-                let bound = l
-                    .local_addr()
-                    .map_or_else(|_| at.to_string(), |a| a.to_string());
-                println!("listening metrics {bound}");
-                Some(valet_control::admin::spawn(
-                    l,
-                    plane.clone(),
-                    stop_metrics.clone(),
-                ))
-            }
-            Err(e) => {
-                eprintln!("valet control-plane: cannot listen on --metrics-listen={at}: {e}");
-                return ExitCode::FAILURE;
-            }
-        },
-        None => None,
-    };
+    slot.get_or_init(|| plane.clone());
     let addr = listener
         .local_addr()
         .map_or_else(|_| args.listen.to_string(), |a| a.to_string());
