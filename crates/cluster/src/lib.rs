@@ -159,6 +159,7 @@ impl Cluster {
                     snapshot_dir: config.data_dir.join("snapshots"),
                     restore_delay: config.restore_delay,
                     worker_id: Some(format!("{}-{i}", spec.id_prefix)),
+                    advertise: None,
                 })
                 .await
                 .map_err(|e| e.to_string())?;

@@ -67,6 +67,7 @@ async fn run() {
         snapshot_dir: dir.path().join("snapshots"),
         restore_delay: Duration::ZERO,
         worker_id: None,
+        advertise: None,
     })
     .await
     .unwrap();

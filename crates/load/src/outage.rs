@@ -113,6 +113,7 @@ pub async fn leases(opts: &LeaseOpts) -> Result<Report, String> {
                 snapshot_dir: dir.path().join("snapshots"),
                 restore_delay: Duration::ZERO,
                 worker_id: Some(format!("lease-echo-{i}")),
+                advertise: None,
             })
             .await
             .map_err(|e| e.to_string())?,

@@ -703,6 +703,11 @@ pub(crate) struct WorkerArgs {
     #[arg(long, env = "VALET_WORKER_ID", value_name = "ID")]
     pub(crate) worker_id: Option<String>,
 
+    /// The IP routers reach the actor's app at, with the port it listens on (in
+    /// Kubernetes: the pod IP). Required when --listen is 0.0.0.0 or [::].
+    #[arg(long, env = "VALET_ADVERTISE_ADDRESS", value_name = "IP")]
+    pub(crate) advertise_address: Option<std::net::IpAddr>,
+
     #[command(flatten)]
     pub(crate) ateapi: valet_router::config::AteapiArgs,
 }

@@ -316,3 +316,43 @@ async fn database_rules_a_newer_schema_and_a_lost_database() {
     assert_eq!(cp.exit_code(WITHIN).await, Some(1));
     assert!(cp.logs().contains("lost the database"), "{}", cp.logs());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_on_every_interface_advertises_a_reachable_address() {
+    let dir = tempfile::tempdir().unwrap();
+    let snapshots = dir.path().join("snapshots");
+    let snapshots = snapshots.to_str().unwrap();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_valet"))
+        .args([
+            "worker",
+            "--listen",
+            "0.0.0.0:0",
+            "--snapshot-dir",
+            snapshots,
+        ])
+        .output()
+        .await
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{err}");
+    assert!(err.contains("--advertise-address"), "{err}");
+    // Told the address to advertise, it reports it (with the port it bound), and the
+    // app answers there.
+    let w = Proc::start(
+        "worker",
+        &[
+            "worker",
+            "--listen",
+            "0.0.0.0:0",
+            "--advertise-address",
+            "127.0.0.1",
+            "--snapshot-dir",
+            snapshots,
+            "--control-plane",
+            "http://127.0.0.1:9",
+        ],
+    )
+    .await;
+    assert_eq!(w.addr.ip(), std::net::IpAddr::from([127, 0, 0, 1]));
+    assert!(common::try_http_get(w.addr, "/", &[]).await.is_some());
+}

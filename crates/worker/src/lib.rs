@@ -65,6 +65,9 @@ pub struct WorkerConfig {
     pub restore_delay: Duration,
     /// This worker's id; random when `None`.
     pub worker_id: Option<String>,
+    /// The IP routers reach the app at (with the bound port); the bound IP when
+    /// `None` (which must then be a specific address, not `0.0.0.0`).
+    pub advertise: Option<std::net::IpAddr>,
 }
 
 /// A running worker.
@@ -132,12 +135,13 @@ impl Worker {
                     addr: config.listen,
                     source,
                 })?;
-        let app_addr = listener
+        let bound = listener
             .local_addr()
             .map_err(|source| WorkerError::Listen {
                 addr: config.listen,
                 source,
             })?;
+        let app_addr = SocketAddr::new(config.advertise.unwrap_or(bound.ip()), bound.port());
         let id = config
             .worker_id
             .clone()

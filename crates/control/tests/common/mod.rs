@@ -112,6 +112,7 @@ impl System {
             snapshot_dir: self.dir.path().join("snapshots"),
             restore_delay,
             worker_id: None,
+            advertise: None,
         })
         .await
         .unwrap();

@@ -19,6 +19,19 @@ pub(crate) async fn run(args: WorkerArgs) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
+    if args.listen.ip().is_unspecified() && args.advertise_address.is_none() {
+        eprintln!(
+            "valet worker: invalid configuration: --listen={}: routers cannot reach an unspecified address; give --advertise-address (the pod IP)",
+            args.listen
+        );
+        return ExitCode::from(EXIT_CONFIG);
+    }
+    if args.advertise_address.is_some_and(|ip| ip.is_unspecified()) {
+        eprintln!(
+            "valet worker: invalid configuration: --advertise-address: must be an address routers can reach, not 0.0.0.0 or ::"
+        );
+        return ExitCode::from(EXIT_CONFIG);
+    }
     let worker = match Worker::spawn(WorkerConfig {
         control_plane,
         credentials,
@@ -27,6 +40,7 @@ pub(crate) async fn run(args: WorkerArgs) -> ExitCode {
         snapshot_dir: args.snapshot_dir,
         restore_delay: args.restore_delay,
         worker_id: args.worker_id,
+        advertise: args.advertise_address,
     })
     .await
     {
