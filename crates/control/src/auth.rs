@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use jsonwebtoken::jwk::{AlgorithmParameters, JwkSet};
+use jsonwebtoken::jwk::{AlgorithmParameters, Jwk, PublicKeyUse};
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use tokio_rustls::rustls::server::WebPkiClientVerifier;
 use tokio_rustls::rustls::{ServerConfig, crypto::ring};
@@ -235,30 +235,52 @@ impl JwtVerifier {
             why,
         };
         let bytes = read(flag, path)?;
-        let set: JwkSet =
+        let doc: serde_json::Value =
             serde_json::from_slice(&bytes).map_err(|e| err(format!("not a JWKS: {e}")))?;
+        let entries = doc
+            .get("keys")
+            .and_then(serde_json::Value::as_array)
+            .ok_or_else(|| err("not a JWKS: no \"keys\" array".into()))?;
+        // A key this verifier cannot or must not use is skipped, not fatal: a rotated
+        // JWKS may add keys of other kinds beside the signing keys in use.
         let mut keys = Vec::new();
-        for jwk in &set.keys {
+        for (i, entry) in entries.iter().enumerate() {
+            let skip = |why: String| {
+                tracing::warn!(file = %path.display(), key = i, %why, "JWKS key skipped");
+            };
+            let jwk: Jwk = match serde_json::from_value(entry.clone()) {
+                Ok(j) => j,
+                Err(e) => {
+                    skip(format!("not a key this verifier reads: {e}"));
+                    continue;
+                }
+            };
+            if matches!(&jwk.common.public_key_use, Some(u) if *u != PublicKeyUse::Signature) {
+                skip("not a signature key (use is not \"sig\")".into());
+                continue;
+            }
             let algorithms = match &jwk.algorithm {
                 AlgorithmParameters::RSA(_) => RSA,
                 AlgorithmParameters::EllipticCurve(_) => EC,
                 AlgorithmParameters::OctetKeyPair(_) => ED,
                 AlgorithmParameters::OctetKey(_) => {
-                    return Err(err(
-                        "holds a symmetric (oct) key: only asymmetric keys verify tokens".into(),
-                    ));
+                    skip("a symmetric (oct) key: only asymmetric keys verify tokens".into());
+                    continue;
                 }
             };
-            let key = DecodingKey::from_jwk(jwk)
-                .map_err(|e| err(format!("a key cannot be used: {e}")))?;
-            keys.push(Key {
-                kid: jwk.common.key_id.clone(),
-                key,
-                algorithms,
-            });
+            match DecodingKey::from_jwk(&jwk) {
+                Ok(key) => keys.push(Key {
+                    kid: jwk.common.key_id.clone(),
+                    key,
+                    algorithms,
+                }),
+                Err(e) => skip(format!("cannot be used: {e}")),
+            }
         }
         if keys.is_empty() {
-            return Err(err("holds no key".into()));
+            return Err(err(
+                "holds no usable signature key (RSA, EC P-256/P-384 or Ed25519)".into(),
+            ));
         }
         Ok(Self {
             keys,
@@ -341,5 +363,79 @@ impl Interceptor for Authn {
                 )))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use jsonwebtoken::{EncodingKey, Header};
+
+    fn ec_key() -> EncodingKey {
+        let pair = rcgen::KeyPair::generate().unwrap();
+        EncodingKey::from_ec_pem(pair.serialize_pem().as_bytes()).unwrap()
+    }
+
+    fn jwk(key: &EncodingKey, kid: &str, use_: &str) -> serde_json::Value {
+        let mut v =
+            serde_json::to_value(Jwk::from_encoding_key(key, Algorithm::ES256).unwrap()).unwrap();
+        v["kid"] = kid.into();
+        v["use"] = use_.into();
+        v
+    }
+
+    fn token(key: &EncodingKey, kid: &str) -> String {
+        let mut header = Header::new(Algorithm::ES256);
+        header.kid = Some(kid.into());
+        let exp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+            + 600;
+        let claims = serde_json::json!({"aud": "valet", "iss": "test", "exp": exp});
+        jsonwebtoken::encode(&header, &claims, key).unwrap()
+    }
+
+    fn write(dir: &Path, doc: &serde_json::Value) -> PathBuf {
+        let path = dir.join("jwks.json");
+        std::fs::write(&path, doc.to_string()).unwrap();
+        path
+    }
+
+    #[test]
+    fn a_jwks_verifies_with_its_signature_keys_and_skips_the_others() {
+        let dir = tempfile::tempdir().unwrap();
+        let (signing, encryption) = (ec_key(), ec_key());
+        let doc = serde_json::json!({"keys": [
+            {"kty": "oct", "k": "c2VjcmV0", "kid": "hmac"},
+            jwk(&encryption, "enc", "enc"),
+            {"kty": "XYZ", "kid": "future"},
+            jwk(&signing, "sig", "sig"),
+        ]});
+        let v = JwtVerifier::from_jwks_file(
+            &write(dir.path(), &doc),
+            Some("valet".into()),
+            Some("test".into()),
+        )
+        .unwrap();
+        assert_eq!(v.keys.len(), 1, "only the signature key is kept");
+        v.verify(&token(&signing, "sig")).unwrap();
+        assert!(v.verify(&token(&encryption, "enc")).is_err());
+        assert!(
+            v.verify(&token(&encryption, "sig")).is_err(),
+            "kid names the key, not the signer"
+        );
+    }
+
+    #[test]
+    fn a_jwks_without_a_usable_key_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let doc = serde_json::json!({"keys": [{"kty": "oct", "k": "c2VjcmV0"}]});
+        let e = JwtVerifier::from_jwks_file(&write(dir.path(), &doc), None, None).unwrap_err();
+        assert_eq!(e.flag, "--jwt-jwks-file");
+        assert!(e.why.contains("no usable signature key"), "{e}");
+        let e = JwtVerifier::from_jwks_file(&write(dir.path(), &serde_json::json!({})), None, None)
+            .unwrap_err();
+        assert!(e.why.contains("not a JWKS"), "{e}");
     }
 }

@@ -43,6 +43,9 @@ pub struct EnvoyHttps {
     pub allowed_spiffe_ids: Vec<String>,
 }
 
+/// One SPIFFE path segment in RE2: not empty, not `.`, not `..`.
+const SEGMENT: &str = r"(?:[^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+)";
+
 /// `s` with every RE2 metacharacter escaped.
 fn regex_escape(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
@@ -74,9 +77,10 @@ fn downstream_tls(h: &EnvoyHttps) -> Value {
                 .iter()
                 .map(|id| {
                     // An entry ending in `/` admits whole segments after it, as the
-                    // router does: not the entry itself, no empty segment.
+                    // router does: not the entry itself, no empty segment, no `.` or
+                    // `..` segment (RE2 has no look-ahead: spelled out).
                     let m = if id.ends_with('/') {
-                        json!({ "safe_regex": { "regex": format!("^{}[^/]+(/[^/]+)*$", regex_escape(id)) } })
+                        json!({ "safe_regex": { "regex": format!("^{}{SEGMENT}(/{SEGMENT})*$", regex_escape(id)) } })
                     } else {
                         json!({ "exact": id })
                     };

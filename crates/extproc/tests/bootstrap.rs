@@ -226,7 +226,9 @@ fn an_https_listener_enforces_client_certificates_and_the_spiffe_allowlist() {
     assert_eq!(m[0]["san_type"].as_str(), Some("URI"));
     assert_eq!(
         m[0]["matcher"]["safe_regex"]["regex"].as_str(),
-        Some(r"^spiffe://cluster\.local/ns/apps/[^/]+(/[^/]+)*$")
+        Some(
+            r"^spiffe://cluster\.local/ns/apps/(?:[^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+)(/(?:[^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+))*$"
+        )
     );
     assert_eq!(
         m[1]["matcher"]["exact"].as_str(),

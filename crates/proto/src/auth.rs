@@ -248,6 +248,12 @@ impl ClientCredentials {
     }
 }
 
+/// Whether `name` can be checked in a server's certificate and sent as SNI (a DNS
+/// name or an IP address).
+pub fn valid_server_name(name: &str) -> bool {
+    ServerName::try_from(name).is_ok()
+}
+
 /// A TCP connector for [`ClientCredentials::connect_lazy`]: any scheme (TLS is done
 /// above it), `TCP_NODELAY`.
 pub fn tcp_connector() -> HttpConnector {
@@ -329,12 +335,15 @@ impl Interceptor for BearerToken {
                 path.display()
             ))
         })?;
-        let value = MetadataValue::try_from(format!("Bearer {}", token.trim())).map_err(|_| {
-            Status::unavailable(format!(
-                "--ateapi-token-file {} holds characters a header cannot carry",
-                path.display()
-            ))
-        })?;
+        let mut value =
+            MetadataValue::try_from(format!("Bearer {}", token.trim())).map_err(|_| {
+                Status::unavailable(format!(
+                    "--ateapi-token-file {} holds characters a header cannot carry",
+                    path.display()
+                ))
+            })?;
+        // Never indexed by HPACK, never printed by a `Debug` of the metadata.
+        value.set_sensitive(true);
         req.metadata_mut().insert("authorization", value);
         Ok(req)
     }

@@ -214,8 +214,8 @@ mod tests {
         std::fs::write(&path, "2").unwrap();
         until(|| *value.load() == 2).await;
 
-        std::fs::write(&path, "garbage").unwrap();
         let before = value.attempts();
+        std::fs::write(&path, "garbage").unwrap();
         until(|| value.attempts() > before).await;
         assert_eq!(*value.load(), 2, "a failed reload keeps the previous value");
 

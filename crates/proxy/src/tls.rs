@@ -175,6 +175,9 @@ impl SpiffeAllowlist {
                     "`{e}` has no trust domain or an empty path segment"
                 ));
             }
+            if rest.split('/').skip(1).any(|s| s == "." || s == "..") {
+                return Err(format!("`{e}` has a `.` or `..` path segment"));
+            }
         }
         Ok(Self(entries))
     }
@@ -184,7 +187,10 @@ impl SpiffeAllowlist {
         self.0.iter().any(|entry| {
             if entry.ends_with('/') {
                 id.strip_prefix(entry.as_str()).is_some_and(|rest| {
-                    !rest.is_empty() && rest.split('/').all(|segment| !segment.is_empty())
+                    !rest.is_empty()
+                        && rest
+                            .split('/')
+                            .all(|segment| !matches!(segment, "" | "." | ".."))
                 })
             } else {
                 id == entry
@@ -255,6 +261,12 @@ mod tests {
             "exact entries are exact"
         );
         assert!(!a.admits("spiffe://cluster.local/ns/ops/sa/admin/x"));
+        assert!(
+            !a.admits("spiffe://cluster.local/ns/apps/../ops/sa/admin"),
+            "dot-dot"
+        );
+        assert!(!a.admits("spiffe://cluster.local/ns/apps/./x"), "dot");
+        assert!(a.admits("spiffe://cluster.local/ns/apps/.hidden/..."));
     }
 
     #[test]
@@ -263,5 +275,6 @@ mod tests {
         assert!(SpiffeAllowlist::parse("https://x/y").is_err());
         assert!(SpiffeAllowlist::parse("spiffe://").is_err());
         assert!(SpiffeAllowlist::parse("spiffe://td//x").is_err());
+        assert!(SpiffeAllowlist::parse("spiffe://td/ns/../x/").is_err());
     }
 }

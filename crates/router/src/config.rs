@@ -218,6 +218,15 @@ impl AteapiArgs {
             }
             (AteapiAuth::Mtls, None) => None,
         };
+        if let Some(name) = &self.ateapi_server_name
+            && !valet_proto::auth::valid_server_name(name)
+        {
+            return Err(ConfigError::new(
+                "--ateapi-server-name",
+                name,
+                "must be a DNS name or an IP address",
+            ));
+        }
         let files = ClientTlsFiles {
             ca: ca.clone(),
             identity,

@@ -591,22 +591,31 @@ pub(crate) struct ServerSecurityArgs {
     )]
     pub(crate) client_ca_file: Option<PathBuf>,
     /// PEM public key (RSA, EC or Ed25519) that bearer tokens must be signed with;
-    /// every call then needs `authorization: Bearer <JWT>` (exp required, nbf, aud and
-    /// iss checked). Asymmetric algorithms only: never `none`, never HMAC.
+    /// every call then needs `authorization: Bearer <JWT>` (exp required, nbf checked,
+    /// aud and iss required: --jwt-audience, --jwt-issuer). Asymmetric algorithms
+    /// only: never `none`, never HMAC.
     #[arg(
         long,
         env = "VALET_JWT_PUBLIC_KEY_FILE",
         value_name = "PATH",
-        conflicts_with = "jwt_jwks_file"
+        conflicts_with = "jwt_jwks_file",
+        requires_all = ["jwt_audience", "jwt_issuer"]
     )]
     pub(crate) jwt_public_key_file: Option<PathBuf>,
-    /// JWKS document of the keys tokens may be signed with (chosen by `kid`).
-    #[arg(long, env = "VALET_JWT_JWKS_FILE", value_name = "PATH")]
+    /// JWKS document of the keys tokens may be signed with (chosen by `kid`; keys not
+    /// for signatures or of unsupported types are skipped with a warning).
+    #[arg(
+        long,
+        env = "VALET_JWT_JWKS_FILE",
+        value_name = "PATH",
+        requires_all = ["jwt_audience", "jwt_issuer"]
+    )]
     pub(crate) jwt_jwks_file: Option<PathBuf>,
-    /// The `aud` tokens must carry.
+    /// The `aud` tokens must carry (required with a JWT key: a token minted for
+    /// another service is refused).
     #[arg(long, env = "VALET_JWT_AUDIENCE", value_name = "AUD")]
     pub(crate) jwt_audience: Option<String>,
-    /// The `iss` tokens must carry.
+    /// The `iss` tokens must carry (required with a JWT key).
     #[arg(long, env = "VALET_JWT_ISSUER", value_name = "ISS")]
     pub(crate) jwt_issuer: Option<String>,
 }
@@ -622,6 +631,16 @@ impl ServerSecurityArgs {
             _ => None,
         };
         let (aud, iss) = (self.jwt_audience.clone(), self.jwt_issuer.clone());
+        if self.jwt_public_key_file.is_none() && self.jwt_jwks_file.is_none() {
+            let given = [("--jwt-audience", &aud), ("--jwt-issuer", &iss)];
+            if let Some((flag, Some(value))) = given.into_iter().find(|(_, v)| v.is_some()) {
+                return Err(valet_control::auth::SecurityError {
+                    flag,
+                    path: value.into(),
+                    why: "needs --jwt-public-key-file or --jwt-jwks-file".into(),
+                });
+            }
+        }
         let jwt = match (&self.jwt_public_key_file, &self.jwt_jwks_file) {
             (Some(p), _) => Some(jwt_verifier(JwtKeys::PublicKeyFile(p.clone()), aud, iss)?),
             (None, Some(j)) => Some(jwt_verifier(JwtKeys::JwksFile(j.clone()), aud, iss)?),

@@ -215,6 +215,11 @@ impl UpTls {
         use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
         let e = |what: &str, err: &dyn std::fmt::Display| format!("--tls: {what}: {err}");
         std::fs::create_dir_all(dir).map_err(|x| e(&dir.display().to_string(), &x))?;
+        {
+            use std::os::unix::fs::PermissionsExt as _;
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+                .map_err(|x| e(&dir.display().to_string(), &x))?;
+        }
         let mut params = CertificateParams::new(Vec::<String>::new()).map_err(|x| e("CA", &x))?;
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         params
@@ -238,11 +243,20 @@ impl UpTls {
             let cert = CertificateParams::new(names.clone())
                 .and_then(|p| p.signed_by(&key, &ca))
                 .map_err(|x| e(name, &x))?;
-            let key_file = write(&format!("{name}.key"), &key.serialize_pem())?;
-            // Keys readable by their owner only.
-            use std::os::unix::fs::PermissionsExt as _;
-            std::fs::set_permissions(&key_file, std::fs::Permissions::from_mode(0o600))
-                .map_err(|x| e(&key_file.display().to_string(), &x))?;
+            // Keys readable by their owner only, from their creation on.
+            let key_file = dir.join(format!("{name}.key"));
+            {
+                use std::io::Write as _;
+                use std::os::unix::fs::OpenOptionsExt as _;
+                let _ = std::fs::remove_file(&key_file);
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .mode(0o600)
+                    .open(&key_file)
+                    .and_then(|mut f| f.write_all(key.serialize_pem().as_bytes()))
+                    .map_err(|x| e(&key_file.display().to_string(), &x))?;
+            }
             Ok((write(&format!("{name}.pem"), &cert.pem())?, key_file))
         };
         let (cp_cert, cp_key) = leaf("control-plane")?;
