@@ -406,18 +406,14 @@ pub(crate) struct UpArgs {
 
     /// TLS everywhere on loopback: a throwaway CA and certificates are generated under
     /// <data-dir>/tls at each start; the control plane serves TLS, workers and router
-    /// verify it, and the router also serves HTTPS on --listen-https.
+    /// verify it, and the router also serves HTTPS on --listen-https (127.0.0.1:8443
+    /// unless given) with the throwaway ingress certificate (unless
+    /// --ingress-tls-cert-file is given).
     #[arg(long, env = "VALET_TLS")]
     pub(crate) tls: bool,
 
-    /// The HTTPS listener with --tls; port 0 picks one.
-    #[arg(
-        long,
-        env = "VALET_LISTEN_HTTPS",
-        default_value = "127.0.0.1:8443",
-        value_name = "ADDR"
-    )]
-    pub(crate) listen_https: std::net::SocketAddr,
+    #[command(flatten)]
+    pub(crate) ingress: IngressArgs,
 
     /// Actors to create (if missing) at start, as atespace/name,...; empty for none.
     #[arg(

@@ -31,6 +31,8 @@ async fn control_plane_log(flags: &[&str]) -> Vec<String> {
         .arg(dir.path().join("data"))
         .args(flags)
         .env_remove("VALET_LOG")
+        .env_remove("VALET_LOG_FORMAT")
+        .env_remove("VALET_LOG_LEVEL")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true)
@@ -101,5 +103,16 @@ async fn a_bad_log_flag_is_a_configuration_error() {
         if flag == "--log-format" {
             assert!(stderr.contains("[possible values: json, text]"), "{stderr}");
         }
+    }
+}
+
+#[tokio::test]
+async fn logs_are_json_when_stderr_is_not_a_terminal() {
+    let lines = control_plane_log(&["--log-level", "info"]).await;
+    assert!(!lines.is_empty());
+    for l in &lines {
+        let v: serde_json::Value =
+            serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"));
+        assert!(v["message"].is_string(), "{l}");
     }
 }

@@ -1163,3 +1163,27 @@ async fn control_plane_credentials_rotate_on_disk_without_a_restart() {
     assert!(fresh.list_atespaces(()).await.is_ok());
     assert_no_secrets(&pki, &[&cp, &w, &r], &[]).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valet_up_takes_the_routers_ingress_flags() {
+    // Without --tls: the router's own HTTPS flags serve the walkthrough over HTTPS with
+    // the given certificate (the control plane stays h2c).
+    let pki = pki();
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let up = common::Up::start_in(
+        dir,
+        &data,
+        &[
+            "--listen-https",
+            "127.0.0.1:0",
+            "--ingress-tls-cert-file",
+            s(&pki.server_cert),
+            "--ingress-tls-key-file",
+            s(&pki.server_key),
+        ],
+    )
+    .await;
+    let answer = https_get(up.https.expect("an HTTPS listener"), &pki.ca, None, b"h2").await;
+    assert_eq!(answer.map(|(s, _)| s), Some(200));
+}

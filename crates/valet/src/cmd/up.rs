@@ -64,7 +64,16 @@ async fn up(
     let tls = if args.tls {
         // Clients dial the listen addresses as given (`0.0.0.0` included): the
         // certificates name them besides the loopback names.
-        let ips = [args.control_plane_listen.ip(), args.listen_https.ip()];
+        if args.ingress.listen_https.is_empty() {
+            args.ingress.listen_https = DEFAULT_UP_LISTEN_HTTPS.into();
+        }
+        let mut ips = vec![args.control_plane_listen.ip()];
+        ips.extend(
+            args.ingress
+                .listen_https
+                .parse::<std::net::SocketAddr>()
+                .map(|a| a.ip()),
+        );
         Some(UpTls::generate(&args.data_dir.join("tls"), &ips).map_err(UpError::Start)?)
     } else {
         None
@@ -79,6 +88,15 @@ async fn up(
         .resolve()
         .map_err(|e| UpError::Config(e.to_string()))?;
 
+    // The router's HTTPS flags, as `valet router` takes them; with --tls, the throwaway
+    // ingress certificate unless one was given.
+    if let Some(t) = &tls
+        && args.ingress.ingress_tls_cert_file.is_none()
+    {
+        args.ingress.ingress_tls_cert_file = Some(t.ingress_cert.clone());
+        args.ingress.ingress_tls_key_file = Some(t.ingress_key.clone());
+    }
+    let https = args.ingress.resolve().map_err(UpError::Config)?;
     let metrics_listen =
         crate::cmd::control_plane::optional_listen("--metrics-listen", &args.metrics_listen)
             .map_err(UpError::Config)?;
@@ -152,10 +170,6 @@ async fn up(
         .resolve()
         .map_err(|e| UpError::Config(e.to_string()))?;
     let domain = config.actor_domain().to_string();
-    let https = match &tls {
-        Some(t) => Some((args.listen_https, t.ingress().map_err(UpError::Start)?)),
-        None => None,
-    };
     let running = RunningRouter::start(config, https)
         .await
         .map_err(UpError::Start)?;
@@ -198,6 +212,9 @@ async fn up(
     tracing::info!("valet up stopped");
     Ok(())
 }
+
+/// `--listen-https` of `valet up --tls` when none is given.
+const DEFAULT_UP_LISTEN_HTTPS: &str = "127.0.0.1:8443";
 
 /// The throwaway PKI of `valet up --tls`: one CA, a certificate for the control plane
 /// and one for the HTTPS ingress, both for `localhost`, `127.0.0.1`, `::1` and the
@@ -287,17 +304,5 @@ impl UpTls {
             },
             client,
         })
-    }
-
-    fn ingress(&self) -> Result<valet_proxy::tls::IngressTls, String> {
-        valet_proxy::tls::IngressTls::new(
-            valet_proxy::tls::IngressCert::Files {
-                cert: &self.ingress_cert,
-                key: &self.ingress_key,
-            },
-            None,
-            None,
-        )
-        .map_err(|x| x.to_string())
     }
 }
