@@ -77,7 +77,7 @@ pub(crate) enum Command {
     /// A client of any ateapi.Control server.
     Ctl(CtlArgs),
     /// The whole system on loopback: control plane, workers and router.
-    Up(UpArgs),
+    Up(Box<UpArgs>),
     /// Prints an Envoy bootstrap (YAML) wired to this router's ext_proc server.
     EnvoyBootstrap(EnvoyBootstrapArgs),
     /// Load generator and the seed's experiments as scenarios.
@@ -414,6 +414,12 @@ pub(crate) struct UpArgs {
 
     #[command(flatten)]
     pub(crate) ingress: IngressArgs,
+
+    /// The embedded control plane's TLS and bearer tokens, as `valet control-plane`
+    /// takes them (with --tls, the throwaway certificate unless --tls-cert-file is
+    /// given). Its workers use the router's --ateapi-* credentials.
+    #[command(flatten)]
+    pub(crate) security: ServerSecurityArgs,
 
     /// Actors to create (if missing) at start, as atespace/name,...; empty for none.
     #[arg(

@@ -80,7 +80,7 @@ fn main() -> ExitCode {
             Command::ControlPlane(args) => cmd::control_plane::run(args).await,
             Command::Worker(args) => cmd::worker::run(args).await,
             Command::Ctl(args) => cmd::ctl::run(args).await,
-            Command::Up(args) => cmd::up::run(args).await,
+            Command::Up(args) => cmd::up::run(*args).await,
             Command::EnvoyBootstrap(args) => cmd::envoy_bootstrap::run(&args),
             Command::Load(cmd) => cmd::load::run(cmd).await,
             Command::Demo(cli::DemoCommand::Parking(args)) => cmd::load::demo_parking(args).await,

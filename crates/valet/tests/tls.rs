@@ -1165,9 +1165,11 @@ async fn control_plane_credentials_rotate_on_disk_without_a_restart() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn valet_up_takes_the_routers_ingress_flags() {
+async fn valet_up_takes_the_routers_ingress_flags_and_the_control_planes_tls_flags() {
     // Without --tls: the router's own HTTPS flags serve the walkthrough over HTTPS with
-    // the given certificate (the control plane stays h2c).
+    // the given certificate, and the control plane's own TLS flags make the embedded
+    // control plane serve TLS, which the workers and the router verify against the
+    // router's --ateapi-ca-file.
     let pki = pki();
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
@@ -1181,9 +1183,29 @@ async fn valet_up_takes_the_routers_ingress_flags() {
             s(&pki.server_cert),
             "--ingress-tls-key-file",
             s(&pki.server_key),
+            "--tls-cert-file",
+            s(&pki.server_cert),
+            "--tls-key-file",
+            s(&pki.server_key),
+            "--ateapi-ca-file",
+            s(&pki.ca),
         ],
     )
     .await;
     let answer = https_get(up.https.expect("an HTTPS listener"), &pki.ca, None, b"h2").await;
     assert_eq!(answer.map(|(s, _)| s), Some(200));
+    let plain = common::client(up.control_plane).list_atespaces(()).await;
+    assert!(plain.is_err(), "the embedded control plane serves TLS");
+    let files = ClientTlsFiles {
+        ca: pki.ca.clone(),
+        identity: None,
+        server_name: None,
+    };
+    let creds = ClientCredentials::tls(&files, None).unwrap();
+    let endpoint = creds
+        .endpoint(&format!("https://{}", up.control_plane))
+        .unwrap();
+    let mut c =
+        ControlClient::new(creds.connect_lazy(&endpoint, valet_proto::auth::tcp_connector()));
+    assert!(c.list_atespaces(()).await.is_ok());
 }

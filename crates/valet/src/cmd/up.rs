@@ -78,15 +78,46 @@ async fn up(
     } else {
         None
     };
-    let scheme = if tls.is_some() { "https" } else { "http" };
-    if let Some(t) = &tls {
-        args.router.ateapi.ateapi_ca_file = Some(t.ca.clone());
-    }
-    // Validate the router's flags before anything is bound.
-    args.router.control_plane = format!("{scheme}://{}", args.control_plane_listen);
-    args.router
+    // The embedded control plane's server side: its own flags, with --tls the
+    // throwaway certificate for what they leave out.
+    let mut server = args
+        .security
         .resolve()
         .map_err(|e| UpError::Config(e.to_string()))?;
+    if let Some(t) = &tls
+        && server.tls.is_none()
+    {
+        server.tls = Some(
+            valet_control::auth::server_tls(&t.cp_cert, &t.cp_key, None)
+                .map_err(|e| UpError::Start(e.to_string()))?,
+        );
+    }
+    if server.jwt.is_some() && server.tls.is_none() {
+        return Err(UpError::Config(
+            "invalid configuration: --jwt-public-key-file/--jwt-jwks-file: bearer tokens need TLS (--tls, or --tls-cert-file and --tls-key-file)".into(),
+        ));
+    }
+    let scheme = if server.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    if let Some(t) = &tls
+        && args.router.ateapi.ateapi_ca_file.is_none()
+    {
+        args.router.ateapi.ateapi_ca_file = Some(t.ca.clone());
+    }
+    // Validate the router's flags before anything is bound; the workers use the same
+    // credentials as the router.
+    args.router.control_plane = format!("{scheme}://{}", args.control_plane_listen);
+    let cluster_tls = match args.router.resolve() {
+        Ok(config) if scheme == "https" => Some(valet_cluster::ClusterTls {
+            server,
+            client: config.credentials().clone(),
+        }),
+        Ok(_) => None,
+        Err(e) => return Err(UpError::Config(e.to_string())),
+    };
 
     // The router's HTTPS flags, as `valet router` takes them; with --tls, the throwaway
     // ingress certificate unless one was given.
@@ -105,10 +136,7 @@ async fn up(
         listen: args.control_plane_listen,
         metrics_listen,
         shutdown_timeout: args.shutdown_timeout,
-        tls: match &tls {
-            Some(t) => Some(t.cluster().map_err(UpError::Start)?),
-            None => None,
-        },
+        tls: cluster_tls,
         plane: PlaneConfig {
             capacity_wait: args.capacity_wait == OnOff::On,
             idle_suspend_after: args.idle_suspend_after,
@@ -284,25 +312,6 @@ impl UpTls {
             cp_key,
             ingress_cert,
             ingress_key,
-        })
-    }
-
-    fn cluster(&self) -> Result<valet_cluster::ClusterTls, String> {
-        let server = valet_control::auth::server_tls(&self.cp_cert, &self.cp_key, None)
-            .map_err(|x| x.to_string())?;
-        let files = valet_proto::auth::ClientTlsFiles {
-            ca: self.ca.clone(),
-            identity: None,
-            server_name: None,
-        };
-        let client =
-            valet_proto::auth::ClientCredentials::tls(&files, None).map_err(|x| x.to_string())?;
-        Ok(valet_cluster::ClusterTls {
-            server: valet_control::auth::ServerSecurity {
-                tls: Some(server),
-                jwt: None,
-            },
-            client,
         })
     }
 }
