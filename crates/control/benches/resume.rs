@@ -2,7 +2,8 @@
 //! in-process workers: the router's per-request fast path (a RUNNING actor), and a
 //! SUSPENDED actor restored with no restore delay.
 //!
-//! `cargo bench -p valet-control --bench resume`
+//! `cargo bench -p valet-control --bench resume`; with `VALET_BENCH_STORE=postgres`,
+//! on a throwaway PostgreSQL server (initdb and pg_ctl must be installed).
 
 use std::time::{Duration, Instant};
 
@@ -44,12 +45,19 @@ fn report(what: &str, h: &Histogram<u64>) {
 
 async fn run() {
     let dir = tempfile::tempdir().unwrap();
-    let plane = Plane::open(
-        std::sync::Arc::new(SqliteStore::open(&dir.path().join("data")).unwrap()),
-        PlaneConfig::default(),
-    )
-    .await
-    .unwrap();
+    let (store, _postgres): (std::sync::Arc<dyn valet_control::Store>, _) =
+        if std::env::var("VALET_BENCH_STORE").as_deref() == Ok("postgres") {
+            let pg = valet_control::tempdb::TempPostgres::start_async().await;
+            let store = valet_control::PostgresStore::open(&pg.url()).await.unwrap();
+            (std::sync::Arc::new(store), Some(pg))
+        } else {
+            (
+                std::sync::Arc::new(SqliteStore::open(&dir.path().join("data")).unwrap()),
+                None,
+            )
+        };
+    println!("store: {}", store.describe());
+    let plane = Plane::open(store, PlaneConfig::default()).await.unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(valet_control::serve(
