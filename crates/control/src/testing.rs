@@ -109,18 +109,32 @@ impl Store for MemoryStore {
         Box::pin(async move {
             self.gate.pass().await?;
             let mut data = self.data.lock().unwrap_or_else(|e| e.into_inner());
+            // As the real stores: the whole batch or nothing, and no worker recorded
+            // for two actors (store migration 2).
+            let mut next = data.clone();
             for a in batch.put_atespaces {
-                data.0.insert(a);
+                next.0.insert(a);
             }
             for row in batch.put_actors {
-                data.1.insert(row.key(), row);
+                next.1.insert(row.key(), row);
             }
             for key in batch.delete_actors {
-                data.1.remove(&key);
+                next.1.remove(&key);
             }
             for a in batch.delete_atespaces {
-                data.0.remove(&a);
+                next.0.remove(&a);
             }
+            let mut workers = BTreeSet::new();
+            for row in next.1.values() {
+                if let Some(w) = &row.worker
+                    && !workers.insert(w.clone())
+                {
+                    return Err(StoreError::Refused(format!(
+                        "worker {w} recorded for two actors"
+                    )));
+                }
+            }
+            *data = next;
             Ok(())
         })
     }

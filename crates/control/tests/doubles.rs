@@ -269,3 +269,52 @@ async fn shutdown_waits_at_most_its_timeout() {
         .unwrap();
     assert_eq!(reopened.status_of("demo", "a"), Some(S::Suspended));
 }
+
+/// After a restart with route leases, a worker that re-attaches without the actor the
+/// record places on it is not free until that actor's release is recorded (after the
+/// leases it may have granted ran out): a resume of another actor meanwhile waits for
+/// the worker instead of recording it for two actors (a failed write, a 500).
+#[tokio::test(start_paused = true)]
+async fn a_worker_rejoining_empty_is_free_only_once_its_old_actor_is_released() {
+    let store = MemoryStore::default();
+    store
+        .write(Batch {
+            put_atespaces: vec!["demo".into()],
+            put_actors: vec![running_on("old", "w1")],
+            ..Batch::default()
+        })
+        .await
+        .unwrap();
+    let leased = PlaneConfig {
+        route_lease: Duration::from_secs(5),
+        ..config()
+    };
+    let plane = Plane::open(Arc::new(store.clone()), leased).await.unwrap();
+    plane
+        .create_actor(key("new"), "default", "counter", Vec::new())
+        .await
+        .unwrap();
+    // The worker restarted: it re-attaches hosting nothing.
+    let (mut w, kept) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    assert!(!kept);
+    let mut resume = {
+        let plane = plane.clone();
+        tokio::spawn(async move {
+            plane
+                .resume_actor(key("new"), Some(Duration::from_secs(30)))
+                .await
+        })
+    };
+    let r = tokio::select! {
+        r = expect(&mut w, "restore") => r,
+        done = &mut resume => panic!("no restore; the resume ended with {done:?}"),
+    };
+    assert_eq!(
+        store.actor(&key("old")).unwrap().status,
+        ActorStatus::Suspended,
+        "the old actor was released before the worker was claimed again"
+    );
+    w.answer(r.id, Ok(()));
+    resume.await.unwrap().expect("served, not a failed write");
+    assert_eq!(plane.status_of("demo", "new"), Some(S::Running));
+}

@@ -57,9 +57,21 @@ impl Plane {
                 }));
             }
             // A reservation made on the previous stream stays with its activation.
-            let slot = match (&kept, previous.map(|p| p.slot)) {
-                (Some(k), _) => Slot::Hosting(k.clone()),
-                (None, Some(Slot::Reserved(k))) => Slot::Reserved(k),
+            // An actor the records still place on it (released below, once its
+            // leases ran out) keeps it until that release is recorded: only then is
+            // it free (`apply` frees it and hands it off), so the records never place
+            // two actors on one worker.
+            let recorded = st
+                .actors
+                .iter()
+                .find(|(k, r)| {
+                    r.worker.as_deref() == Some(id.as_str()) && kept.as_ref() != Some(*k)
+                })
+                .map(|(k, _)| k.clone());
+            let slot = match (&kept, previous.map(|p| p.slot), recorded) {
+                (Some(k), _, _) => Slot::Hosting(k.clone()),
+                (None, Some(Slot::Reserved(k)), _) => Slot::Reserved(k),
+                (None, _, Some(k)) => Slot::Hosting(k),
                 _ => Slot::Free,
             };
             let free = slot == Slot::Free;
