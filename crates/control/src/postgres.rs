@@ -30,6 +30,20 @@ const POOL_SIZE: usize = 8;
 const POOL_WAIT: Duration = Duration::from_secs(5);
 /// How long connecting may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often the active replica checks it still holds the database (its epoch on the
+/// lock's connection), and how long that check may take. A replica cut off from the
+/// database stops within about `HEARTBEAT + HEARTBEAT_TIMEOUT`, before the server
+/// notices the dead session (`SERVER_KEEPALIVE`) and a standby can take over.
+const HEARTBEAT: Duration = Duration::from_secs(1);
+const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
+/// The lock session's TCP keepalives on the server: idle seconds, interval, count
+/// (about 10 s to drop a vanished replica's session, and with it the lock).
+const SERVER_KEEPALIVE: &str = "SET tcp_keepalives_idle = 4; SET tcp_keepalives_interval = 2; \
+     SET tcp_keepalives_count = 3";
+/// Bounds on every pooled session: no statement, and no transaction left idle (a
+/// replica cut off mid-write), holds the epoch row's lock against a takeover for long.
+const SESSION_LIMITS: &str =
+    "-c statement_timeout=10000 -c idle_in_transaction_session_timeout=10000";
 
 /// PostgreSQL's migrations: `MIGRATIONS[v - 1]` brings version `v - 1` to `v` (see
 /// [`SCHEMA_VERSION`]).
@@ -135,6 +149,9 @@ impl PostgresStore {
             config.connect_timeout(CONNECT_TIMEOUT);
         }
         config.application_name("valet control-plane");
+        config.options(SESSION_LIMITS);
+        config.keepalives(true);
+        config.keepalives_idle(Duration::from_secs(4));
         let database = describe(&config);
         let err = |e: tokio_postgres::Error| StoreError::Postgres {
             database: database.clone(),
@@ -153,7 +170,11 @@ impl PostgresStore {
                 lost.cancel();
             });
         }
-        migrate(&client, &database).await?;
+        // A schema newer than this binary is refused before waiting as a standby;
+        // migrating waits for the active lock, so a new version never changes the
+        // schema under an older active replica.
+        check_version(&client, &database).await?;
+        client.batch_execute(SERVER_KEEPALIVE).await.map_err(err)?;
         let held: bool = client
             .query_one("SELECT pg_try_advisory_lock($1)", &[&ACTIVE_LOCK])
             .await
@@ -169,6 +190,7 @@ impl PostgresStore {
                 .await
                 .map_err(err)?;
         }
+        migrate(&client, &database).await?;
         let epoch: i64 = client
             .query_one(
                 "UPDATE valet_active SET epoch = epoch + 1 WHERE id = 1 RETURNING epoch",
@@ -178,6 +200,13 @@ impl PostgresStore {
             .map_err(err)?
             .get(0);
         tracing::info!(%database, epoch, "active on the database");
+        let client = std::sync::Arc::new(client);
+        heartbeat(
+            std::sync::Arc::downgrade(&client),
+            epoch,
+            lost.clone(),
+            database.clone(),
+        );
         let manager = Manager::from_config(
             config,
             NoTls,
@@ -200,7 +229,7 @@ impl PostgresStore {
             epoch,
             database,
             lost,
-            _active: std::sync::Arc::new(client),
+            _active: client,
         })
     }
 
@@ -227,6 +256,73 @@ impl PostgresStore {
             database: self.database.clone(),
             why: format!("no connection: {e}"),
         })
+    }
+}
+
+/// Checks, every [`HEARTBEAT`], on the lock's own connection, that this replica's
+/// epoch is still the current one; when it is not, or the check fails or takes longer
+/// than [`HEARTBEAT_TIMEOUT`], cancels `lost` (the replica stops). Ends with the store
+/// (its client dropped) or once `lost` is cancelled.
+fn heartbeat(
+    client: std::sync::Weak<Client>,
+    epoch: i64,
+    lost: CancellationToken,
+    database: String,
+) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(HEARTBEAT);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = lost.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            let Some(c) = client.upgrade() else { return };
+            let check = c.query_one("SELECT epoch FROM valet_active WHERE id = 1", &[]);
+            let why = match tokio::time::timeout(HEARTBEAT_TIMEOUT, check).await {
+                Ok(Ok(row)) if row.get::<_, i64>(0) == epoch => continue,
+                Ok(Ok(row)) => format!(
+                    "another control plane took over (epoch {})",
+                    row.get::<_, i64>(0)
+                ),
+                Ok(Err(e)) => why(&e),
+                Err(_) => format!("no answer within {HEARTBEAT_TIMEOUT:?}"),
+            };
+            tracing::error!(%database, %why, "no longer sure to be the active control plane");
+            lost.cancel();
+            return;
+        }
+    });
+}
+
+/// Refuses a schema newer than this binary's (read without a lock).
+async fn check_version(client: &Client, database: &str) -> Result<(), StoreError> {
+    let exists: bool = client
+        .query_one("SELECT to_regclass('valet_schema') IS NOT NULL", &[])
+        .await
+        .map_err(|e| StoreError::Postgres {
+            database: database.to_owned(),
+            why: why(&e),
+        })?
+        .get(0);
+    if !exists {
+        return Ok(());
+    }
+    let found: Option<i64> = client
+        .query_one("SELECT max(version) FROM valet_schema", &[])
+        .await
+        .map_err(|e| StoreError::Postgres {
+            database: database.to_owned(),
+            why: why(&e),
+        })?
+        .get(0);
+    match found {
+        Some(found) if found > SCHEMA_VERSION => Err(StoreError::NewerSchema {
+            database: database.to_owned(),
+            found,
+            supported: SCHEMA_VERSION,
+        }),
+        _ => Ok(()),
     }
 }
 
@@ -391,13 +487,23 @@ impl Store for PostgresStore {
                 )));
             }
             let client = self.client().await?;
-            tokio::time::timeout(POOL_WAIT, client.simple_query("SELECT 1"))
-                .await
-                .map_err(|_| StoreError::Postgres {
-                    database: self.database.clone(),
-                    why: "no answer".into(),
-                })?
-                .map_err(self.err())?;
+            let epoch: i64 = tokio::time::timeout(
+                POOL_WAIT,
+                client.query_one("SELECT epoch FROM valet_active WHERE id = 1", &[]),
+            )
+            .await
+            .map_err(|_| StoreError::Postgres {
+                database: self.database.clone(),
+                why: "no answer".into(),
+            })?
+            .map_err(self.err())?
+            .get(0);
+            if epoch != self.epoch {
+                return Err(StoreError::Refused(format!(
+                    "{}: another control plane took over (epoch {epoch})",
+                    self.database
+                )));
+            }
             Ok(())
         })
     }

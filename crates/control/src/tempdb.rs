@@ -50,6 +50,7 @@ impl TempPostgres {
     pub fn start() -> Self {
         let bin = bin_dir();
         let as_postgres = is_root();
+        reap_orphans(&bin, as_postgres);
         let dir = std::env::temp_dir().join(format!(
             "valet-pg-{}-{}",
             std::process::id(),
@@ -159,6 +160,34 @@ impl TempPostgres {
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
+    }
+}
+
+/// Servers left by test processes that were killed before dropping theirs (a
+/// timed-out test): stopped, their directories removed.
+fn reap_orphans(bin: &Path, as_postgres: bool) {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.filter_map(Result::ok) {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix("valet-pg-")
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        let orphan = TempPostgres {
+            dir: entry.path(),
+            bin: bin.to_owned(),
+            port: 0,
+            as_postgres,
+        };
+        drop(orphan);
     }
 }
 

@@ -368,7 +368,7 @@ async fn a_failed_write_applies_nothing_and_hands_nothing_over() {
     let err = plane.suspend_actor(key("a")).await.unwrap_err();
     assert_eq!(
         (err.code(), err.message()),
-        (Code::Internal, "control-plane database write failed")
+        (Code::Unavailable, "control-plane database write failed")
     );
     assert_eq!(plane.status_of("demo", "a"), Some(S::Running));
     assert_eq!(plane.waiters("counter"), 1, "no worker handed over");
@@ -391,7 +391,7 @@ async fn a_failed_write_applies_nothing_and_hands_nothing_over() {
     s.sqlite.set_read_only(true).await.unwrap();
     w.answer(r.id, Ok(()));
     let err = suspend.await.unwrap().unwrap_err();
-    assert_eq!(err.code(), Code::Internal);
+    assert_eq!(err.code(), Code::Unavailable);
     assert_eq!(plane.status_of("demo", "a"), Some(S::Suspending));
     assert_eq!(
         s.sqlite.get_actor(&key("a")).await.unwrap().unwrap().status,

@@ -70,8 +70,8 @@ pub struct RouterArgs {
     pub admin_listen: String,
 
     /// The control plane (`ateapi.Control`) to resume actors with; `http://` means h2c.
-    /// Several replicas: a comma-separated list; attempts go round-robin and pass over
-    /// one that was just unreachable.
+    /// Several replicas: a comma-separated list; attempts go to the one that last
+    /// answered and move on to the next when it cannot be reached.
     #[arg(long, env = "VALET_CONTROL_PLANE", default_value = DEFAULT_CONTROL_PLANE, value_name = "URL[,URL…]")]
     pub control_plane: String,
 

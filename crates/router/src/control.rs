@@ -172,8 +172,8 @@ pub trait ControlPlane: Send + Sync + 'static {
     fn resume_actor(&self, req: ResumeRequest) -> ResumeFuture<'_>;
 }
 
-/// How long a replica whose attempt was `Unavailable` is passed over while another
-/// one may answer.
+/// How long a replica that could not be reached is passed over while another one
+/// may answer.
 pub const FAILOVER_HOLD: Duration = Duration::from_secs(1);
 
 /// `ateapi.Control` over gRPC (h2c for `http://` addresses), on one control plane or
@@ -222,10 +222,12 @@ impl GrpcControlPlane {
         Self::replicas(&[url.to_owned()], credentials)
     }
 
-    /// A client of several replicas: attempts go round-robin over them, passing over
-    /// one whose last attempt was `Unavailable` (for [`FAILOVER_HOLD`]) while another
-    /// may answer. An attempt on an unreachable replica counts as `Unavailable`, so a
-    /// parked request's next attempt goes to the next replica.
+    /// A client of several replicas: attempts go to the replica that last answered;
+    /// one that cannot be reached (a transport failure, or no answer in time) is
+    /// passed over for [`FAILOVER_HOLD`] and the next one is tried. The failed attempt
+    /// counts as `Unavailable` (or `DeadlineExceeded`), so a parked request's next
+    /// attempt goes to the next replica. (With one active replica and standbys, as
+    /// today, spreading calls would only pay a refused connection on the standbys.)
     ///
     /// # Errors
     /// When a URL is not a valid endpoint.
@@ -260,21 +262,24 @@ impl GrpcControlPlane {
         self.replicas[0].channel.clone()
     }
 
-    /// The replica for the next attempt.
-    fn pick(&self) -> &Replica {
+    /// The replica for the next attempt: the last one that answered, unless it is
+    /// passed over, then the next ones in turn.
+    fn pick(&self) -> (usize, &Replica) {
         let n = self.replicas.len();
-        let start = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let start = self.next.load(std::sync::atomic::Ordering::Relaxed);
         let now = tokio::time::Instant::now();
         (0..n)
-            .map(|i| &self.replicas[(start + i) % n])
-            .find(|r| !r.is_down(now))
-            .unwrap_or(&self.replicas[start % n])
+            .map(|i| (start + i) % n)
+            .find(|&i| !self.replicas[i].is_down(now))
+            .map_or((start % n, &self.replicas[start % n]), |i| {
+                (i, &self.replicas[i])
+            })
     }
 }
 
 impl ControlPlane for GrpcControlPlane {
     fn resume_actor(&self, req: ResumeRequest) -> ResumeFuture<'_> {
-        let replica = self.pick();
+        let (index, replica) = self.pick();
         let mut client = replica.client.clone();
         Box::pin(async move {
             let mut request = tonic::Request::new(ateapi::ResumeActorRequest {
@@ -289,6 +294,7 @@ impl ControlPlane for GrpcControlPlane {
             request.set_timeout(req.timeout);
             // grpc-timeout tells the server; the local timer covers a server that
             // never answers.
+            let mut unreachable = false;
             let result = match tokio::time::timeout(req.timeout, client.resume_actor(request)).await
             {
                 Ok(Ok(response)) => {
@@ -305,14 +311,25 @@ impl ControlPlane for GrpcControlPlane {
                         .map(|actor| Resumed { actor, grant })
                         .ok_or_else(|| ResumeError::new(Code::Internal, "response without actor"))
                 }
-                Ok(Err(status)) => Err(status.into()),
-                Err(_) => Err(ResumeError::new(
-                    Code::DeadlineExceeded,
-                    "resume attempt timed out",
-                )),
+                Ok(Err(status)) => {
+                    unreachable = is_transport_failure(&status);
+                    Err(status.into())
+                }
+                Err(_) => {
+                    unreachable = true;
+                    Err(ResumeError::new(
+                        Code::DeadlineExceeded,
+                        "resume attempt timed out",
+                    ))
+                }
             };
-            if self.replicas.len() > 1 {
-                replica.mark(matches!(&result, Err(e) if e.code() == Code::Unavailable));
+            // Only a replica that could not be reached (or never answered) is passed
+            // over; an answer, even `Unavailable`, came from a live replica.
+            let n = self.replicas.len();
+            if n > 1 {
+                replica.mark(unreachable);
+                let next = if unreachable { (index + 1) % n } else { index };
+                self.next.store(next, std::sync::atomic::Ordering::Relaxed);
             }
             result
         })

@@ -328,9 +328,11 @@ pub(crate) struct Inner {
     leases_unknown_until: tokio::time::Instant,
 }
 
+/// A failed write changed nothing: `Unavailable`, so that a router parks the request
+/// and retries (on this replica once the database answers again, or on another).
 fn db_error(e: &StoreError) -> Status {
     tracing::error!(error = %e, "database write failed");
-    Status::internal("control-plane database write failed")
+    Status::unavailable("control-plane database write failed")
 }
 
 fn shutting_down() -> Status {

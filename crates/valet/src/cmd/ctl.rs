@@ -35,15 +35,15 @@ pub(crate) async fn run(args: CtlArgs) -> ExitCode {
             }
         }
     }
-    // Replicas in turn, while the one asked is unavailable.
+    // Replicas in turn, while the one asked cannot be reached (an answer, even
+    // `Unavailable`, is the replica's own and is reported).
     let mut result = Err(CtlError::Usage("no control plane".into()));
     for (i, endpoint) in endpoints.iter().enumerate() {
         let client = ControlClient::new(
             credentials.connect_lazy(endpoint, valet_proto::auth::tcp_connector()),
         );
         result = execute(client, &args).await;
-        let unavailable =
-            matches!(&result, Err(CtlError::Rpc(s)) if s.code() == tonic::Code::Unavailable);
+        let unavailable = matches!(&result, Err(CtlError::Rpc(s)) if valet_router::control::is_transport_failure(s));
         if !unavailable || i + 1 == endpoints.len() {
             break;
         }
