@@ -698,28 +698,7 @@ async fn https_get(
     )>,
     alpn: &[u8],
 ) -> Option<(u16, http::Version)> {
-    use rustls_pki_types::pem::PemObject;
-    use tokio_rustls::rustls::{ClientConfig, RootCertStore, crypto::ring};
-    let mut roots = RootCertStore::empty();
-    for c in rustls_pki_types::CertificateDer::pem_file_iter(ca).unwrap() {
-        roots.add(c.unwrap()).unwrap();
-    }
-    let builder =
-        ClientConfig::builder_with_provider(std::sync::Arc::new(ring::default_provider()))
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_root_certificates(roots);
-    let mut config = match identity {
-        Some((chain, key)) => builder.with_client_auth_cert(chain, key).unwrap(),
-        None => builder.with_no_client_auth(),
-    };
-    config.alpn_protocols = vec![alpn.to_vec()];
-    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
-    let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
-        .connect(name, tcp)
-        .await
-        .ok()?;
+    let tls = tls_connect(addr, &tls_connector(ca, identity, alpn)).await?;
     let io = hyper_util::rt::TokioIo::new(tls);
     let req = |uri: &str| {
         http::Request::builder()
@@ -906,6 +885,29 @@ fn tls_client(
     alpn: &[u8],
 ) -> tokio_rustls::TlsConnector {
     use rustls_pki_types::pem::PemObject;
+    let identity = identity.map(|(cert, key)| {
+        (
+            rustls_pki_types::CertificateDer::pem_file_iter(cert)
+                .unwrap()
+                .map(Result::unwrap)
+                .collect(),
+            rustls_pki_types::PrivateKeyDer::from_pem_file(key).unwrap(),
+        )
+    });
+    tls_connector(ca, identity, alpn)
+}
+
+/// A rustls client trusting the PEM CAs in `ca`, presenting `identity`, offering
+/// `alpn`.
+fn tls_connector(
+    ca: &Path,
+    identity: Option<(
+        Vec<rustls_pki_types::CertificateDer<'static>>,
+        rustls_pki_types::PrivateKeyDer<'static>,
+    )>,
+    alpn: &[u8],
+) -> tokio_rustls::TlsConnector {
+    use rustls_pki_types::pem::PemObject;
     use tokio_rustls::rustls::{ClientConfig, RootCertStore, crypto::ring};
     let mut roots = RootCertStore::empty();
     for c in rustls_pki_types::CertificateDer::pem_file_iter(ca).unwrap() {
@@ -917,15 +919,7 @@ fn tls_client(
             .unwrap()
             .with_root_certificates(roots);
     let mut config = match identity {
-        Some((cert, key)) => builder
-            .with_client_auth_cert(
-                rustls_pki_types::CertificateDer::pem_file_iter(cert)
-                    .unwrap()
-                    .map(Result::unwrap)
-                    .collect(),
-                rustls_pki_types::PrivateKeyDer::from_pem_file(key).unwrap(),
-            )
-            .unwrap(),
+        Some((chain, key)) => builder.with_client_auth_cert(chain, key).unwrap(),
         None => builder.with_no_client_auth(),
     };
     config.alpn_protocols = vec![alpn.to_vec()];
