@@ -356,3 +356,143 @@ async fn a_worker_on_every_interface_advertises_a_reachable_address() {
     assert_eq!(w.addr.ip(), std::net::IpAddr::from([127, 0, 0, 1]));
     assert!(common::try_http_get(w.addr, "/", &[]).await.is_some());
 }
+
+/// Two replicas on one PostgreSQL (one active, one standby), 20 workers attached with
+/// both addresses, 200 concurrent resumes of 200 actors sent through the router's
+/// replica client with both addresses: exactly 20 actors RUNNING, on 20 different
+/// workers, in the database as in the answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_resumes_over_both_replicas_fill_twenty_workers_once() {
+    use valet_router::control::{ControlPlane, GrpcControlPlane, ResumeRequest};
+    let pg = TempPostgres::start_async().await;
+    let url = pg.url();
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("unused");
+    let data = data.to_str().unwrap();
+    // The standby is listed first: every client meets a replica that refuses.
+    let (a, b) = (
+        format!("127.0.0.1:{}", free_port()),
+        format!("127.0.0.1:{}", free_port()),
+    );
+    let first = Proc::start(
+        "control-plane",
+        &replica_args(&a, "127.0.0.1:0", &url, data),
+    )
+    .await;
+    let standby = tokio::spawn({
+        let (b, url, data) = (b.clone(), url.clone(), data.to_owned());
+        async move {
+            Proc::start(
+                "control-plane",
+                &replica_args(&b, "127.0.0.1:0", &url, &data),
+            )
+            .await
+        }
+    });
+    let urls = vec![format!("http://{b}"), format!("http://{a}")];
+    let mut workers = Vec::new();
+    for i in 0..20 {
+        workers.push(
+            valet_worker::Worker::spawn(valet_worker::WorkerConfig {
+                control_plane: urls.join(","),
+                credentials: Default::default(),
+                pool: "counter".into(),
+                listen: "127.0.0.1:0".parse().unwrap(),
+                snapshot_dir: dir.path().join("snapshots"),
+                restore_delay: Duration::ZERO,
+                worker_id: Some(format!("w{i:02}")),
+                advertise: None,
+            })
+            .await
+            .unwrap(),
+        );
+    }
+    let c = common::client(first.addr);
+    eventually("20 workers attached", WITHIN, || async {
+        let n = c
+            .clone()
+            .list_workers(())
+            .await
+            .ok()?
+            .into_inner()
+            .workers
+            .len();
+        (n == 20).then_some(())
+    })
+    .await;
+    c.clone()
+        .create_atespace(ateapi::CreateAtespaceRequest {
+            name: "demo".into(),
+        })
+        .await
+        .unwrap();
+    for i in 0..200 {
+        common::create(&c, &format!("demo/a{i:03}")).await.unwrap();
+    }
+
+    let cp = std::sync::Arc::new(GrpcControlPlane::replicas(&urls, &Default::default()).unwrap());
+    let resumes: Vec<_> = (0..200)
+        .map(|i| {
+            let cp = std::sync::Arc::clone(&cp);
+            tokio::spawn(async move {
+                let req = || ResumeRequest {
+                    actor: valet_router::addr::ActorRef::new("demo", &format!("a{i:03}")).unwrap(),
+                    wait_for_capacity: None,
+                    timeout: Duration::from_secs(30),
+                    lease_holder: None,
+                };
+                // As a parked request would: an attempt on an unreachable replica
+                // (the standby) is Unavailable, and the next goes to the next one.
+                for _ in 0..50 {
+                    match cp.resume_actor(req()).await {
+                        Err(e) if e.code() == tonic::Code::Unavailable => continue,
+                        other => return other.map(|r| r.actor.ateom_pod_ip),
+                    }
+                }
+                panic!("a{i:03}: every attempt Unavailable");
+            })
+        })
+        .collect();
+    let mut served = 0;
+    for r in resumes {
+        match r.await.unwrap() {
+            Ok(_) => served += 1,
+            Err(e) => assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}"),
+        }
+    }
+    assert_eq!(served, 20);
+
+    // In the database: 20 RUNNING, on 20 different workers.
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let task = tokio::spawn(conn);
+    let running: i64 = client
+        .query_one(
+            "SELECT count(*) FROM actors WHERE status = $1",
+            &[&valet_control::ActorStatus::Running.wire()],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let workers_used: i64 = client
+        .query_one(
+            "SELECT count(DISTINCT worker) FROM actors WHERE worker IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let claimed: i64 = client
+        .query_one("SELECT count(*) FROM actors WHERE worker IS NOT NULL", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!((running, claimed, workers_used), (20, 20, 20));
+    drop(client);
+    let _ = task.await;
+    standby.abort();
+    for w in workers {
+        w.shutdown().await;
+    }
+}
