@@ -496,3 +496,93 @@ async fn two_hundred_resumes_over_both_replicas_fill_twenty_workers_once() {
         w.shutdown().await;
     }
 }
+
+/// One control plane, two workers held by running actors, 8 requests for 8 suspended
+/// actors sent through `routers` routers, then one worker freed: the (served, 503)
+/// counts.
+async fn overflow_counts(routers: usize) -> (usize, usize) {
+    let dir = tempfile::tempdir().unwrap();
+    let cp = common::control_plane(
+        &dir.path().join("data"),
+        "127.0.0.1:0",
+        &["--metrics-listen", "127.0.0.1:0"],
+    )
+    .await;
+    let snapshots = dir.path().join("snapshots");
+    let _w1 = common::worker(cp.addr, &snapshots, "w1").await;
+    let _w2 = common::worker(cp.addr, &snapshots, "w2").await;
+    let c = common::client(cp.addr);
+    eventually("two workers attached", WITHIN, || async {
+        let n = c
+            .clone()
+            .list_workers(())
+            .await
+            .ok()?
+            .into_inner()
+            .workers
+            .len();
+        (n == 2).then_some(())
+    })
+    .await;
+    c.clone()
+        .create_atespace(ateapi::CreateAtespaceRequest {
+            name: "demo".into(),
+        })
+        .await
+        .unwrap();
+    let overflow: Vec<String> = (1..=8).map(|i| format!("o{i}")).collect();
+    for name in ["h1", "h2"]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .chain(overflow.clone())
+    {
+        common::create(&c, &format!("demo/{name}")).await.unwrap();
+    }
+    let mut fronts = Vec::new();
+    for _ in 0..routers {
+        fronts.push(common::router(cp.addr, &["--parked-request-budget", "4s"]).await);
+    }
+    for h in ["h1", "h2"] {
+        let (status, body) = http_get(fronts[0].addrs["router"], "/", &[("Host", &host(h))]).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    let sent: Vec<_> = overflow
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let addr = fronts[i % routers].addrs["router"];
+            let host = host(name);
+            tokio::spawn(async move { http_get(addr, "/", &[("Host", &host)]).await })
+        })
+        .collect();
+    let metrics = cp.addrs["metrics"];
+    eventually("8 waiters at the control plane", WITHIN, || async {
+        let text = http_get(metrics, "/metrics", &[]).await.1;
+        let n = valet_router::metrics::sample_of(
+            &text,
+            "valet_control_waiters",
+            &[("pool", "counter")],
+        );
+        (n == 8.0).then_some(())
+    })
+    .await;
+    // One worker freed: it goes to the oldest waiter, whichever router parked it.
+    common::suspend(&c, "demo/h1").await.unwrap();
+    let (mut served, mut refused) = (0, 0);
+    for r in sent {
+        match r.await.unwrap().0 {
+            200 => served += 1,
+            503 => refused += 1,
+            other => panic!("unexpected {other}"),
+        }
+    }
+    (served, refused)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_routers_in_front_count_as_one() {
+    let one = overflow_counts(1).await;
+    assert_eq!(one, (1, 7), "one hand-off, seven budgets ended");
+    let two = overflow_counts(2).await;
+    assert_eq!(two, one, "two routers: the same counts");
+}
