@@ -256,10 +256,15 @@ impl GrpcControlPlane {
         })
     }
 
-    /// The channel of the first replica (the lease watch and the reachability probe
-    /// use it).
+    /// The channel of the first replica (the lease watch uses it; with several
+    /// replicas, `--database` turns leases off).
     pub fn channel(&self) -> CpChannel {
         self.replicas[0].channel.clone()
+    }
+
+    /// Every replica's channel, in the order given.
+    pub fn channels(&self) -> Vec<CpChannel> {
+        self.replicas.iter().map(|r| r.channel.clone()).collect()
     }
 
     /// The replica for the next attempt: the last one that answered, unless it is

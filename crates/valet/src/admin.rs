@@ -102,16 +102,17 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Probes the control plane every [`PROBE_INTERVAL`] (a cheap read) and records whether
 /// it answers in the health, the `atenet.router.control_plane.reachable` gauge and one
-/// log line per change; any gRPC answer, even an error, means it is reachable.
+/// log line per change; any gRPC answer, even an error, means it is reachable. With
+/// several replicas, reachable means one of them answers.
 pub(crate) fn spawn_probe(
     url: String,
-    channel: valet_proto::auth::CpChannel,
+    channels: Vec<valet_proto::auth::CpChannel>,
     router: Router,
     health: Arc<Health>,
     stop: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let client = ControlClient::new(channel);
+        let clients: Vec<_> = channels.into_iter().map(ControlClient::new).collect();
         let mut known = None;
         let mut tick = tokio::time::interval(PROBE_INTERVAL);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -120,21 +121,28 @@ pub(crate) fn spawn_probe(
                 () = stop.cancelled() => return,
                 _ = tick.tick() => {}
             }
-            let mut probe = tonic::Request::new(());
-            probe.set_timeout(PROBE_TIMEOUT);
-            let mut client = client.clone();
-            let answer = tokio::time::timeout(PROBE_TIMEOUT, client.list_atespaces(probe)).await;
-            let reachable = match answer {
-                Ok(Ok(_)) => true,
-                Ok(Err(s)) => {
-                    !valet_router::control::is_transport_failure(&s)
-                        && !matches!(
-                            s.code(),
-                            tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
-                        )
+            let mut reachable = false;
+            for client in &clients {
+                let mut probe = tonic::Request::new(());
+                probe.set_timeout(PROBE_TIMEOUT);
+                let mut client = client.clone();
+                let answer =
+                    tokio::time::timeout(PROBE_TIMEOUT, client.list_atespaces(probe)).await;
+                reachable = match answer {
+                    Ok(Ok(_)) => true,
+                    Ok(Err(s)) => {
+                        !valet_router::control::is_transport_failure(&s)
+                            && !matches!(
+                                s.code(),
+                                tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
+                            )
+                    }
+                    Err(_) => false,
+                };
+                if reachable {
+                    break;
                 }
-                Err(_) => false,
-            };
+            }
             health
                 .control_plane_reachable
                 .store(reachable, Ordering::SeqCst);

@@ -43,7 +43,7 @@ impl RunningRouter {
         let cp = GrpcControlPlane::replicas(config.control_planes(), config.credentials())
             .map_err(|e| format!("--control-plane={}: {e}", config.control_plane()))?;
         let channel = cp.channel();
-        let channel_for_probe = cp.channel();
+        let channels_for_probe = cp.channels();
         let router = Router::new(Arc::clone(&config), Arc::new(cp), Arc::new(Metrics::new()));
         router.start_leases(channel);
         let health = Arc::new(Health::default());
@@ -101,7 +101,7 @@ impl RunningRouter {
         });
         let probe = admin::spawn_probe(
             config.control_plane().to_owned(),
-            channel_for_probe,
+            channels_for_probe,
             router.clone(),
             Arc::clone(&health),
             stop_admin.clone(),

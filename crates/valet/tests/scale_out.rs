@@ -586,3 +586,38 @@ async fn two_routers_in_front_count_as_one() {
     let two = overflow_counts(2).await;
     assert_eq!(two, one, "two routers: the same counts");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_with_a_replica_list_is_reachable_through_any_replica() {
+    let dir = tempfile::tempdir().unwrap();
+    let cp = common::control_plane(&dir.path().join("data"), "127.0.0.1:0", &[]).await;
+    // The first replica listed never answers.
+    let replicas = format!("http://127.0.0.1:{},http://{}", free_port(), cp.addr);
+    let router = Proc::start(
+        "admin",
+        &[
+            "router",
+            "--listen",
+            "127.0.0.1:0",
+            "--extproc-listen",
+            "",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--control-plane",
+            &replicas,
+        ],
+    )
+    .await;
+    let admin = router.addrs["admin"];
+    eventually("the router sees a replica answer", WITHIN, || async {
+        let (s, body) = http_get(admin, "/statusz?format=json", &[]).await;
+        (s == 200 && body.contains("\"control_plane_reachable\": true")).then_some(())
+    })
+    .await;
+    assert_eq!(
+        router
+            .metric("atenet_router_control_plane_reachable", &[])
+            .await,
+        1.0
+    );
+}
