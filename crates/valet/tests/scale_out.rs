@@ -104,27 +104,7 @@ async fn a_standby_takes_over_from_a_killed_replica_and_parked_requests_are_serv
         );
     }
     let c = common::client(first.addr);
-    eventually("both workers attached", WITHIN, || async {
-        let n = c
-            .clone()
-            .list_workers(())
-            .await
-            .ok()?
-            .into_inner()
-            .workers
-            .len();
-        (n == 2).then_some(())
-    })
-    .await;
-    c.clone()
-        .create_atespace(ateapi::CreateAtespaceRequest {
-            name: "demo".into(),
-        })
-        .await
-        .unwrap();
-    for name in ["p1", "p2", "p3", "p4"] {
-        common::create(&c, &format!("demo/{name}")).await.unwrap();
-    }
+    common::workers_and_demo(&c, 2, &["p1", "p2", "p3", "p4"].map(String::from)).await;
     let router = Proc::start(
         "admin",
         &[
@@ -408,27 +388,12 @@ async fn two_hundred_resumes_over_both_replicas_fill_twenty_workers_once() {
         );
     }
     let c = common::client(first.addr);
-    eventually("20 workers attached", WITHIN, || async {
-        let n = c
-            .clone()
-            .list_workers(())
-            .await
-            .ok()?
-            .into_inner()
-            .workers
-            .len();
-        (n == 20).then_some(())
-    })
+    common::workers_and_demo(
+        &c,
+        20,
+        &(0..200).map(|i| format!("a{i:03}")).collect::<Vec<_>>(),
+    )
     .await;
-    c.clone()
-        .create_atespace(ateapi::CreateAtespaceRequest {
-            name: "demo".into(),
-        })
-        .await
-        .unwrap();
-    for i in 0..200 {
-        common::create(&c, &format!("demo/a{i:03}")).await.unwrap();
-    }
 
     let cp = std::sync::Arc::new(GrpcControlPlane::replicas(&urls, &Default::default()).unwrap());
     let resumes: Vec<_> = (0..200)
@@ -512,32 +477,10 @@ async fn overflow_counts(routers: usize) -> (usize, usize) {
     let _w1 = common::worker(cp.addr, &snapshots, "w1").await;
     let _w2 = common::worker(cp.addr, &snapshots, "w2").await;
     let c = common::client(cp.addr);
-    eventually("two workers attached", WITHIN, || async {
-        let n = c
-            .clone()
-            .list_workers(())
-            .await
-            .ok()?
-            .into_inner()
-            .workers
-            .len();
-        (n == 2).then_some(())
-    })
-    .await;
-    c.clone()
-        .create_atespace(ateapi::CreateAtespaceRequest {
-            name: "demo".into(),
-        })
-        .await
-        .unwrap();
     let overflow: Vec<String> = (1..=8).map(|i| format!("o{i}")).collect();
-    for name in ["h1", "h2"]
-        .iter()
-        .map(|s| (*s).to_owned())
-        .chain(overflow.clone())
-    {
-        common::create(&c, &format!("demo/{name}")).await.unwrap();
-    }
+    let mut actors = vec!["h1".to_owned(), "h2".to_owned()];
+    actors.extend(overflow.iter().cloned());
+    common::workers_and_demo(&c, 2, &actors).await;
     let mut fronts = Vec::new();
     for _ in 0..routers {
         fronts.push(common::router(cp.addr, &["--parked-request-budget", "4s"]).await);

@@ -477,3 +477,29 @@ pub async fn get_text(
     let (s, h, b) = request(router, "GET", &Up::host(actor), path, Vec::new()).await;
     (s, h, String::from_utf8_lossy(&b).into_owned())
 }
+
+/// Waits (bounded) until `workers` workers have joined, then creates atespace `demo`
+/// and the actors `demo/<name>` (template `counter`).
+pub async fn workers_and_demo(c: &ControlClient<Channel>, workers: usize, actors: &[String]) {
+    eventually("workers attached", Duration::from_secs(60), || async {
+        let n = c
+            .clone()
+            .list_workers(())
+            .await
+            .ok()?
+            .into_inner()
+            .workers
+            .len();
+        (n == workers).then_some(())
+    })
+    .await;
+    c.clone()
+        .create_atespace(ateapi::CreateAtespaceRequest {
+            name: "demo".into(),
+        })
+        .await
+        .unwrap();
+    for name in actors {
+        create(c, &format!("demo/{name}")).await.unwrap();
+    }
+}
