@@ -185,8 +185,18 @@ impl PostgresStore {
                 %database,
                 "standby: another control plane is active on this database; waiting to take over"
             );
+            // A standby waits as long as the active replica lives: no statement
+            // timeout on this wait (the session's other statements keep theirs).
+            client
+                .batch_execute("SET statement_timeout = 0")
+                .await
+                .map_err(err)?;
             client
                 .execute("SELECT pg_advisory_lock($1)", &[&ACTIVE_LOCK])
+                .await
+                .map_err(err)?;
+            client
+                .batch_execute("RESET statement_timeout")
                 .await
                 .map_err(err)?;
         }

@@ -128,6 +128,46 @@ async fn replicas_migrate_once_and_a_newer_schema_is_refused() {
     );
 }
 
+/// Returns once one session waits for an advisory lock (a standby for the active lock).
+async fn standby_waiting(url: &str) {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while count(
+            url,
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+        )
+        .await
+            != 1
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the standby waits for the lock");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_waits_past_the_sessions_statement_timeout() {
+    let pg = TempPostgres::start_async().await;
+    let url = pg.url();
+    let active = PostgresStore::open(&url).await.unwrap();
+    let mut standby = tokio::spawn({
+        let url = url.clone();
+        async move { PostgresStore::open(&url).await }
+    });
+    standby_waiting(&url).await;
+    // Every session has a 10 s statement timeout; the standby's wait for the lock must
+    // outlast it (it failed with "canceling statement due to statement timeout").
+    let waited = tokio::time::timeout(Duration::from_secs(12), &mut standby).await;
+    assert!(waited.is_err(), "the standby stopped waiting: {waited:?}");
+    drop(active);
+    let next = tokio::time::timeout(Duration::from_secs(30), standby)
+        .await
+        .expect("the standby takes over")
+        .unwrap()
+        .unwrap();
+    next.write(Batch::put([row("p1")])).await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_takes_over_and_the_replaced_replica_is_fenced() {
     let pg = TempPostgres::start_async().await;
@@ -139,19 +179,7 @@ async fn a_standby_takes_over_and_the_replaced_replica_is_fenced() {
         async move { PostgresStore::open(&url).await }
     });
     // Once the standby waits for the active lock (its migration lock released)...
-    tokio::time::timeout(Duration::from_secs(30), async {
-        while count(
-            &url,
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
-        )
-        .await
-            != 1
-        {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await
-    .expect("the standby waits for the lock");
+    standby_waiting(&url).await;
     // ...the active replica's lock connection dies (a partition, a crash of its
     // host): the standby takes over with the next epoch.
     sql(
