@@ -22,7 +22,7 @@ pub mod model;
 pub mod plane;
 pub mod postgres;
 pub mod store;
-#[cfg(any(test, feature = "testing"))]
+#[cfg(any(test, feature = "tempdb"))]
 pub mod tempdb;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;

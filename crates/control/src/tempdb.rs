@@ -1,4 +1,4 @@
-//! A throwaway PostgreSQL server for tests (feature `testing`): `initdb` and `pg_ctl`
+//! A throwaway PostgreSQL server for tests and load scenarios (feature `tempdb`): `initdb` and `pg_ctl`
 //! in a temporary directory, on a free loopback port, stopped and removed on drop.
 //! Run as root (CI containers), the server runs as the `postgres` user, since
 //! PostgreSQL refuses to run as root.

@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! gen (schedule → requests) ─▶ Record per request ─▶ stats (summaries) ─▶ CSV, chart (SVG)
-//! scenario: system (embedded control plane + workers + router, or given URLs) + gen
+//! scenario: system (embedded control plane + workers + router, a cluster of processes,
+//!           or given URLs) + gen
 //! ```
 
 #![forbid(unsafe_code)]
@@ -14,6 +15,7 @@ pub mod generate;
 pub mod nginx;
 pub mod outage;
 pub mod parked;
+pub mod processes;
 pub mod record;
 pub mod scenario;
 pub mod soak;

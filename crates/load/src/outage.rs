@@ -26,6 +26,7 @@ use valet_worker::{Worker, WorkerConfig};
 
 use crate::extproc::{self, Answer};
 use crate::generate::HttpClient;
+use crate::processes::wait_workers;
 use crate::record::Record;
 use crate::scenario::Report;
 use crate::stats::Latencies;
@@ -232,19 +233,6 @@ pub async fn leases(opts: &LeaseOpts) -> Result<Report, String> {
         records,
         budget_s: Some(5.0),
     })
-}
-
-async fn wait_workers(ctl: &ControlClient<Channel>, n: usize) -> Result<(), String> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < deadline {
-        if let Ok(w) = ctl.clone().list_workers(()).await
-            && w.into_inner().workers.len() == n
-        {
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    Err(format!("{n} workers did not attach"))
 }
 
 /// Suspends of an actor the router holds a lease on (revocation acked over the watch),

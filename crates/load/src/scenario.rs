@@ -32,7 +32,7 @@ fn secs(d: Duration) -> String {
 
 async fn one(client: &HttpClient, sys: &System, t0: Instant, label: &str, actor: &str) -> Record {
     let start = t0.elapsed();
-    let (status, body) = client.get(sys.router, actor, "/").await;
+    let (status, body) = client.get(sys.next_router(), actor, "/").await;
     Record {
         label: label.to_owned(),
         actor: actor.to_owned(),
@@ -79,7 +79,7 @@ pub async fn timeline(
     let calls_before = sys.resume_calls_for("demo/p3");
     let parked = {
         let client = client.clone();
-        let router = sys.router;
+        let router = sys.next_router();
         tokio::spawn(async move {
             let start = t0.elapsed();
             let (status, body) = client.get(router, "demo/p3", "/").await;
@@ -100,7 +100,7 @@ pub async fn timeline(
     };
     let calls = match (calls_before, sys.resume_calls_for("demo/p3")) {
         (Some(b), Some(a)) => format!("{}", a - b),
-        _ => "n/a (remote control plane)".into(),
+        _ => "n/a (the control plane runs in another process)".into(),
     };
     let mut text = String::new();
     let _ = writeln!(
@@ -210,7 +210,7 @@ async fn burst_with_body(
         let (client, barrier, router, a, label, payload) = (
             client.clone(),
             Arc::clone(&barrier),
-            sys.router,
+            sys.next_router(),
             a.clone(),
             label.to_owned(),
             payload.clone(),

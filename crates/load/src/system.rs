@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -18,6 +19,7 @@ use valet_router::{GrpcControlPlane, Metrics, Router, RouterArgs};
 use valet_cluster::{Cluster, ClusterConfig, PoolSpec};
 
 use crate::generate::HttpClient;
+use crate::processes::{ClusterOpts, Processes};
 
 /// The default actor domain.
 pub const DOMAIN: &str = "actors.resources.substrate.ate.dev";
@@ -69,8 +71,13 @@ pub struct System {
     pub router_extproc: Option<SocketAddr>,
     /// The router's admin server (`/metrics`), when it runs in its own process.
     pub router_admin: Option<SocketAddr>,
+    /// Every router requests may go to (`router` first); scenarios take them in turn.
+    pub routers: Vec<SocketAddr>,
+    next_router: AtomicUsize,
+    sent: Vec<AtomicUsize>,
     ctl: ControlClient<Channel>,
     cluster: Option<Cluster>,
+    processes: Option<Processes>,
     _dir: Option<tempfile::TempDir>,
     child: Option<tokio::process::Child>,
     in_process: Option<(Router, HttpServer)>,
@@ -224,8 +231,12 @@ impl System {
             router,
             router_extproc,
             router_admin,
+            routers: vec![router],
+            next_router: AtomicUsize::new(0),
+            sent: vec![AtomicUsize::new(0)],
             ctl: ctl_client(&cp_url)?,
             cluster: Some(cluster),
+            processes: None,
             _dir: Some(dir),
             child,
             in_process,
@@ -241,12 +252,64 @@ impl System {
             router,
             router_extproc: None,
             router_admin: None,
+            routers: vec![router],
+            next_router: AtomicUsize::new(0),
+            sent: vec![AtomicUsize::new(0)],
             ctl: ctl_client(control_plane)?,
             cluster: None,
+            processes: None,
             _dir: None,
             child: None,
             in_process: None,
         })
+    }
+
+    /// A cluster of processes over PostgreSQL (see [`Processes`]): requests go to its
+    /// routers in turn; actors are managed through its active replica.
+    ///
+    /// # Errors
+    /// When a part does not start.
+    pub async fn cluster(opts: &ClusterOpts) -> Result<Self, String> {
+        let processes = Processes::start(opts).await?;
+        Ok(Self {
+            router: processes.routers[0],
+            router_extproc: None,
+            router_admin: None,
+            routers: processes.routers.clone(),
+            next_router: AtomicUsize::new(0),
+            sent: processes
+                .routers
+                .iter()
+                .map(|_| AtomicUsize::new(0))
+                .collect(),
+            ctl: processes.control_client()?,
+            cluster: None,
+            processes: Some(processes),
+            _dir: None,
+            child: None,
+            in_process: None,
+        })
+    }
+
+    /// The router the next request goes to: each of [`Self::routers`] in turn.
+    pub fn next_router(&self) -> SocketAddr {
+        let i = self.next_router.fetch_add(1, Ordering::Relaxed) % self.routers.len();
+        self.sent[i].fetch_add(1, Ordering::Relaxed);
+        self.routers[i]
+    }
+
+    /// How many requests [`Self::next_router`] has sent to each router.
+    pub fn sent_per_router(&self) -> Vec<(SocketAddr, usize)> {
+        self.routers
+            .iter()
+            .zip(&self.sent)
+            .map(|(r, n)| (*r, n.load(Ordering::Relaxed)))
+            .collect()
+    }
+
+    /// The cluster's processes, when it is one.
+    pub fn processes(&self) -> Option<&Processes> {
+        self.processes.as_ref()
     }
 
     /// Creates `actor` (template `counter`) unless it exists, and makes sure it is
@@ -447,6 +510,9 @@ impl System {
         }
         if let Some(cluster) = self.cluster.take() {
             cluster.shutdown().await;
+        }
+        if let Some(processes) = self.processes.take() {
+            processes.shutdown().await;
         }
     }
 }

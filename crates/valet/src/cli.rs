@@ -117,6 +117,17 @@ pub(crate) struct TargetArgs {
     /// The running system's control plane (http://host:port).
     #[arg(long, value_name = "URL", requires = "router")]
     pub(crate) control_plane: Option<String>,
+    /// Run against a cluster of processes this command starts: two control-plane
+    /// replicas on PostgreSQL (one active, one standby), the scenario's workers, and two
+    /// routers listing both replicas, requests sent to each router in turn (timeline,
+    /// steady, bursts and overflow).
+    #[arg(long, conflicts_with = "router")]
+    pub(crate) cluster: bool,
+    /// The cluster's PostgreSQL (postgres://…); when unset, a throwaway server in a
+    /// temporary directory (initdb and pg_ctl from /usr/lib/postgresql/*/bin, PATH or
+    /// VALET_PG_BIN).
+    #[arg(long, value_name = "URL", requires = "cluster")]
+    pub(crate) database: Option<String>,
     /// The parking budget of the embedded router.
     #[arg(long, default_value = "5s", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) budget: Duration,

@@ -180,3 +180,57 @@ fn envoy_bootstrap_refuses_a_breaker_below_the_lot() {
     assert!(yaml.contains("max_requests: 4000"), "{yaml}");
     assert!(yaml.contains("message_timeout: 10s"), "{yaml}");
 }
+
+#[test]
+fn load_cluster_flags_are_checked_before_anything_starts() {
+    let o = valet(&["load", "scenario", "parked-scale", "--cluster"], &[]);
+    assert_eq!(o.status.code(), Some(64));
+    assert_eq!(
+        stderr_lines(&o),
+        vec![
+            "valet load: invalid configuration: --cluster: runs timeline, steady, bursts and overflow, not parked-scale"
+        ]
+    );
+    let o = valet(
+        &[
+            "load",
+            "scenario",
+            "overflow",
+            "--cluster",
+            "--database",
+            "mysql://db",
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(64));
+    assert_eq!(
+        stderr_lines(&o),
+        vec!["valet load: invalid configuration: --database: must be a postgres:// URL"]
+    );
+    // --database needs --cluster; --cluster excludes --router.
+    let o = valet(
+        &[
+            "load",
+            "scenario",
+            "overflow",
+            "--database",
+            "postgres://db",
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(64));
+    let o = valet(
+        &[
+            "load",
+            "scenario",
+            "overflow",
+            "--cluster",
+            "--router",
+            "127.0.0.1:1",
+            "--control-plane",
+            "http://127.0.0.1:2",
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(64));
+}

@@ -564,3 +564,71 @@ async fn a_router_with_a_replica_list_is_reachable_through_any_replica() {
         1.0
     );
 }
+
+/// `valet load scenario overflow --cluster`: two replicas on a throwaway PostgreSQL
+/// (started by the scenario), 16 workers and two routers, all processes; requests
+/// alternate between the routers. The counts match the single-process run: 14 of 32
+/// served and 18 × 503 into 14 free places; more served once 16 are freed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_overflow_scenario_runs_on_a_cluster_of_processes() {
+    let out = tempfile::tempdir().unwrap();
+    let run = tokio::process::Command::new(env!("CARGO_BIN_EXE_valet"))
+        .args([
+            "load",
+            "scenario",
+            "overflow",
+            "--cluster",
+            "--capacity-wait",
+            "on",
+            "--budget",
+            "3s",
+            "--restore-delay",
+            "10ms",
+            "--out",
+        ])
+        .arg(out.path())
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let o = tokio::time::timeout(Duration::from_secs(180), run)
+        .await
+        .expect("the scenario ends")
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        stdout.contains("cluster: 16 workers; replicas "),
+        "{stdout}"
+    );
+    assert!(stdout.contains("throwaway PostgreSQL"), "{stdout}");
+    assert!(
+        stdout.contains("burst-32: 14 of 32 returned 200") && stdout.contains("18 returned 503"),
+        "{stdout}"
+    );
+    let relief: usize = stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("burst-32-relief: "))
+        .find_map(|l| l.split_once(" of 32 returned 200"))
+        .and_then(|(n, _)| n.parse().ok())
+        .unwrap_or_else(|| panic!("no relief round: {stdout}"));
+    assert!(relief > 14, "freed workers serve parked requests: {stdout}");
+    // Both routers took requests: 2 holders and 32 actors per round, in turn.
+    let per_router = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("requests per router: "))
+        .unwrap_or_else(|| panic!("no per-router counts: {stdout}"));
+    let counts: Vec<&str> = per_router
+        .split(", ")
+        .filter_map(|r| r.rsplit(": ").next())
+        .collect();
+    assert_eq!(counts, ["34", "34"], "{stdout}");
+    assert!(
+        out.path()
+            .join("overflow-cluster-capacity-wait-on.csv")
+            .exists()
+    );
+}

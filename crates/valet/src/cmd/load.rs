@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use valet_load::generate::{HttpClient, closed_loop, open_loop, schedule};
+use valet_load::processes::ClusterOpts;
 use valet_load::record::write_csv;
 use valet_load::scenario::{self, Report};
 use valet_load::system::{System, SystemOpts};
@@ -135,13 +136,85 @@ fn opts(target: &TargetArgs, workers: usize, capacity_wait: bool, extra: &[&str]
 }
 
 async fn system(target: &TargetArgs, opts: &SystemOpts) -> Result<System, String> {
+    if target.cluster {
+        let cluster = ClusterOpts {
+            exe: std::env::current_exe().map_err(|e| format!("this valet binary: {e}"))?,
+            database: target.database.clone(),
+            replicas: 2,
+            routers: 2,
+            workers: opts.workers,
+            restore_delay: opts.restore_delay,
+            capacity_wait: opts.capacity_wait,
+            router_flags: opts.router_flags.clone(),
+        };
+        let sys = System::cluster(&cluster).await?;
+        if let Some(p) = sys.processes() {
+            println!(
+                "cluster: {} workers; replicas {} (the first active, the second a standby) on {}; routers {}\n",
+                opts.workers,
+                p.replicas.join(" "),
+                p.database,
+                p.routers
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            );
+        }
+        return Ok(sys);
+    }
     match (&target.router, &target.control_plane) {
         (Some(r), Some(cp)) => System::remote(*r, cp),
         _ => System::embedded(opts).await,
     }
 }
 
+/// Stops `sys` after a scenario; with several routers, the report says how many
+/// requests each took.
+async fn finish(sys: System, report: Result<Report, String>) -> Result<Report, String> {
+    let sent = sys.sent_per_router();
+    sys.shutdown().await;
+    let mut report = report?;
+    if sent.len() > 1 {
+        let each: Vec<String> = sent.iter().map(|(r, n)| format!("{r}: {n}")).collect();
+        report
+            .text
+            .push_str(&format!("requests per router: {}\n", each.join(", ")));
+    }
+    Ok(report)
+}
+
+/// Checks the target flags against the scenario: which run on a cluster, and the
+/// database URL.
+fn check_target(target: &TargetArgs, scenario: Option<Scenario>) -> Result<(), Failure> {
+    if !target.cluster {
+        return Ok(());
+    }
+    if let Some(s) = scenario
+        && !matches!(
+            s,
+            Scenario::Timeline | Scenario::Steady | Scenario::Bursts | Scenario::Overflow
+        )
+    {
+        let name = clap::ValueEnum::to_possible_value(&s)
+            .map(|v| v.get_name().to_owned())
+            .unwrap_or_default();
+        return Err(Failure::Usage(format!(
+            "invalid configuration: --cluster: runs timeline, steady, bursts and overflow, not {name}"
+        )));
+    }
+    if let Some(url) = &target.database
+        && !(url.starts_with("postgres://") || url.starts_with("postgresql://"))
+    {
+        return Err(Failure::Usage(
+            "invalid configuration: --database: must be a postgres:// URL".into(),
+        ));
+    }
+    Ok(())
+}
+
 async fn run_scenario(args: ScenarioArgs) -> Result<(), Failure> {
+    check_target(&args.target, Some(args.scenario))?;
     let remote = args.target.router.is_some();
     let modes: Vec<bool> = match (remote, args.capacity_wait) {
         (true, _) | (false, CapacityWait::On) => vec![true],
@@ -149,39 +222,36 @@ async fn run_scenario(args: ScenarioArgs) -> Result<(), Failure> {
         (false, CapacityWait::Both) => vec![true, false],
     };
     let t = &args.target;
+    let cluster = if t.cluster { "-cluster" } else { "" };
     for cw in modes {
         let tag = if remote {
             String::new()
         } else if cw {
-            "-capacity-wait-on".into()
+            format!("{cluster}-capacity-wait-on")
         } else {
-            "-capacity-wait-off".into()
+            format!("{cluster}-capacity-wait-off")
         };
         let report = match args.scenario {
             Scenario::Timeline => {
                 let sys = system(t, &opts(t, 2, cw, &[])).await?;
                 let r = scenario::timeline(&sys, t.budget, 9, Duration::from_millis(2370)).await;
-                sys.shutdown().await;
-                r?
+                finish(sys, r).await?
             }
             Scenario::Steady => {
                 let sys = system(t, &opts(t, 2, cw, &[])).await?;
                 let r =
                     scenario::steady(&sys, args.duration.unwrap_or(Duration::from_secs(30))).await;
-                sys.shutdown().await;
-                r?
+                finish(sys, r).await?
             }
             Scenario::Bursts => {
                 let sys = system(t, &opts(t, 16, cw, &[])).await?;
                 let r = scenario::bursts(&sys, &[1, 2, 4, 8, 16], 5).await;
-                sys.shutdown().await;
-                r?
+                finish(sys, r).await?
             }
             Scenario::Overflow => {
                 let sys = system(t, &opts(t, 16, cw, &[])).await?;
                 let r = scenario::overflow(&sys, t.budget, Duration::from_millis(1500)).await;
-                sys.shutdown().await;
-                r?
+                finish(sys, r).await?
             }
             Scenario::ParkedScale => {
                 let lot = args.requests.to_string();
@@ -199,8 +269,7 @@ async fn run_scenario(args: ScenarioArgs) -> Result<(), Failure> {
                     extproc_requests: args.extproc_requests,
                 };
                 let r = valet_load::parked::parked_scale(&sys, &po).await;
-                sys.shutdown().await;
-                r?
+                finish(sys, r).await?
             }
             Scenario::Soak => {
                 if remote {
@@ -218,8 +287,7 @@ async fn run_scenario(args: ScenarioArgs) -> Result<(), Failure> {
                     ..Default::default()
                 };
                 let r = valet_load::soak::soak(&sys, &soak_opts).await;
-                sys.shutdown().await;
-                r?
+                finish(sys, r).await?
             }
             Scenario::Eviction => {
                 if remote {
@@ -232,8 +300,7 @@ async fn run_scenario(args: ScenarioArgs) -> Result<(), Failure> {
                 o.evict_idle_after = evict_after;
                 let sys = system(t, &o).await?;
                 let r = scenario::eviction(&sys, args.runs, args.runs, evict_after).await;
-                sys.shutdown().await;
-                r?
+                finish(sys, r).await?
             }
             Scenario::Leases => {
                 if remote {
@@ -259,8 +326,7 @@ async fn run_scenario(args: ScenarioArgs) -> Result<(), Failure> {
                 let r =
                     scenario::fast_path(&sys, 32, args.duration.unwrap_or(Duration::from_secs(10)))
                         .await;
-                sys.shutdown().await;
-                r?
+                finish(sys, r).await?
             }
         };
         publish(&report, &tag, &args.out)?;
@@ -269,21 +335,26 @@ async fn run_scenario(args: ScenarioArgs) -> Result<(), Failure> {
 }
 
 pub(crate) async fn demo_parking(args: DemoArgs) -> ExitCode {
+    if let Err(Failure::Usage(e) | Failure::Run(e)) = check_target(&args.target, None) {
+        eprintln!("valet demo parking: {e}");
+        return ExitCode::from(EXIT_CONFIG);
+    }
     let result: Result<(), String> = async {
         let t = &args.target;
+        let tag = if t.cluster { "-cluster" } else { "" };
         println!(
             "valet demo parking: pool of 2 workers (restore {:?}), actors p1..p4, budget {:?}\n",
             t.restore_delay, t.budget
         );
         let sys = system(t, &opts(t, 2, true, &[])).await?;
         let timeline = scenario::timeline(&sys, t.budget, 3, Duration::from_millis(2370)).await?;
-        publish(&timeline, "", &args.out)?;
+        publish(&timeline, tag, &args.out)?;
         println!(
             "load run: 4 actors on 2 workers for {:?}, each answer followed by a suspend\n",
             args.duration
         );
         let steady = scenario::steady(&sys, args.duration).await?;
-        publish(&steady, "", &args.out)?;
+        publish(&steady, tag, &args.out)?;
         sys.shutdown().await;
         Ok(())
     }

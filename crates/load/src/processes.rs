@@ -1,0 +1,341 @@
+//! A cluster of real processes for scenarios (`valet load scenario … --cluster`):
+//! PostgreSQL (a given URL, or a throwaway server this module starts), two
+//! `valet control-plane` replicas on it (the first active, the second a standby),
+//! `valet worker` processes listing both replicas, and two `valet router` processes
+//! listing both replicas. Every child is killed when the cluster is dropped; their
+//! logs (at `warn`) go to files in a temporary directory, quoted when a part fails to
+//! start.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::time::Instant;
+use tonic::transport::Channel;
+use valet_control::tempdb::TempPostgres;
+use valet_proto::ateapi::{self, control_client::ControlClient};
+
+/// How long a part may take to start.
+const START_WITHIN: Duration = Duration::from_secs(30);
+
+/// How to build the cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterOpts {
+    /// The `valet` binary every part runs as.
+    pub exe: PathBuf,
+    /// A PostgreSQL URL (`postgres://…`); a throwaway server when `None`.
+    pub database: Option<String>,
+    /// Control-plane replicas (the first active, the others standbys).
+    pub replicas: usize,
+    /// Routers, each listing every replica.
+    pub routers: usize,
+    /// Workers in pool `counter`.
+    pub workers: usize,
+    /// Each restore's extra time.
+    pub restore_delay: Duration,
+    /// The control planes' `--capacity-wait`.
+    pub capacity_wait: bool,
+    /// Extra router flags.
+    pub router_flags: Vec<String>,
+}
+
+/// The running processes.
+pub struct Processes {
+    /// The replicas' gRPC URLs, the active one first.
+    pub replicas: Vec<String>,
+    /// The routers' HTTP addresses.
+    pub routers: Vec<SocketAddr>,
+    /// The replicas' probe and metrics addresses, in the order of `replicas`.
+    pub replica_metrics: Vec<SocketAddr>,
+    /// What the database is (a throwaway server's port or "given").
+    pub database: String,
+    children: Vec<Child>,
+    // Dropped after the children (fields drop in order): the server outlives them.
+    _pg: Option<TempPostgres>,
+    _dir: tempfile::TempDir,
+}
+
+impl std::fmt::Debug for Processes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Processes")
+            .field("replicas", &self.replicas)
+            .field("routers", &self.routers)
+            .finish_non_exhaustive()
+    }
+}
+
+fn free_loopback_port() -> Result<SocketAddr, String> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| format!("a free loopback port: {e}"))
+}
+
+/// A child `valet` process, its log (stderr) in `log`.
+fn command(exe: &Path, args: &[String], log: &Path) -> Result<Command, String> {
+    let stderr = std::fs::File::create(log).map_err(|e| format!("{}: {e}", log.display()))?;
+    let mut cmd = Command::new(exe);
+    cmd.args(args)
+        .env("VALET_LOG", "warn")
+        .stdin(Stdio::null())
+        .stderr(stderr)
+        .kill_on_drop(true);
+    Ok(cmd)
+}
+
+/// The last lines of a child's log, for an error message.
+fn tail(log: &Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    let last = lines[lines.len().saturating_sub(5)..].join("\n");
+    if last.is_empty() {
+        String::new()
+    } else {
+        format!("; its log ends:\n{last}")
+    }
+}
+
+/// Starts `exe args…` (its log in `log`) and waits until it has printed a
+/// `listening <part> <addr>` line for every part of `parts`.
+async fn spawn(
+    exe: &Path,
+    args: &[String],
+    log: &Path,
+    parts: &[&str],
+) -> Result<(Child, HashMap<String, SocketAddr>), String> {
+    let what = args.first().map_or("valet", String::as_str).to_owned();
+    let mut child = command(exe, args, log)?
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("{}: {e}", exe.display()))?;
+    let mut lines = BufReader::new(child.stdout.take().expect("piped")).lines();
+    let mut seen = HashMap::new();
+    tokio::time::timeout(START_WITHIN, async {
+        while let Ok(Some(line)) = lines.next_line().await {
+            if let Some((part, a)) = line
+                .strip_prefix("listening ")
+                .and_then(|rest| rest.split_once(' '))
+                && let Ok(a) = a.parse::<SocketAddr>()
+            {
+                seen.insert(part.to_owned(), a);
+                if parts.iter().all(|p| seen.contains_key(*p)) {
+                    return;
+                }
+            }
+        }
+    })
+    .await
+    .map_err(|_| {
+        format!(
+            "valet {what} did not start within {START_WITHIN:?}{}",
+            tail(log)
+        )
+    })?;
+    if !parts.iter().all(|p| seen.contains_key(*p)) {
+        return Err(format!(
+            "valet {what} exited before it listened{}",
+            tail(log)
+        ));
+    }
+    // Keep draining stdout so the child never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Ok((child, seen))
+}
+
+impl Processes {
+    /// Starts the database (unless given), the replicas, the workers and the routers,
+    /// and creates atespace `demo`.
+    ///
+    /// # Errors
+    /// When a part does not start (the message names it).
+    pub async fn start(opts: &ClusterOpts) -> Result<Self, String> {
+        if opts.replicas == 0 || opts.routers == 0 {
+            return Err("a cluster needs at least one replica and one router".into());
+        }
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let (pg, url) = match &opts.database {
+            Some(url) => (None, url.clone()),
+            None => {
+                let pg = tokio::task::spawn_blocking(|| {
+                    std::panic::catch_unwind(TempPostgres::start).map_err(|e| {
+                        let why = e
+                            .downcast_ref::<String>()
+                            .cloned()
+                            .or_else(|| e.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                            .unwrap_or_default();
+                        format!(
+                            "a throwaway PostgreSQL server did not start ({why}); install PostgreSQL (Debian: postgresql-15) or pass --database postgres://…"
+                        )
+                    })
+                })
+                .await
+                .map_err(|e| e.to_string())??;
+                let url = pg.url();
+                (Some(pg), url)
+            }
+        };
+        let database = pg.as_ref().map_or_else(
+            || "given by --database".to_owned(),
+            |p| format!("throwaway PostgreSQL on 127.0.0.1:{}", p.port()),
+        );
+        let mut children = Vec::new();
+        let mut replicas = Vec::new();
+        let mut replica_metrics = Vec::new();
+        // Every replica's gRPC address is fixed before any starts: a standby binds its
+        // port only when it takes over, and the workers and routers list them all.
+        let listens: Vec<SocketAddr> = (0..opts.replicas)
+            .map(|_| free_loopback_port())
+            .collect::<Result<_, _>>()?;
+        let list = listens
+            .iter()
+            .map(|a| format!("http://{a}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        for (i, listen) in listens.iter().enumerate() {
+            let args: Vec<String> = [
+                "control-plane",
+                "--listen",
+                &listen.to_string(),
+                "--database",
+                &url,
+                "--data-dir",
+                &dir.path().join("unused").display().to_string(),
+                "--metrics-listen",
+                "127.0.0.1:0",
+                "--capacity-wait",
+                if opts.capacity_wait { "on" } else { "off" },
+                "--idle-suspend-after",
+                "0",
+            ]
+            .map(str::to_owned)
+            .to_vec();
+            // The first becomes active (it listens for gRPC); the others wait for the
+            // database's lock as standbys, serving only their probes.
+            let parts: &[&str] = if i == 0 {
+                &["metrics", "control-plane"]
+            } else {
+                &["metrics"]
+            };
+            let log = dir.path().join(format!("replica-{}.log", i + 1));
+            let (child, seen) = spawn(&opts.exe, &args, &log, parts)
+                .await
+                .map_err(|e| format!("replica {}: {e}", i + 1))?;
+            children.push(child);
+            replicas.push(format!("http://{listen}"));
+            replica_metrics.push(seen["metrics"]);
+        }
+        let ctl = ControlClient::new(
+            tonic::transport::Endpoint::from_shared(replicas[0].clone())
+                .map_err(|e| e.to_string())?
+                .timeout(Duration::from_secs(30))
+                .connect_lazy(),
+        );
+        let snapshots = dir.path().join("snapshots");
+        for i in 0..opts.workers {
+            let args: Vec<String> = [
+                "worker",
+                "--control-plane",
+                &list,
+                "--snapshot-dir",
+                &snapshots.display().to_string(),
+                "--worker-id",
+                &format!("cluster-w{i}"),
+                "--restore-delay",
+                &valet_router::config::fmt_duration(opts.restore_delay),
+            ]
+            .map(str::to_owned)
+            .to_vec();
+            let log = dir.path().join(format!("worker-{}.log", i + 1));
+            let child = command(&opts.exe, &args, &log)?
+                .stdout(Stdio::null())
+                .spawn()
+                .map_err(|e| format!("{}: {e}", opts.exe.display()))?;
+            children.push(child);
+        }
+        wait_workers(&ctl, opts.workers).await?;
+        match ctl
+            .clone()
+            .create_atespace(ateapi::CreateAtespaceRequest {
+                name: "demo".into(),
+            })
+            .await
+        {
+            Ok(_) => {}
+            Err(e) if e.code() == tonic::Code::AlreadyExists => {}
+            Err(e) => return Err(format!("create atespace demo: {}", e.message())),
+        }
+        let mut routers = Vec::new();
+        for i in 0..opts.routers {
+            let mut args: Vec<String> = [
+                "router",
+                "--listen",
+                "127.0.0.1:0",
+                "--extproc-listen",
+                "",
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--control-plane",
+                &list,
+            ]
+            .map(str::to_owned)
+            .to_vec();
+            args.extend(opts.router_flags.iter().cloned());
+            let log = dir.path().join(format!("router-{}.log", i + 1));
+            let (child, seen) = spawn(&opts.exe, &args, &log, &["router", "admin"])
+                .await
+                .map_err(|e| format!("router {}: {e}", i + 1))?;
+            children.push(child);
+            routers.push(seen["router"]);
+        }
+        Ok(Self {
+            replicas,
+            routers,
+            replica_metrics,
+            database,
+            children,
+            _pg: pg,
+            _dir: dir,
+        })
+    }
+
+    /// A client of the active replica.
+    ///
+    /// # Errors
+    /// Never in practice (the URL was built here).
+    pub fn control_client(&self) -> Result<ControlClient<Channel>, String> {
+        Ok(ControlClient::new(
+            tonic::transport::Endpoint::from_shared(self.replicas[0].clone())
+                .map_err(|e| e.to_string())?
+                .timeout(Duration::from_secs(60))
+                .connect_lazy(),
+        ))
+    }
+
+    /// Kills every process (then the throwaway server stops when `self` drops).
+    pub async fn shutdown(mut self) {
+        for child in self.children.iter_mut().rev() {
+            let _ = child.kill().await;
+        }
+    }
+}
+
+/// Waits until `n` workers are attached.
+pub(crate) async fn wait_workers(ctl: &ControlClient<Channel>, n: usize) -> Result<(), String> {
+    let deadline = Instant::now() + START_WITHIN;
+    let mut attached = 0;
+    while Instant::now() < deadline {
+        if let Ok(w) = ctl.clone().list_workers(()).await {
+            attached = w.into_inner().workers.len();
+            if attached == n {
+                return Ok(());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Err(format!(
+        "{attached} of {n} workers attached within {START_WITHIN:?}"
+    ))
+}
