@@ -1,6 +1,7 @@
 //! `ResumeActor` latency over loopback gRPC against the reference control plane with
 //! in-process workers: the router's per-request fast path (a RUNNING actor), and a
-//! SUSPENDED actor restored with no restore delay.
+//! SUSPENDED actor restored with no restore delay; then restores per second over a pool
+//! of 20 workers (20 clients, each resuming and suspending its own actor).
 //!
 //! `cargo bench -p valet-control --bench resume`; with `VALET_BENCH_STORE=postgres`,
 //! on a throwaway PostgreSQL server (initdb and pg_ctl must be installed).
@@ -15,6 +16,9 @@ use valet_worker::{Worker, WorkerConfig};
 
 const FAST_PATH_CALLS: usize = 20_000;
 const RESTORES: usize = 2_000;
+/// Workers (and clients, one actor each) of the throughput run.
+const POOL: usize = 20;
+const THROUGHPUT_FOR: Duration = Duration::from_secs(5);
 
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -140,5 +144,77 @@ async fn run() {
         .unwrap();
     }
     report("ResumeActor, SUSPENDED, delay 0", &cold);
-    worker.shutdown().await;
+
+    // Throughput: POOL workers, POOL clients, each resuming its own suspended actor
+    // and suspending it again, for THROUGHPUT_FOR.
+    let mut pool = vec![worker];
+    for _ in 1..POOL {
+        pool.push(
+            Worker::spawn(WorkerConfig {
+                credentials: Default::default(),
+                control_plane: format!("http://{addr}"),
+                pool: "counter".into(),
+                listen: "127.0.0.1:0".parse().unwrap(),
+                snapshot_dir: dir.path().join("snapshots"),
+                restore_delay: Duration::ZERO,
+                worker_id: None,
+                advertise: None,
+            })
+            .await
+            .unwrap(),
+        );
+    }
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(30), |p| p.pool("counter").0 == POOL)
+            .await
+    );
+    let names: Vec<String> = (0..POOL).map(|i| format!("t{i}")).collect();
+    for name in &names {
+        c.create_actor(ateapi::CreateActorRequest {
+            actor_ref: aref(name),
+            actor_template_namespace: "default".into(),
+            actor_template_name: "counter".into(),
+            worker_selector: None,
+        })
+        .await
+        .unwrap();
+    }
+    let start = Instant::now();
+    let loops = names.into_iter().map(|name| {
+        let mut c = c.clone();
+        tokio::spawn(async move {
+            let mut restores = 0u64;
+            while start.elapsed() < THROUGHPUT_FOR {
+                let r = c
+                    .resume_actor(ateapi::ResumeActorRequest {
+                        actor_ref: aref(&name),
+                        ..Default::default()
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner();
+                assert!(r.resumed);
+                restores += 1;
+                c.suspend_actor(ateapi::SuspendActorRequest {
+                    actor_ref: aref(&name),
+                })
+                .await
+                .unwrap();
+            }
+            restores
+        })
+    });
+    let mut restores = 0;
+    for l in loops.collect::<Vec<_>>() {
+        restores += l.await.unwrap();
+    }
+    let secs = start.elapsed().as_secs_f64();
+    println!(
+        "restores, {POOL} workers, {POOL} clients     {restores} in {secs:.1} s: {:.0} restores/s (each with its suspend)",
+        restores as f64 / secs
+    );
+    for w in pool {
+        w.shutdown().await;
+    }
 }

@@ -632,3 +632,140 @@ async fn the_overflow_scenario_runs_on_a_cluster_of_processes() {
             .exists()
     );
 }
+
+/// SIGTERM of the active replica while a request waits for capacity on it: the
+/// replica answers its waiter `Unavailable`, exits 0 and releases the database; the
+/// standby takes over, the workers re-attach with their actors, and the parked
+/// request is served once a worker is freed on the new replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminated_replica_hands_over_and_a_parked_request_is_served() {
+    let pg = TempPostgres::start_async().await;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("unused");
+    let data = data.to_str().unwrap();
+    let url = pg.url();
+    let (a, b) = (
+        format!("127.0.0.1:{}", free_port()),
+        format!("127.0.0.1:{}", free_port()),
+    );
+    let replicas = format!("http://{a},http://{b}");
+    let mut first = Proc::start_logged(
+        "control-plane",
+        &replica_args(&a, "127.0.0.1:0", &url, data),
+    )
+    .await;
+    let b_metrics: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let second = tokio::spawn({
+        let (b, url, data) = (b.clone(), url.clone(), data.to_owned());
+        let metrics = b_metrics.to_string();
+        async move {
+            Proc::start_logged("control-plane", &replica_args(&b, &metrics, &url, &data)).await
+        }
+    });
+    eventually("the standby waits", WITHIN, || async {
+        let ready = common::try_http_get(b_metrics, "/readyz", &[]).await?;
+        ready.1.contains("standby").then_some(())
+    })
+    .await;
+    let snapshots = dir.path().join("snapshots");
+    let mut workers = Vec::new();
+    for id in ["w1", "w2"] {
+        workers.push(
+            Proc::start(
+                "worker",
+                &[
+                    "worker",
+                    "--control-plane",
+                    &replicas,
+                    "--snapshot-dir",
+                    snapshots.to_str().unwrap(),
+                    "--worker-id",
+                    id,
+                ],
+            )
+            .await,
+        );
+    }
+    common::workers_and_demo(
+        &common::client(first.addr),
+        2,
+        &["p1", "p2", "p3"].map(String::from),
+    )
+    .await;
+    let router = Proc::start(
+        "admin",
+        &[
+            "router",
+            "--listen",
+            "127.0.0.1:0",
+            "--extproc-listen",
+            "",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--control-plane",
+            &replicas,
+            "--parked-request-budget",
+            "60s",
+        ],
+    )
+    .await;
+    let http = router.addrs["router"];
+    for name in ["p1", "p2"] {
+        let (status, body) = http_get(http, "/", &[("Host", &host(name))]).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    // The pool is full: p3 parks, waiting for capacity on the active replica.
+    let parked = tokio::spawn(async move { http_get(http, "/", &[("Host", &host("p3"))]).await });
+    eventually("p3 parked", WITHIN, || async {
+        (router.metric("atenet_router_parking_active", &[]).await == 1.0).then_some(())
+    })
+    .await;
+
+    first.terminate();
+    assert_eq!(first.exit_code(WITHIN).await, Some(0), "{}", first.logs());
+    let second = tokio::time::timeout(WITHIN, second)
+        .await
+        .expect("the standby takes over")
+        .unwrap();
+    let c = common::client(second.addr);
+    eventually(
+        "both workers re-attached with their actors",
+        WITHIN,
+        || async {
+            let running = c
+                .clone()
+                .list_actors(ateapi::ListActorsRequest {
+                    atespace: "demo".into(),
+                    ..Default::default()
+                })
+                .await
+                .ok()?
+                .into_inner()
+                .actors
+                .iter()
+                .filter(|a| common::status(a) == ateapi::actor::Status::Running)
+                .count();
+            let workers = c.clone().list_workers(()).await.ok()?.into_inner().workers;
+            (workers.len() == 2 && running == 2).then_some(())
+        },
+    )
+    .await;
+    assert!(!parked.is_finished(), "p3 still parked, not failed");
+    common::suspend(&c, "demo/p1").await.unwrap();
+    let (status, body) = tokio::time::timeout(WITHIN, parked)
+        .await
+        .expect("p3 served")
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("hello from: demo/p3"), "{body}");
+    assert!(
+        router
+            .metric(
+                "atenet_router_resume_attempts_total",
+                &[("code", "UNAVAILABLE")]
+            )
+            .await
+            >= 1.0,
+        "the terminated replica's waiter was answered Unavailable, then retried"
+    );
+}
