@@ -212,6 +212,11 @@ async fn next_response(
                     },
                 }
             };
+            // Nothing else is asked of this stream (request headers are the only
+            // phase the processing mode sends): end it cleanly with the answer, in the
+            // same write. Envoy then proceeds without consulting the server (the
+            // ext_proc protocol), instead of holding the stream until the request ends.
+            s.inbound_open = false;
             let (out, target, verdict) = render(&decision);
             s.router.record(RouteRecord::new(
                 "extproc",

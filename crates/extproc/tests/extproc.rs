@@ -165,6 +165,12 @@ async fn routed_mutation_sets_one_authority_through_raw_value() {
         .unwrap();
     assert_eq!(actor_ref.raw_value, b"demo/p1");
     assert!(actor_ref.value.is_empty());
+    // Nothing else is asked of the stream: the router ends it cleanly with its answer
+    // (Envoy then goes on without the server) before Envoy's side has closed.
+    let end = tokio::time::timeout(std::time::Duration::from_secs(10), s.rx.message())
+        .await
+        .expect("the router ends the stream after its answer");
+    assert!(end.unwrap().is_none(), "the stream ended OK");
     // The status page keeps the request without its query string.
     let recent = router.recent_requests();
     assert_eq!(recent[0].data_plane, "extproc");

@@ -275,9 +275,11 @@ async fn accept_loop(
                 stop,
                 force,
             };
+            // The TLS path is boxed: its handshake and session state (several KiB)
+            // would otherwise size every plaintext connection's task too.
             match tls {
                 None => conn.plain(stream).await,
-                Some(tls) => conn.https(stream, tls).await,
+                Some(tls) => Box::pin(conn.https(stream, tls)).await,
             }
         });
     }
