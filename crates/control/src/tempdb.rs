@@ -29,8 +29,39 @@ fn bin_dir() -> PathBuf {
         })
         .unwrap_or_default();
     versions.retain(|p| p.join("initdb").exists());
-    versions.sort();
+    // By version number (`9.6` < `15`), not by name.
+    versions.sort_by_key(|p| {
+        p.parent()
+            .and_then(|v| v.file_name())
+            .and_then(|v| v.to_str())
+            .map(|v| {
+                v.split('.')
+                    .map(|n| n.parse::<u32>().unwrap_or(0))
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default()
+    });
     versions.pop().unwrap_or_default()
+}
+
+/// Whether `initdb` can be found where [`TempPostgres::start`] looks; the error says
+/// how to install it.
+///
+/// # Errors
+/// When it cannot be found.
+pub fn installed() -> Result<(), String> {
+    let bin = bin_dir();
+    let found = if bin.as_os_str().is_empty() {
+        std::env::var_os("PATH")
+            .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("initdb").is_file()))
+    } else {
+        bin.join("initdb").is_file()
+    };
+    if found {
+        Ok(())
+    } else {
+        Err("PostgreSQL's initdb was not found (VALET_PG_BIN, /usr/lib/postgresql/*/bin, PATH); install it (Debian: apt-get install postgresql-15)".into())
+    }
 }
 
 fn is_root() -> bool {

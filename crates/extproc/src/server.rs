@@ -180,7 +180,8 @@ struct StreamState {
 /// Answers the stream's next message, in order. The stream's inbound side ending
 /// (half-close) means no more messages, not a caller gone: the message in progress is
 /// still answered. A reset, or the response side going away, is a caller gone (this
-/// future is dropped).
+/// future is dropped). Once the request headers are answered the stream ends (after
+/// any message that arrived meanwhile is answered too).
 async fn next_response(
     mut s: StreamState,
 ) -> Option<(Result<ProcessingResponse, Status>, StreamState)> {

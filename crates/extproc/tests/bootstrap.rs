@@ -99,6 +99,16 @@ fn derived_values_for_flag_sets() {
         assert_eq!(mode["request_header_mode"].as_str(), Some("SEND"));
         assert_eq!(mode["response_header_mode"].as_str(), Some("SKIP"));
         assert_eq!(mode["request_body_mode"].as_str(), Some("NONE"));
+        // The server ends each stream with its answer to the request headers: every
+        // other phase must stay off, or Envoy would skip the server for it.
+        assert_eq!(mode["response_body_mode"].as_str(), Some("NONE"));
+        assert_eq!(mode["request_trailer_mode"].as_str(), Some("SKIP"));
+        assert_eq!(mode["response_trailer_mode"].as_str(), Some("SKIP"));
+        assert!(
+            ext["allow_mode_override"].is_badvalue()
+                || ext["allow_mode_override"].as_bool() == Some(false),
+            "the server never asks for more phases"
+        );
     }
 }
 

@@ -14,10 +14,14 @@ use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
+use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tonic::transport::Channel;
 use valet_control::tempdb::TempPostgres;
 use valet_proto::ateapi::{self, control_client::ControlClient};
+
+use crate::generate::HttpClient;
+use crate::system::DOMAIN;
 
 /// How long a part may take to start.
 const START_WITHIN: Duration = Duration::from_secs(30);
@@ -51,11 +55,14 @@ pub struct Processes {
     pub routers: Vec<SocketAddr>,
     /// The replicas' probe and metrics addresses, in the order of `replicas`.
     pub replica_metrics: Vec<SocketAddr>,
+    /// The routers' admin addresses (`/metrics`), in the order of `routers`.
+    pub router_admins: Vec<SocketAddr>,
     /// What the database is (a throwaway server's port or "given").
     pub database: String,
     children: Vec<Child>,
+    drains: JoinSet<()>,
     // Dropped after the children (fields drop in order): the server outlives them.
-    _pg: Option<TempPostgres>,
+    pg: Option<TempPostgres>,
     _dir: tempfile::TempDir,
 }
 
@@ -78,6 +85,13 @@ fn free_loopback_port() -> Result<SocketAddr, String> {
 fn command(exe: &Path, args: &[String], log: &Path) -> Result<Command, String> {
     let stderr = std::fs::File::create(log).map_err(|e| format!("{}: {e}", log.display()))?;
     let mut cmd = Command::new(exe);
+    // Only the flags given here configure the parts: no VALET_* variable of this
+    // process (a --route-lease, a log level) leaks into them.
+    for (key, _) in std::env::vars_os() {
+        if key.to_string_lossy().starts_with("VALET_") {
+            cmd.env_remove(key);
+        }
+    }
     cmd.args(args)
         .env("VALET_LOG", "warn")
         .stdin(Stdio::null())
@@ -105,6 +119,7 @@ async fn spawn(
     args: &[String],
     log: &Path,
     parts: &[&str],
+    drains: &mut JoinSet<()>,
 ) -> Result<(Child, HashMap<String, SocketAddr>), String> {
     let what = args.first().map_or("valet", String::as_str).to_owned();
     let mut child = command(exe, args, log)?
@@ -140,8 +155,9 @@ async fn spawn(
             tail(log)
         ));
     }
-    // Keep draining stdout so the child never blocks on a full pipe.
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    // Keep draining stdout so the child never blocks on a full pipe (owned by the
+    // cluster: aborted when it is dropped).
+    drains.spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     Ok((child, seen))
 }
 
@@ -155,24 +171,23 @@ impl Processes {
         if opts.replicas == 0 || opts.routers == 0 {
             return Err("a cluster needs at least one replica and one router".into());
         }
+        if opts.database.is_none() {
+            valet_control::tempdb::installed().map_err(|e| {
+                format!("a throwaway database for --cluster: {e}; or pass --database postgres://…")
+            })?;
+        }
         let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let mut drains = JoinSet::new();
         let (pg, url) = match &opts.database {
             Some(url) => (None, url.clone()),
             None => {
-                let pg = tokio::task::spawn_blocking(|| {
-                    std::panic::catch_unwind(TempPostgres::start).map_err(|e| {
-                        let why = e
-                            .downcast_ref::<String>()
-                            .cloned()
-                            .or_else(|| e.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-                            .unwrap_or_default();
-                        format!(
-                            "a throwaway PostgreSQL server did not start ({why}); install PostgreSQL (Debian: postgresql-15) or pass --database postgres://…"
-                        )
-                    })
-                })
-                .await
-                .map_err(|e| e.to_string())??;
+                // A failure panics with the failed step and its output (printed
+                // above); the blocking task catches it.
+                let pg = tokio::task::spawn_blocking(TempPostgres::start)
+                    .await
+                    .map_err(|_| {
+                        "a throwaway PostgreSQL server did not start (see above); or pass --database postgres://…".to_owned()
+                    })?;
                 let url = pg.url();
                 (Some(pg), url)
             }
@@ -212,18 +227,17 @@ impl Processes {
             ]
             .map(str::to_owned)
             .to_vec();
-            // The first becomes active (it listens for gRPC); the others wait for the
-            // database's lock as standbys, serving only their probes.
-            let parts: &[&str] = if i == 0 {
-                &["metrics", "control-plane"]
-            } else {
-                &["metrics"]
-            };
             let log = dir.path().join(format!("replica-{}.log", i + 1));
-            let (child, seen) = spawn(&opts.exe, &args, &log, parts)
+            let (child, seen) = spawn(&opts.exe, &args, &log, &["metrics"], &mut drains)
                 .await
                 .map_err(|e| format!("replica {}: {e}", i + 1))?;
             children.push(child);
+            // The first becomes active (its probes ready); the others wait for the
+            // database's lock as standbys, serving only their probes.
+            let want = if i == 0 { Role::Active } else { Role::Standby };
+            wait_role(seen["metrics"], want)
+                .await
+                .map_err(|e| format!("replica {}: {e}{}", i + 1, tail(&log)))?;
             replicas.push(format!("http://{listen}"));
             replica_metrics.push(seen["metrics"]);
         }
@@ -268,6 +282,7 @@ impl Processes {
             Err(e) => return Err(format!("create atespace demo: {}", e.message())),
         }
         let mut routers = Vec::new();
+        let mut router_admins = Vec::new();
         for i in 0..opts.routers {
             let mut args: Vec<String> = [
                 "router",
@@ -284,19 +299,22 @@ impl Processes {
             .to_vec();
             args.extend(opts.router_flags.iter().cloned());
             let log = dir.path().join(format!("router-{}.log", i + 1));
-            let (child, seen) = spawn(&opts.exe, &args, &log, &["router", "admin"])
+            let (child, seen) = spawn(&opts.exe, &args, &log, &["router", "admin"], &mut drains)
                 .await
                 .map_err(|e| format!("router {}: {e}", i + 1))?;
             children.push(child);
             routers.push(seen["router"]);
+            router_admins.push(seen["admin"]);
         }
         Ok(Self {
             replicas,
             routers,
             replica_metrics,
+            router_admins,
             database,
             children,
-            _pg: pg,
+            drains,
+            pg,
             _dir: dir,
         })
     }
@@ -314,11 +332,59 @@ impl Processes {
         ))
     }
 
-    /// Kills every process (then the throwaway server stops when `self` drops).
+    /// Kills every process, then stops the throwaway server (off the runtime's
+    /// threads: `pg_ctl stop` waits).
     pub async fn shutdown(mut self) {
         for child in self.children.iter_mut().rev() {
             let _ = child.kill().await;
         }
+        self.drains.shutdown().await;
+        if let Some(pg) = self.pg.take() {
+            let _ = tokio::task::spawn_blocking(move || drop(pg)).await;
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Active,
+    Standby,
+}
+
+/// Waits until a replica's `/readyz` shows it `want`: 200 for the active one, 503
+/// "standby" for a standby.
+async fn wait_role(metrics: SocketAddr, want: Role) -> Result<(), String> {
+    let client = HttpClient::new(DOMAIN);
+    let deadline = Instant::now() + START_WITHIN;
+    loop {
+        let (status, body) = client.get_host(metrics, "127.0.0.1", "/readyz").await;
+        let now = match status {
+            200 => Some(Role::Active),
+            503 if body.contains("standby") => Some(Role::Standby),
+            _ => None,
+        };
+        if now == Some(want) {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            // Until it holds the database's lock, a starting replica looks like a
+            // standby: still one after the wait, another control plane has the lock.
+            let hint = if now == Some(Role::Standby) {
+                "; is another control plane active on this database? --database must be one no control plane uses"
+            } else {
+                ""
+            };
+            let role = if want == Role::Active {
+                "active"
+            } else {
+                "a standby"
+            };
+            return Err(format!(
+                "not {role} within {START_WITHIN:?} (/readyz: {status} {}){hint}",
+                body.trim()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 

@@ -74,7 +74,6 @@ pub struct System {
     /// Every router requests may go to (`router` first); scenarios take them in turn.
     pub routers: Vec<SocketAddr>,
     next_router: AtomicUsize,
-    sent: Vec<AtomicUsize>,
     ctl: ControlClient<Channel>,
     cluster: Option<Cluster>,
     processes: Option<Processes>,
@@ -233,7 +232,6 @@ impl System {
             router_admin,
             routers: vec![router],
             next_router: AtomicUsize::new(0),
-            sent: vec![AtomicUsize::new(0)],
             ctl: ctl_client(&cp_url)?,
             cluster: Some(cluster),
             processes: None,
@@ -254,7 +252,6 @@ impl System {
             router_admin: None,
             routers: vec![router],
             next_router: AtomicUsize::new(0),
-            sent: vec![AtomicUsize::new(0)],
             ctl: ctl_client(control_plane)?,
             cluster: None,
             processes: None,
@@ -277,11 +274,6 @@ impl System {
             router_admin: None,
             routers: processes.routers.clone(),
             next_router: AtomicUsize::new(0),
-            sent: processes
-                .routers
-                .iter()
-                .map(|_| AtomicUsize::new(0))
-                .collect(),
             ctl: processes.control_client()?,
             cluster: None,
             processes: Some(processes),
@@ -294,17 +286,28 @@ impl System {
     /// The router the next request goes to: each of [`Self::routers`] in turn.
     pub fn next_router(&self) -> SocketAddr {
         let i = self.next_router.fetch_add(1, Ordering::Relaxed) % self.routers.len();
-        self.sent[i].fetch_add(1, Ordering::Relaxed);
         self.routers[i]
     }
 
-    /// How many requests [`Self::next_router`] has sent to each router.
-    pub fn sent_per_router(&self) -> Vec<(SocketAddr, usize)> {
-        self.routers
-            .iter()
-            .zip(&self.sent)
-            .map(|(r, n)| (*r, n.load(Ordering::Relaxed)))
-            .collect()
+    /// The requests each of a cluster's routers has counted
+    /// (`atenet_router_requests_total`, from its own `/metrics`); empty unless the
+    /// system is a cluster.
+    pub async fn requests_per_router(&self) -> Vec<(SocketAddr, f64)> {
+        let Some(p) = &self.processes else {
+            return Vec::new();
+        };
+        let client = HttpClient::new(DOMAIN);
+        let mut out = Vec::new();
+        for (router, admin) in p.routers.iter().zip(&p.router_admins) {
+            let (status, text) = client.get_host(*admin, "127.0.0.1", "/metrics").await;
+            let n = if status == 200 {
+                valet_telemetry::sample_of(&text, "atenet_router_requests_total", &[])
+            } else {
+                f64::NAN
+            };
+            out.push((*router, n));
+        }
+        out
     }
 
     /// The cluster's processes, when it is one.

@@ -123,15 +123,17 @@ pub(crate) struct TargetArgs {
     /// steady, bursts and overflow).
     #[arg(long, conflicts_with = "router")]
     pub(crate) cluster: bool,
-    /// The cluster's PostgreSQL (postgres://…); when unset, a throwaway server in a
-    /// temporary directory (initdb and pg_ctl from /usr/lib/postgresql/*/bin, PATH or
+    /// The cluster's PostgreSQL (postgres://…): an empty database no control plane
+    /// uses, which the run writes to; when unset, a throwaway server in a temporary
+    /// directory (initdb and pg_ctl from /usr/lib/postgresql/*/bin, PATH or
     /// VALET_PG_BIN).
     #[arg(long, value_name = "URL", requires = "cluster")]
     pub(crate) database: Option<String>,
-    /// The parking budget of the embedded router.
+    /// The parking budget of the embedded router (or the --cluster routers).
     #[arg(long, default_value = "5s", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) budget: Duration,
-    /// Each restore's extra time on embedded workers (the seed measured 230ms).
+    /// Each restore's extra time on embedded (or --cluster) workers (the seed measured
+    /// 230ms).
     #[arg(long, default_value = "230ms", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) restore_delay: Duration,
 }

@@ -219,6 +219,9 @@ fn load_cluster_flags_are_checked_before_anything_starts() {
         &[],
     );
     assert_eq!(o.status.code(), Some(64));
+    let lines = stderr_lines(&o);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(lines[0].contains("--cluster"), "{}", lines[0]);
     let o = valet(
         &[
             "load",
@@ -233,4 +236,11 @@ fn load_cluster_flags_are_checked_before_anything_starts() {
         &[],
     );
     assert_eq!(o.status.code(), Some(64));
+    let lines = stderr_lines(&o);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(
+        lines[0].contains("--cluster") && lines[0].contains("--router"),
+        "{}",
+        lines[0]
+    );
 }

@@ -16,11 +16,28 @@ use crate::cli::{
     CapacityWait, DemoArgs, LoadCommand, LoadRunArgs, Scenario, ScenarioArgs, TargetArgs,
 };
 
+/// Runs `work` until it ends or SIGTERM/SIGINT arrives; then it is dropped, and with
+/// it every part it started (a cluster's processes are killed and its throwaway
+/// database stopped).
+async fn until_terminated<F>(work: F) -> Result<(), Failure>
+where
+    F: std::future::Future<Output = Result<(), Failure>>,
+{
+    let terminated = crate::signal::terminated();
+    tokio::select! {
+        r = work => r,
+        () = terminated => Err(Failure::Run("interrupted; every part it started is stopped".into())),
+    }
+}
+
 pub(crate) async fn run(cmd: LoadCommand) -> ExitCode {
-    let result = match cmd {
-        LoadCommand::Run(args) => load_run(args).await,
-        LoadCommand::Scenario(args) => run_scenario(args).await,
-    };
+    let result = until_terminated(async {
+        match cmd {
+            LoadCommand::Run(args) => load_run(args).await,
+            LoadCommand::Scenario(args) => run_scenario(args).await,
+        }
+    })
+    .await;
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::Usage(e)) => {
@@ -169,17 +186,18 @@ async fn system(target: &TargetArgs, opts: &SystemOpts) -> Result<System, String
     }
 }
 
-/// Stops `sys` after a scenario; with several routers, the report says how many
-/// requests each took.
+/// Stops `sys` after a scenario; on a cluster, the report says how many requests
+/// each router counted.
 async fn finish(sys: System, report: Result<Report, String>) -> Result<Report, String> {
-    let sent = sys.sent_per_router();
+    let counted = sys.requests_per_router().await;
     sys.shutdown().await;
     let mut report = report?;
-    if sent.len() > 1 {
-        let each: Vec<String> = sent.iter().map(|(r, n)| format!("{r}: {n}")).collect();
-        report
-            .text
-            .push_str(&format!("requests per router: {}\n", each.join(", ")));
+    if counted.len() > 1 {
+        let each: Vec<String> = counted.iter().map(|(r, n)| format!("{r}: {n}")).collect();
+        report.text.push_str(&format!(
+            "requests each router counted (atenet_router_requests_total): {}\n",
+            each.join(", ")
+        ));
     }
     Ok(report)
 }
@@ -339,7 +357,7 @@ pub(crate) async fn demo_parking(args: DemoArgs) -> ExitCode {
         eprintln!("valet demo parking: {e}");
         return ExitCode::from(EXIT_CONFIG);
     }
-    let result: Result<(), String> = async {
+    let result = until_terminated(async {
         let t = &args.target;
         let tag = if t.cluster { "-cluster" } else { "" };
         println!(
@@ -357,11 +375,11 @@ pub(crate) async fn demo_parking(args: DemoArgs) -> ExitCode {
         publish(&steady, tag, &args.out)?;
         sys.shutdown().await;
         Ok(())
-    }
+    })
     .await;
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
+        Err(Failure::Usage(e) | Failure::Run(e)) => {
             eprintln!("valet demo parking: {e}");
             ExitCode::FAILURE
         }
