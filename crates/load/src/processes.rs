@@ -75,12 +75,6 @@ impl std::fmt::Debug for Processes {
     }
 }
 
-fn free_loopback_port() -> Result<SocketAddr, String> {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| format!("a free loopback port: {e}"))
-}
-
 /// A child `valet` process, its log (stderr) in `log`.
 fn command(exe: &Path, args: &[String], log: &Path) -> Result<Command, String> {
     let stderr = std::fs::File::create(log).map_err(|e| format!("{}: {e}", log.display()))?;
@@ -113,7 +107,8 @@ fn tail(log: &Path) -> String {
 }
 
 /// Starts `exe args…` (its log in `log`) and waits until it has printed a
-/// `listening <part> <addr>` line for every part of `parts`.
+/// `listening <part> <addr>` (or `bound <part> <addr>`) line for every part of
+/// `parts`.
 async fn spawn(
     exe: &Path,
     args: &[String],
@@ -130,12 +125,20 @@ async fn spawn(
     let mut seen = HashMap::new();
     tokio::time::timeout(START_WITHIN, async {
         while let Ok(Some(line)) = lines.next_line().await {
-            if let Some((part, a)) = line
-                .strip_prefix("listening ")
-                .and_then(|rest| rest.split_once(' '))
+            // `listening <part> <addr>`, or `bound <part> <addr>` (a control plane's
+            // reserved gRPC port, before it is active): keyed `<part>` and
+            // `bound <part>`.
+            let (prefix, rest) = match line.strip_prefix("listening ") {
+                Some(rest) => ("", rest),
+                None => match line.strip_prefix("bound ") {
+                    Some(rest) => ("bound ", rest),
+                    None => continue,
+                },
+            };
+            if let Some((part, a)) = rest.split_once(' ')
                 && let Ok(a) = a.parse::<SocketAddr>()
             {
-                seen.insert(part.to_owned(), a);
+                seen.insert(format!("{prefix}{part}"), a);
                 if parts.iter().all(|p| seen.contains_key(*p)) {
                     return;
                 }
@@ -199,21 +202,11 @@ impl Processes {
         let mut children = Vec::new();
         let mut replicas = Vec::new();
         let mut replica_metrics = Vec::new();
-        // Every replica's gRPC address is fixed before any starts: a standby binds its
-        // port only when it takes over, and the workers and routers list them all.
-        let listens: Vec<SocketAddr> = (0..opts.replicas)
-            .map(|_| free_loopback_port())
-            .collect::<Result<_, _>>()?;
-        let list = listens
-            .iter()
-            .map(|a| format!("http://{a}"))
-            .collect::<Vec<_>>()
-            .join(",");
-        for (i, listen) in listens.iter().enumerate() {
+        for i in 0..opts.replicas {
             let args: Vec<String> = [
                 "control-plane",
                 "--listen",
-                &listen.to_string(),
+                "127.0.0.1:0",
                 "--database",
                 &url,
                 "--data-dir",
@@ -228,9 +221,17 @@ impl Processes {
             .map(str::to_owned)
             .to_vec();
             let log = dir.path().join(format!("replica-{}.log", i + 1));
-            let (child, seen) = spawn(&opts.exe, &args, &log, &["metrics"], &mut drains)
-                .await
-                .map_err(|e| format!("replica {}: {e}", i + 1))?;
+            // A replica reserves its gRPC port at start (`bound control-plane`), a
+            // standby too, though it listens only once active.
+            let (child, seen) = spawn(
+                &opts.exe,
+                &args,
+                &log,
+                &["metrics", "bound control-plane"],
+                &mut drains,
+            )
+            .await
+            .map_err(|e| format!("replica {}: {e}", i + 1))?;
             children.push(child);
             // The first becomes active (its probes ready); the others wait for the
             // database's lock as standbys, serving only their probes.
@@ -238,9 +239,10 @@ impl Processes {
             wait_role(seen["metrics"], want)
                 .await
                 .map_err(|e| format!("replica {}: {e}{}", i + 1, tail(&log)))?;
-            replicas.push(format!("http://{listen}"));
+            replicas.push(format!("http://{}", seen["bound control-plane"]));
             replica_metrics.push(seen["metrics"]);
         }
+        let list = replicas.join(",");
         let ctl = ControlClient::new(
             tonic::transport::Endpoint::from_shared(replicas[0].clone())
                 .map_err(|e| e.to_string())?

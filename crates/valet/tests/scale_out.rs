@@ -671,6 +671,20 @@ async fn a_terminated_replica_hands_over_and_a_parked_request_is_served() {
         ready.1.contains("standby").then_some(())
     })
     .await;
+    // The standby holds its gRPC port from the start, refusing connections: nothing
+    // else can take the port before it does.
+    let reserved: std::net::SocketAddr = b.parse().unwrap();
+    assert_eq!(
+        std::net::TcpListener::bind(reserved).unwrap_err().kind(),
+        std::io::ErrorKind::AddrInUse
+    );
+    assert_eq!(
+        tokio::net::TcpStream::connect(reserved)
+            .await
+            .unwrap_err()
+            .kind(),
+        std::io::ErrorKind::ConnectionRefused
+    );
     let snapshots = dir.path().join("snapshots");
     let mut workers = Vec::new();
     for id in ["w1", "w2"] {

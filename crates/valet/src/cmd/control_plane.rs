@@ -3,12 +3,40 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
 use tokio_util::sync::CancellationToken;
 use valet_control::{Plane, PlaneConfig, PostgresStore, SqliteStore, Store};
 
 use crate::EXIT_CONFIG;
 use crate::cli::{ControlPlaneArgs, OnOff};
+
+/// The gRPC listener's backlog (tokio's default for `TcpListener::bind`).
+const LISTEN_BACKLOG: u32 = 1024;
+
+/// A socket bound to `addr` and not listening: connections to it are refused, and no
+/// other process can bind the port. Bound without `SO_REUSEADDR` (with it, another
+/// socket with it could bind the same port while this one does not listen); with it
+/// when the port is only held by an earlier process's connections in `TIME_WAIT`.
+fn reserve(addr: std::net::SocketAddr) -> std::io::Result<TcpSocket> {
+    let new = || {
+        if addr.is_ipv4() {
+            TcpSocket::new_v4()
+        } else {
+            TcpSocket::new_v6()
+        }
+    };
+    let socket = new()?;
+    match socket.bind(addr) {
+        Ok(()) => Ok(socket),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+            let socket = new()?;
+            socket.set_reuseaddr(true)?;
+            socket.bind(addr)?;
+            Ok(socket)
+        }
+        Err(e) => Err(e),
+    }
+}
 
 /// Parses an optional listen address: empty is off.
 pub(crate) fn optional_listen(
@@ -87,6 +115,19 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         },
         None => None,
     };
+    // The gRPC port is taken now, not when this replica becomes active: a port in
+    // use is an error at start, and nothing else takes it while a standby waits. It
+    // listens (and so accepts, instead of refusing) only once the plane is open.
+    let socket = match reserve(args.listen) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("valet control-plane: cannot listen on {}: {e}", args.listen);
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Ok(bound) = socket.local_addr() {
+        println!("bound control-plane {bound}");
+    }
     let mut terminated = Box::pin(terminated);
     // Losing the database's active lock: another replica may take over, so stop.
     let mut lost = CancellationToken::new();
@@ -135,7 +176,12 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let listener = match TcpListener::bind(args.listen).await {
+    // SO_REUSEADDR from here on: the connections it accepts inherit it, so that once
+    // they linger in TIME_WAIT after this process ends, a restart can bind the port.
+    let listener = match socket
+        .set_reuseaddr(true)
+        .and_then(|()| socket.listen(LISTEN_BACKLOG))
+    {
         Ok(l) => l,
         Err(e) => {
             eprintln!("valet control-plane: cannot listen on {}: {e}", args.listen);
