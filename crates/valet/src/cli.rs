@@ -100,10 +100,15 @@ pub(crate) struct DemoArgs {
     #[command(flatten)]
     pub(crate) target: TargetArgs,
     /// Length of the load run.
-    #[arg(long, default_value = "30s", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "VALET_DEMO_DURATION", default_value = "30s", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) duration: Duration,
     /// Where the CSV and SVG files go.
-    #[arg(long, default_value = "./valet-results", value_name = "DIR")]
+    #[arg(
+        long,
+        env = "VALET_DEMO_OUT",
+        default_value = "./valet-results",
+        value_name = "DIR"
+    )]
     pub(crate) out: PathBuf,
 }
 
@@ -112,29 +117,44 @@ pub(crate) struct DemoArgs {
 pub(crate) struct TargetArgs {
     /// A running router's HTTP address (ip:port); with --control-plane. Embedded parts
     /// when unset.
-    #[arg(long, value_name = "ADDR", requires = "control_plane")]
+    #[arg(
+        long,
+        env = "VALET_TARGET_ROUTER",
+        value_name = "ADDR",
+        requires = "control_plane"
+    )]
     pub(crate) router: Option<std::net::SocketAddr>,
     /// The running system's control plane (http://host:port).
-    #[arg(long, value_name = "URL", requires = "router")]
+    #[arg(
+        long,
+        env = "VALET_TARGET_CONTROL_PLANE",
+        value_name = "URL",
+        requires = "router"
+    )]
     pub(crate) control_plane: Option<String>,
     /// Run against a cluster of processes this command starts: two control-plane
     /// replicas on PostgreSQL (one active, one standby), the scenario's workers, and two
     /// routers listing both replicas, requests sent to each router in turn (timeline,
     /// steady, bursts and overflow).
-    #[arg(long, conflicts_with = "router")]
+    #[arg(long, env = "VALET_TARGET_CLUSTER", conflicts_with = "router")]
     pub(crate) cluster: bool,
     /// The cluster's PostgreSQL (postgres://…): an empty database no control plane
     /// uses, which the run writes to; when unset, a throwaway server in a temporary
     /// directory (initdb and pg_ctl from /usr/lib/postgresql/*/bin, PATH or
     /// VALET_PG_BIN).
-    #[arg(long, value_name = "URL", requires = "cluster")]
+    #[arg(
+        long,
+        env = "VALET_TARGET_DATABASE",
+        value_name = "URL",
+        requires = "cluster"
+    )]
     pub(crate) database: Option<String>,
     /// The parking budget of the embedded router (or the --cluster routers).
-    #[arg(long, default_value = "5s", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "VALET_TARGET_BUDGET", default_value = "5s", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) budget: Duration,
     /// Each restore's extra time on embedded (or --cluster) workers (the seed measured
     /// 230ms).
-    #[arg(long, default_value = "230ms", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "VALET_TARGET_RESTORE_DELAY", default_value = "230ms", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) restore_delay: Duration,
 }
 
@@ -181,36 +201,42 @@ pub(crate) enum LoadCommand {
 #[derive(Debug, Clone, Args)]
 pub(crate) struct LoadRunArgs {
     /// The router's HTTP address (ip:port).
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, env = "VALET_LOAD_RUN_ROUTER", value_name = "ADDR")]
     pub(crate) router: std::net::SocketAddr,
     /// Actors to address in turn, atespace/name,...
     #[arg(
         long,
+        env = "VALET_LOAD_RUN_ACTORS",
         value_delimiter = ',',
         default_value = "demo/p1",
         value_name = "LIST"
     )]
     pub(crate) actors: Vec<String>,
     /// Open loop: requests per second, sent on schedule whatever the answers.
-    #[arg(long, conflicts_with = "concurrency", value_name = "PER_SECOND")]
+    #[arg(
+        long,
+        env = "VALET_LOAD_RUN_RATE",
+        conflicts_with = "concurrency",
+        value_name = "PER_SECOND"
+    )]
     pub(crate) rate: Option<f64>,
     /// Closed loop: clients, each sending when its last request is answered.
-    #[arg(long, value_name = "N")]
+    #[arg(long, env = "VALET_LOAD_RUN_CONCURRENCY", value_name = "N")]
     pub(crate) concurrency: Option<usize>,
     /// How long to send.
-    #[arg(long, default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "VALET_LOAD_RUN_DURATION", default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) duration: Duration,
     /// The path to request.
-    #[arg(long, default_value = "/")]
+    #[arg(long, env = "VALET_LOAD_RUN_PATH", default_value = "/")]
     pub(crate) path: String,
     /// The actor domain.
-    #[arg(long, default_value = valet_router::config::DEFAULT_ACTOR_DOMAIN)]
+    #[arg(long, env = "VALET_LOAD_RUN_ACTOR_DOMAIN", default_value = valet_router::config::DEFAULT_ACTOR_DOMAIN)]
     pub(crate) actor_domain: String,
     /// Write one CSV row per request here.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, env = "VALET_LOAD_RUN_CSV", value_name = "FILE")]
     pub(crate) csv: Option<PathBuf>,
     /// Write an SVG chart here.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, env = "VALET_LOAD_RUN_SVG", value_name = "FILE")]
     pub(crate) svg: Option<PathBuf>,
 }
 
@@ -222,42 +248,56 @@ pub(crate) struct ScenarioArgs {
     #[command(flatten)]
     pub(crate) target: TargetArgs,
     /// Run with the control plane's capacity wait on, off, or both (embedded only).
-    #[arg(long, value_enum, default_value = "both")]
+    #[arg(
+        long,
+        env = "VALET_SCENARIO_CAPACITY_WAIT",
+        value_enum,
+        default_value = "both"
+    )]
     pub(crate) capacity_wait: CapacityWait,
     /// Length of timed runs (steady: 30s; fast-path: 10s per side; soak: 10m).
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "VALET_SCENARIO_DURATION", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) duration: Option<Duration>,
     /// Requests of the parked-scale scenario.
-    #[arg(long, default_value_t = 10_000)]
+    #[arg(long, env = "VALET_SCENARIO_REQUESTS", default_value_t = 10_000)]
     pub(crate) requests: usize,
     /// Runs of the eviction scenario (and workers of its pool).
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, env = "VALET_SCENARIO_RUNS", default_value_t = 50)]
     pub(crate) runs: usize,
     /// The control plane's --evict-idle-after for the eviction scenario and the soak
     /// (the seed's experiments always run with it off).
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "VALET_SCENARIO_EVICT_IDLE_AFTER", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) evict_idle_after: Option<Duration>,
     /// The control plane's --route-lease for the fast-path scenario (5s; 0: the router
     /// asks for every request, as the seed's does).
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "VALET_SCENARIO_ROUTE_LEASE", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) route_lease: Option<Duration>,
     /// Workers of the soak's pool (its actors: --actors).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, env = "VALET_SCENARIO_WORKERS", default_value_t = 2)]
     pub(crate) workers: usize,
     /// Actors of the soak.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, env = "VALET_SCENARIO_ACTORS", default_value_t = 8)]
     pub(crate) actors: usize,
     /// Suspended actors the parked-scale requests are spread over (one flight each).
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, env = "VALET_SCENARIO_PARKED_ACTORS", default_value_t = 100)]
     pub(crate) parked_actors: usize,
     /// ext_proc exchanges of the parked-scale scenario's CPU figure (0: skip).
-    #[arg(long, default_value_t = 20_000)]
+    #[arg(
+        long,
+        env = "VALET_SCENARIO_EXTPROC_REQUESTS",
+        default_value_t = 20_000
+    )]
     pub(crate) extproc_requests: usize,
     /// Body of each parked-scale request (a POST when > 0); bytes, or with KiB, MiB.
-    #[arg(long, default_value = "0", value_parser = valet_router::config::parse_bytes, value_name = "BYTES")]
+    #[arg(long, env = "VALET_SCENARIO_BODY", default_value = "0", value_parser = valet_router::config::parse_bytes, value_name = "BYTES")]
     pub(crate) body: u64,
     /// Where the CSV and SVG files go.
-    #[arg(long, default_value = "./valet-results", value_name = "DIR")]
+    #[arg(
+        long,
+        env = "VALET_SCENARIO_OUT",
+        default_value = "./valet-results",
+        value_name = "DIR"
+    )]
     pub(crate) out: PathBuf,
 }
 
@@ -297,7 +337,7 @@ pub(crate) struct RouterCmd {
     pub(crate) args: RouterArgs,
 
     /// Validate the configuration, print the effective flags and exit.
-    #[arg(long)]
+    #[arg(long, env = "VALET_ROUTER_CHECK")]
     pub(crate) check: bool,
 
     #[command(flatten)]

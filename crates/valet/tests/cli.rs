@@ -137,7 +137,12 @@ fn flag_block(help: &str, flag: &str) -> String {
         let indent = line.len() - trimmed.len();
         // Flag lines are indented less than their (possibly wrapped) descriptions.
         if trimmed.starts_with('-') && indent < 8 {
-            inside = trimmed.starts_with(&format!("{flag} "));
+            // `-j, --json …`: the long name after a short one.
+            let long = trimmed
+                .split_once(", ")
+                .filter(|(short, _)| !short.starts_with("--"))
+                .map_or(trimmed, |(_, long)| long);
+            inside = long == flag || long.starts_with(&format!("{flag} "));
         }
         if inside {
             block.push_str(line);
@@ -243,4 +248,52 @@ fn load_cluster_flags_are_checked_before_anything_starts() {
         "{}",
         lines[0]
     );
+}
+
+/// The spec's rule (`cli.md`): every flag of every subcommand has a `VALET_…`
+/// environment variable, shown in `--help`.
+#[test]
+fn every_flag_of_every_subcommand_has_a_variable() {
+    let subcommands: [&[&str]; 9] = [
+        &["up"],
+        &["router"],
+        &["control-plane"],
+        &["worker"],
+        &["envoy-bootstrap"],
+        &["ctl"],
+        &["load", "run"],
+        &["load", "scenario"],
+        &["demo", "parking"],
+    ];
+    let mut missing = Vec::new();
+    for sub in subcommands {
+        let mut args = sub.to_vec();
+        args.push("--help");
+        let o = valet(&args, &[]);
+        assert_eq!(o.status.code(), Some(0), "{args:?}");
+        let help = String::from_utf8_lossy(&o.stdout);
+        let flags: Vec<String> = help
+            .lines()
+            .filter_map(|line| {
+                let trimmed = line.trim_start();
+                let indent = line.len() - trimmed.len();
+                (indent < 8 && trimmed.starts_with('-')).then(|| {
+                    // `-h, --help`, `--listen <ADDR>`: the long name.
+                    trimmed
+                        .split([' ', ','])
+                        .find(|w| w.starts_with("--"))
+                        .unwrap_or(trimmed)
+                        .to_owned()
+                })
+            })
+            .filter(|f| f != "--help" && f != "--version")
+            .collect();
+        assert!(!flags.is_empty(), "{args:?}: no flags in\n{help}");
+        for flag in flags {
+            if !flag_block(&help, &flag).contains("[env: VALET_") {
+                missing.push(format!("{} {flag}", sub.join(" ")));
+            }
+        }
+    }
+    assert!(missing.is_empty(), "flags without a variable: {missing:?}");
 }
