@@ -12,8 +12,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::sync::{Barrier, Semaphore};
 use tokio::task::JoinSet;
@@ -73,7 +71,7 @@ pub async fn parked_scale(sys: &System, o: &ParkedScaleOpts) -> Result<Report, S
     let idle_kib = sys.router_rss_kib();
 
     eprintln!("parked-scale: opening {} connections", o.requests);
-    let senders = connect_all(sys, o.requests).await?;
+    let streams = connect_all(sys, o.requests).await?;
     let connected_kib = sys.router_rss_kib();
 
     eprintln!("parked-scale: sending {} requests", o.requests);
@@ -81,34 +79,21 @@ pub async fn parked_scale(sys: &System, o: &ParkedScaleOpts) -> Result<Report, S
     let barrier = Arc::new(Barrier::new(o.requests + 1));
     let payload = Bytes::from(vec![b'x'; o.body]);
     let mut tasks = JoinSet::new();
-    for (i, mut sender) in senders.into_iter().enumerate() {
+    for (i, mut stream) in streams.into_iter().enumerate() {
         let actor = names[i % names.len()].clone();
         let (barrier, payload) = (Arc::clone(&barrier), payload.clone());
         tasks.spawn(async move {
             let (atespace, name) = actor.split_once('/').unwrap_or(("demo", &actor));
-            let method = if payload.is_empty() {
-                http::Method::GET
-            } else {
-                http::Method::POST
-            };
-            let req = http::Request::builder()
-                .method(method)
-                .uri("/")
-                .header(http::header::HOST, format!("{name}.{atespace}.{DOMAIN}"))
-                .body(Full::new(payload))
-                .expect("a valid request");
+            let method = if payload.is_empty() { "GET" } else { "POST" };
+            let head = format!(
+                "{method} / HTTP/1.1\r\nhost: {name}.{atespace}.{DOMAIN}\r\ncontent-length: {}\r\n\r\n",
+                payload.len()
+            );
             barrier.wait().await;
             let start = t0.elapsed();
-            let (status, body) = match sender.send_request(req).await {
-                Ok(resp) => {
-                    let status = resp.status().as_u16();
-                    match resp.into_body().collect().await {
-                        Ok(b) => (status, String::from_utf8_lossy(&b.to_bytes()).into_owned()),
-                        Err(e) => (0, format!("body: {e}")),
-                    }
-                }
-                Err(e) => (0, format!("request: {e}")),
-            };
+            let (status, body) = exchange(&mut stream, head.as_bytes(), &payload)
+                .await
+                .unwrap_or_else(|e| (0, e));
             let record = Record {
                 label: "parked".into(),
                 actor,
@@ -119,7 +104,7 @@ pub async fn parked_scale(sys: &System, o: &ParkedScaleOpts) -> Result<Report, S
             };
             // The connection stays open until every verdict is in: clients closing
             // theirs would load the router with teardowns while it writes verdicts.
-            (record, sender)
+            (record, stream)
         });
     }
     barrier.wait().await;
@@ -139,9 +124,9 @@ pub async fn parked_scale(sys: &System, o: &ParkedScaleOpts) -> Result<Report, S
         Ok(()) => sys.router_rss_kib(),
         Err(_) => None,
     };
-    let (mut records, senders): (Vec<Record>, Vec<Sender>) =
+    let (mut records, streams): (Vec<Record>, Vec<TcpStream>) =
         tasks.join_all().await.into_iter().unzip();
-    drop(senders);
+    drop(streams);
     records.sort_by_key(|r| r.start);
     let s = crate::stats::Summary::of(&records);
 
@@ -174,11 +159,8 @@ pub async fn parked_scale(sys: &System, o: &ParkedScaleOpts) -> Result<Report, S
     })
 }
 
-type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
-
-/// `n` HTTP/1.1 connections to the router, handshaken and idle; each connection's
-/// driver runs on its own task until the router or the sender closes it.
-async fn connect_all(sys: &System, n: usize) -> Result<Vec<Sender>, String> {
+/// `n` TCP connections to the router, open and idle.
+async fn connect_all(sys: &System, n: usize) -> Result<Vec<TcpStream>, String> {
     let gate = Arc::new(Semaphore::new(CONNECTING_AT_ONCE));
     let mut set = JoinSet::new();
     for _ in 0..n {
@@ -189,11 +171,7 @@ async fn connect_all(sys: &System, n: usize) -> Result<Vec<Sender>, String> {
                 .await
                 .map_err(|e| format!("connect {addr}: {e}"))?;
             let _ = stream.set_nodelay(true);
-            let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-                .await
-                .map_err(|e| format!("handshake: {e}"))?;
-            tokio::spawn(conn);
-            Ok::<_, String>(sender)
+            Ok::<_, String>(stream)
         });
     }
     let mut out = Vec::with_capacity(n);
@@ -206,6 +184,80 @@ async fn connect_all(sys: &System, n: usize) -> Result<Vec<Sender>, String> {
         }
     }
     Ok(out)
+}
+
+/// Largest response head the scenario reads.
+const MAX_RESPONSE_HEAD: usize = 16 * 1024;
+
+/// One HTTP/1.1 request (`head`, then `body`) on `stream`, and the response's status
+/// and body. A plain exchange on the connection, no client machinery (a connection
+/// task, a dispatcher) of its own: the load generator shares the two cores with the
+/// router, and its cost per verdict would otherwise delay the verdicts it measures.
+/// Reads a `content-length` or chunked body.
+async fn exchange(
+    stream: &mut TcpStream,
+    head: &[u8],
+    body: &[u8],
+) -> Result<(u16, String), String> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    stream
+        .write_all(head)
+        .await
+        .map_err(|e| format!("request: {e}"))?;
+    if !body.is_empty() {
+        stream
+            .write_all(body)
+            .await
+            .map_err(|e| format!("request body: {e}"))?;
+    }
+    let mut buf = Vec::with_capacity(512);
+    let (status, head_len, length, chunked) = loop {
+        if stream
+            .read_buf(&mut buf)
+            .await
+            .map_err(|e| format!("response: {e}"))?
+            == 0
+        {
+            return Err("response: connection closed".into());
+        }
+        let mut headers = [httparse::EMPTY_HEADER; 32];
+        let mut resp = httparse::Response::new(&mut headers);
+        match resp.parse(&buf) {
+            Ok(httparse::Status::Complete(n)) => {
+                let header = |name: &str| {
+                    resp.headers
+                        .iter()
+                        .find(|h| h.name.eq_ignore_ascii_case(name))
+                        .map(|h| String::from_utf8_lossy(h.value).into_owned())
+                };
+                let length = header("content-length").and_then(|v| v.trim().parse::<usize>().ok());
+                let chunked = header("transfer-encoding").is_some_and(|v| v.contains("chunked"));
+                break (resp.code.unwrap_or(0), n, length, chunked);
+            }
+            Ok(httparse::Status::Partial) if buf.len() < MAX_RESPONSE_HEAD => {}
+            Ok(httparse::Status::Partial) => return Err("response: head too large".into()),
+            Err(e) => return Err(format!("response: {e}")),
+        }
+    };
+    let done = |buf: &[u8]| match (length, chunked) {
+        (Some(n), _) => buf.len() >= head_len + n,
+        (None, true) => buf[head_len..].ends_with(b"0\r\n\r\n"),
+        (None, false) => true,
+    };
+    while !done(&buf) {
+        if stream
+            .read_buf(&mut buf)
+            .await
+            .map_err(|e| format!("body: {e}"))?
+            == 0
+        {
+            return Err("body: connection closed".into());
+        }
+    }
+    Ok((
+        status,
+        String::from_utf8_lossy(&buf[head_len..]).into_owned(),
+    ))
 }
 
 fn memory(
