@@ -16,14 +16,6 @@ use valet_proto::ateapi;
 
 const WITHIN: Duration = Duration::from_secs(60);
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn replica_args<'a>(
     listen: &'a str,
     metrics: &'a str,
@@ -45,6 +37,40 @@ fn replica_args<'a>(
     ]
 }
 
+/// Two replicas on `url`, both on `127.0.0.1:0`: the first active (listening), the
+/// second a standby (its gRPC port bound, its probes saying `standby`).
+async fn active_and_standby(url: &str, data: &str, logged: bool) -> (Proc, Proc) {
+    let start = |part: &'static str| {
+        let args = replica_args("127.0.0.1:0", "127.0.0.1:0", url, data);
+        async move {
+            if logged {
+                Proc::start_logged(part, &args).await
+            } else {
+                Proc::start(part, &args).await
+            }
+        }
+    };
+    let active = start("control-plane").await;
+    let standby = start("bound control-plane").await;
+    let metrics = standby.addrs["metrics"];
+    eventually("the standby's probes answer", WITHIN, || async {
+        let ready = common::try_http_get(metrics, "/readyz", &[]).await?;
+        (ready.0 == 503 && ready.1.contains("standby")).then_some(())
+    })
+    .await;
+    (active, standby)
+}
+
+/// Waits until `standby` has taken over: its probes say ready.
+async fn taken_over(standby: &Proc) {
+    let metrics = standby.addrs["metrics"];
+    eventually("the standby takes over", WITHIN, || async {
+        let ready = common::try_http_get(metrics, "/readyz", &[]).await?;
+        (ready.0 == 200).then_some(())
+    })
+    .await;
+}
+
 fn host(name: &str) -> String {
     format!("{name}.demo.{}", common::DOMAIN)
 }
@@ -56,32 +82,11 @@ async fn a_standby_takes_over_from_a_killed_replica_and_parked_requests_are_serv
     let data = dir.path().join("unused");
     let data = data.to_str().unwrap();
     let url = pg.url();
-    let (a, b) = (
-        format!("127.0.0.1:{}", free_port()),
-        format!("127.0.0.1:{}", free_port()),
-    );
-    let replicas = format!("http://{a},http://{b}");
-
-    let first = Proc::start_logged(
-        "control-plane",
-        &replica_args(&a, "127.0.0.1:0", &url, data),
-    )
-    .await;
     // The second waits for the database's active lock, not listening for gRPC; its
     // probes say it is alive but not ready.
-    let b_metrics: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-    let second = tokio::spawn({
-        let (b, url, data) = (b.clone(), url.clone(), data.to_owned());
-        let metrics = b_metrics.to_string();
-        async move {
-            Proc::start_logged("control-plane", &replica_args(&b, &metrics, &url, &data)).await
-        }
-    });
-    eventually("the standby's probes answer", WITHIN, || async {
-        let ready = common::try_http_get(b_metrics, "/readyz", &[]).await?;
-        (ready.0 == 503 && ready.1.contains("standby")).then_some(())
-    })
-    .await;
+    let (first, second) = active_and_standby(&url, data, true).await;
+    let replicas = format!("http://{},http://{}", first.addr, second.addr);
+    let b_metrics = second.addrs["metrics"];
     assert_eq!(http_get(b_metrics, "/healthz", &[]).await.0, 200);
 
     let snapshots = dir.path().join("snapshots");
@@ -141,10 +146,7 @@ async fn a_standby_takes_over_from_a_killed_replica_and_parked_requests_are_serv
         .into_iter()
         .map(|n| tokio::spawn(get(n)))
         .collect();
-    let second = tokio::time::timeout(WITHIN, second)
-        .await
-        .expect("the standby takes over")
-        .unwrap();
+    taken_over(&second).await;
     for r in in_flight.into_iter().chain(next) {
         let (status, body) = r.await.unwrap();
         assert_eq!(status, 200, "{body}");
@@ -350,25 +352,8 @@ async fn two_hundred_resumes_over_both_replicas_fill_twenty_workers_once() {
     let data = dir.path().join("unused");
     let data = data.to_str().unwrap();
     // The standby is listed first: every client meets a replica that refuses.
-    let (a, b) = (
-        format!("127.0.0.1:{}", free_port()),
-        format!("127.0.0.1:{}", free_port()),
-    );
-    let first = Proc::start(
-        "control-plane",
-        &replica_args(&a, "127.0.0.1:0", &url, data),
-    )
-    .await;
-    let standby = tokio::spawn({
-        let (b, url, data) = (b.clone(), url.clone(), data.to_owned());
-        async move {
-            Proc::start(
-                "control-plane",
-                &replica_args(&b, "127.0.0.1:0", &url, &data),
-            )
-            .await
-        }
-    });
+    let (first, standby) = active_and_standby(&url, data, false).await;
+    let (a, b) = (first.addr, standby.addr);
     let urls = vec![format!("http://{b}"), format!("http://{a}")];
     let mut workers = Vec::new();
     for i in 0..20 {
@@ -456,7 +441,7 @@ async fn two_hundred_resumes_over_both_replicas_fill_twenty_workers_once() {
     assert_eq!((running, claimed, workers_used), (20, 20, 20));
     drop(client);
     let _ = task.await;
-    standby.abort();
+    drop(standby);
     for w in workers {
         w.shutdown().await;
     }
@@ -535,7 +520,11 @@ async fn a_router_with_a_replica_list_is_reachable_through_any_replica() {
     let dir = tempfile::tempdir().unwrap();
     let cp = common::control_plane(&dir.path().join("data"), "127.0.0.1:0", &[]).await;
     // The first replica listed never answers.
-    let replicas = format!("http://127.0.0.1:{},http://{}", free_port(), cp.addr);
+    // Bound and never listening: connections to it are refused, and nothing else
+    // can take the port meanwhile.
+    let silent = tokio::net::TcpSocket::new_v4().unwrap();
+    silent.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let replicas = format!("http://{},http://{}", silent.local_addr().unwrap(), cp.addr);
     let router = Proc::start(
         "admin",
         &[
@@ -648,32 +637,12 @@ async fn a_terminated_replica_hands_over_and_a_parked_request_is_served() {
     let data = dir.path().join("unused");
     let data = data.to_str().unwrap();
     let url = pg.url();
-    let (a, b) = (
-        format!("127.0.0.1:{}", free_port()),
-        format!("127.0.0.1:{}", free_port()),
-    );
+    let (mut first, second) = active_and_standby(&url, data, true).await;
+    let (a, b) = (first.addr, second.addr);
     let replicas = format!("http://{a},http://{b}");
-    let mut first = Proc::start_logged(
-        "control-plane",
-        &replica_args(&a, "127.0.0.1:0", &url, data),
-    )
-    .await;
-    let b_metrics: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-    let second = tokio::spawn({
-        let (b, url, data) = (b.clone(), url.clone(), data.to_owned());
-        let metrics = b_metrics.to_string();
-        async move {
-            Proc::start_logged("control-plane", &replica_args(&b, &metrics, &url, &data)).await
-        }
-    });
-    eventually("the standby waits", WITHIN, || async {
-        let ready = common::try_http_get(b_metrics, "/readyz", &[]).await?;
-        ready.1.contains("standby").then_some(())
-    })
-    .await;
     // The standby holds its gRPC port from the start, refusing connections: nothing
     // else can take the port before it does.
-    let reserved: std::net::SocketAddr = b.parse().unwrap();
+    let reserved = b;
     assert_eq!(
         std::net::TcpListener::bind(reserved).unwrap_err().kind(),
         std::io::ErrorKind::AddrInUse
@@ -741,10 +710,7 @@ async fn a_terminated_replica_hands_over_and_a_parked_request_is_served() {
 
     first.terminate();
     assert_eq!(first.exit_code(WITHIN).await, Some(0), "{}", first.logs());
-    let second = tokio::time::timeout(WITHIN, second)
-        .await
-        .expect("the standby takes over")
-        .unwrap();
+    taken_over(&second).await;
     let c = common::client(second.addr);
     eventually(
         "both workers re-attached with their actors",

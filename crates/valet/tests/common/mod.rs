@@ -30,7 +30,8 @@ pub struct Proc {
 }
 
 impl Proc {
-    /// Starts `valet <args>` and waits (bounded) for its `listening <part> <addr>` line.
+    /// Starts `valet <args>` and waits (bounded) for its `listening <part> <addr>` line
+    /// (or `bound <part> <addr>`, with `part` = `bound <part>`).
     pub async fn start(part: &str, args: &[&str]) -> Self {
         Self::spawn(part, args, false).await
     }
@@ -70,13 +71,21 @@ impl Proc {
         let mut addrs = std::collections::HashMap::new();
         let addr = tokio::time::timeout(Duration::from_secs(30), async {
             while let Some(line) = lines.next_line().await.unwrap() {
-                if let Some((p, a)) = line
-                    .strip_prefix("listening ")
-                    .and_then(|rest| rest.split_once(' '))
-                {
+                // `listening <part> <addr>`, keyed `<part>`; `bound <part> <addr>` (a
+                // control plane's gRPC port, reserved before it listens), keyed
+                // `bound <part>`.
+                let (prefix, rest) = match line.strip_prefix("listening ") {
+                    Some(rest) => ("", rest),
+                    None => match line.strip_prefix("bound ") {
+                        Some(rest) => ("bound ", rest),
+                        None => continue,
+                    },
+                };
+                if let Some((p, a)) = rest.split_once(' ') {
                     let a = a.parse::<SocketAddr>().unwrap();
-                    addrs.insert(p.to_owned(), a);
-                    if p == part {
+                    let key = format!("{prefix}{p}");
+                    addrs.insert(key.clone(), a);
+                    if key == part {
                         return a;
                     }
                 }
