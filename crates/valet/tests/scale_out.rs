@@ -61,6 +61,46 @@ async fn active_and_standby(url: &str, data: &str, logged: bool) -> (Proc, Proc)
     (active, standby)
 }
 
+/// `valet worker` processes listing `replicas`, one per id, sharing `snapshots`.
+async fn workers(replicas: &str, snapshots: &std::path::Path, ids: &[&str]) -> Vec<Proc> {
+    let mut out = Vec::new();
+    for id in ids {
+        let args = [
+            "worker",
+            "--control-plane",
+            replicas,
+            "--snapshot-dir",
+            snapshots.to_str().unwrap(),
+            "--worker-id",
+            id,
+        ];
+        out.push(Proc::start("worker", &args).await);
+    }
+    out
+}
+
+/// A `valet router` listing `replicas`, with parking budget `budget` (HTTP data plane
+/// and admin server; no ext_proc).
+async fn router(replicas: &str, budget: &str) -> Proc {
+    Proc::start(
+        "admin",
+        &[
+            "router",
+            "--listen",
+            "127.0.0.1:0",
+            "--extproc-listen",
+            "",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--control-plane",
+            replicas,
+            "--parked-request-budget",
+            budget,
+        ],
+    )
+    .await
+}
+
 /// Waits until `standby` has taken over: its probes say ready.
 async fn taken_over(standby: &Proc) {
     let metrics = standby.addrs["metrics"];
@@ -89,44 +129,10 @@ async fn a_standby_takes_over_from_a_killed_replica_and_parked_requests_are_serv
     let b_metrics = second.addrs["metrics"];
     assert_eq!(http_get(b_metrics, "/healthz", &[]).await.0, 200);
 
-    let snapshots = dir.path().join("snapshots");
-    let mut workers = Vec::new();
-    for id in ["w1", "w2"] {
-        workers.push(
-            Proc::start(
-                "worker",
-                &[
-                    "worker",
-                    "--control-plane",
-                    &replicas,
-                    "--snapshot-dir",
-                    snapshots.to_str().unwrap(),
-                    "--worker-id",
-                    id,
-                ],
-            )
-            .await,
-        );
-    }
+    let _workers = workers(&replicas, &dir.path().join("snapshots"), &["w1", "w2"]).await;
     let c = common::client(first.addr);
     common::workers_and_demo(&c, 2, &["p1", "p2", "p3", "p4"].map(String::from)).await;
-    let router = Proc::start(
-        "admin",
-        &[
-            "router",
-            "--listen",
-            "127.0.0.1:0",
-            "--extproc-listen",
-            "",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--control-plane",
-            &replicas,
-            "--parked-request-budget",
-            "30s",
-        ],
-    )
-    .await;
+    let router = router(&replicas, "30s").await;
     let get = |name: &'static str| {
         let addr = router.addrs["router"];
         async move { http_get(addr, "/", &[("Host", &host(name))]).await }
@@ -519,27 +525,12 @@ async fn two_routers_in_front_count_as_one() {
 async fn a_router_with_a_replica_list_is_reachable_through_any_replica() {
     let dir = tempfile::tempdir().unwrap();
     let cp = common::control_plane(&dir.path().join("data"), "127.0.0.1:0", &[]).await;
-    // The first replica listed never answers.
-    // Bound and never listening: connections to it are refused, and nothing else
-    // can take the port meanwhile.
+    // The first replica listed never answers: bound and never listening, so
+    // connections to it are refused and nothing else can take the port meanwhile.
     let silent = tokio::net::TcpSocket::new_v4().unwrap();
     silent.bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let replicas = format!("http://{},http://{}", silent.local_addr().unwrap(), cp.addr);
-    let router = Proc::start(
-        "admin",
-        &[
-            "router",
-            "--listen",
-            "127.0.0.1:0",
-            "--extproc-listen",
-            "",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--control-plane",
-            &replicas,
-        ],
-    )
-    .await;
+    let router = router(&replicas, "5s").await;
     let admin = router.addrs["admin"];
     eventually("the router sees a replica answer", WITHIN, || async {
         let (s, body) = http_get(admin, "/statusz?format=json", &[]).await;
@@ -654,48 +645,14 @@ async fn a_terminated_replica_hands_over_and_a_parked_request_is_served() {
             .kind(),
         std::io::ErrorKind::ConnectionRefused
     );
-    let snapshots = dir.path().join("snapshots");
-    let mut workers = Vec::new();
-    for id in ["w1", "w2"] {
-        workers.push(
-            Proc::start(
-                "worker",
-                &[
-                    "worker",
-                    "--control-plane",
-                    &replicas,
-                    "--snapshot-dir",
-                    snapshots.to_str().unwrap(),
-                    "--worker-id",
-                    id,
-                ],
-            )
-            .await,
-        );
-    }
+    let _workers = workers(&replicas, &dir.path().join("snapshots"), &["w1", "w2"]).await;
     common::workers_and_demo(
         &common::client(first.addr),
         2,
         &["p1", "p2", "p3"].map(String::from),
     )
     .await;
-    let router = Proc::start(
-        "admin",
-        &[
-            "router",
-            "--listen",
-            "127.0.0.1:0",
-            "--extproc-listen",
-            "",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--control-plane",
-            &replicas,
-            "--parked-request-budget",
-            "60s",
-        ],
-    )
-    .await;
+    let router = router(&replicas, "60s").await;
     let http = router.addrs["router"];
     for name in ["p1", "p2"] {
         let (status, body) = http_get(http, "/", &[("Host", &host(name))]).await;
