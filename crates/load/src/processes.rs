@@ -23,6 +23,9 @@ use valet_proto::ateapi::{self, control_client::ControlClient};
 use crate::generate::HttpClient;
 use crate::system::DOMAIN;
 
+/// How long one probe or metrics request may take.
+pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// How long a part may take to start.
 const START_WITHIN: Duration = Duration::from_secs(30);
 
@@ -359,7 +362,12 @@ async fn wait_role(metrics: SocketAddr, want: Role) -> Result<(), String> {
     let client = HttpClient::new(DOMAIN);
     let deadline = Instant::now() + START_WITHIN;
     loop {
-        let (status, body) = client.get_host(metrics, "127.0.0.1", "/readyz").await;
+        let (status, body) = tokio::time::timeout(
+            PROBE_TIMEOUT,
+            client.get_host(metrics, "127.0.0.1", "/readyz"),
+        )
+        .await
+        .unwrap_or_else(|_| (0, "no answer".into()));
         let now = match status {
             200 => Some(Role::Active),
             503 if body.contains("standby") => Some(Role::Standby),

@@ -299,7 +299,12 @@ impl System {
         let client = HttpClient::new(DOMAIN);
         let mut out = Vec::new();
         for (router, admin) in p.routers.iter().zip(&p.router_admins) {
-            let (status, text) = client.get_host(*admin, "127.0.0.1", "/metrics").await;
+            let (status, text) = tokio::time::timeout(
+                crate::processes::PROBE_TIMEOUT,
+                client.get_host(*admin, "127.0.0.1", "/metrics"),
+            )
+            .await
+            .unwrap_or_else(|_| (0, String::new()));
             let n = if status == 200 {
                 valet_telemetry::sample_of(&text, "atenet_router_requests_total", &[])
             } else {

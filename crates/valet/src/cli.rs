@@ -837,10 +837,10 @@ pub(crate) enum ActorCommand {
         /// `atespace/name`.
         actor: String,
         /// The template (and so the pool).
-        #[arg(long, default_value = "counter")]
+        #[arg(long, env = "VALET_CTL_TEMPLATE", default_value = "counter")]
         template: String,
         /// The template's namespace.
-        #[arg(long, default_value = "default")]
+        #[arg(long, env = "VALET_CTL_TEMPLATE_NAMESPACE", default_value = "default")]
         template_namespace: String,
     },
     /// Shows one actor.
@@ -848,10 +848,10 @@ pub(crate) enum ActorCommand {
     /// Lists actors, all pages.
     List {
         /// Only this atespace.
-        #[arg(long)]
+        #[arg(long, env = "VALET_CTL_ATESPACE")]
         atespace: Option<String>,
         /// Actors per page asked of the server.
-        #[arg(long, default_value_t = 100)]
+        #[arg(long, env = "VALET_CTL_PAGE_SIZE", default_value_t = 100)]
         page_size: i32,
     },
     /// Suspends a running actor (checkpoint, free its worker).
@@ -860,7 +860,7 @@ pub(crate) enum ActorCommand {
     Resume {
         actor: String,
         /// Wait this long for a worker when the pool is full (the extension).
-        #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+        #[arg(long, env = "VALET_CTL_WAIT_FOR_CAPACITY", value_parser = parse_duration, value_name = "DURATION")]
         wait_for_capacity: Option<Duration>,
     },
     /// Brings a crashed actor back to SUSPENDED from its last good snapshot.

@@ -40,14 +40,24 @@ async fn control_plane_log(flags: &[&str]) -> Vec<String> {
         .unwrap();
     let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut err = BufReader::new(child.stderr.take().unwrap()).lines();
-    let first = tokio::time::timeout(Duration::from_secs(30), out.next_line())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    // Plain lines on stdout whatever the log format: the reserved port, then the
+    // listener.
+    let mut next = async || {
+        tokio::time::timeout(Duration::from_secs(30), out.next_line())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap()
+    };
+    let bound = next().await;
     assert!(
-        first.starts_with("listening control-plane 127.0.0.1:"),
-        "{first}"
+        bound.starts_with("bound control-plane 127.0.0.1:"),
+        "{bound}"
+    );
+    let listening = next().await;
+    assert!(
+        listening.starts_with("listening control-plane 127.0.0.1:"),
+        "{listening}"
     );
     let pid = child.id().unwrap().to_string();
     assert!(

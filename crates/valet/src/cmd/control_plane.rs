@@ -10,7 +10,7 @@ use valet_control::{Plane, PlaneConfig, PostgresStore, SqliteStore, Store};
 use crate::EXIT_CONFIG;
 use crate::cli::{ControlPlaneArgs, OnOff};
 
-/// The gRPC listener's backlog (tokio's default for `TcpListener::bind`).
+/// The gRPC listener's backlog.
 const LISTEN_BACKLOG: u32 = 1024;
 
 /// A socket bound to `addr` and not listening: connections to it are refused, and no
@@ -32,6 +32,10 @@ fn reserve(addr: std::net::SocketAddr) -> std::io::Result<TcpSocket> {
             let socket = new()?;
             socket.set_reuseaddr(true)?;
             socket.bind(addr)?;
+            // Off again while it does not listen. (Best effort: while the earlier
+            // connections linger, the kernel may still let another socket with
+            // SO_REUSEADDR bind the port; the takeover's listen would then fail.)
+            socket.set_reuseaddr(false)?;
             Ok(socket)
         }
         Err(e) => Err(e),
@@ -121,7 +125,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
     let socket = match reserve(args.listen) {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("valet control-plane: cannot listen on {}: {e}", args.listen);
+            eprintln!("valet control-plane: cannot bind {}: {e}", args.listen);
             return ExitCode::FAILURE;
         }
     };
