@@ -1,5 +1,7 @@
 //! `--log-format` and `--log-level`, on every subcommand (cli.md, "Flags").
 
+mod common;
+
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -125,4 +127,77 @@ async fn logs_are_json_when_stderr_is_not_a_terminal() {
             serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"));
         assert!(v["message"].is_string(), "{l}");
     }
+}
+
+/// A clean stop is not a warning: `valet up` stopped with SIGTERM, after serving an
+/// actor, logs nothing at `warn` about its own workers leaving (they were told to
+/// detach). Every embedded scenario printed one such line per worker before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_stop_logs_no_warning_about_its_own_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_valet"))
+        .args([
+            "up",
+            "--control-plane-listen",
+            "127.0.0.1:0",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "",
+            "--extproc-listen",
+            "",
+            "--metrics-listen",
+            "",
+            "--data-dir",
+        ])
+        .arg(dir.path().join("data"))
+        .env("VALET_LOG", "warn")
+        .env_remove("VALET_LOG_FORMAT")
+        .env_remove("VALET_LOG_LEVEL")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+    let router = tokio::time::timeout(Duration::from_secs(30), async {
+        let mut router = None;
+        while let Some(line) = out.next_line().await.unwrap() {
+            if let Some(a) = line.strip_prefix("listening router ") {
+                router = Some(a.parse::<std::net::SocketAddr>().unwrap());
+            }
+            if line.starts_with("press Ctrl-C") {
+                return router.expect("a router address");
+            }
+        }
+        panic!("valet up exited before it was ready");
+    })
+    .await
+    .expect("valet up gets ready");
+    let (status, body) = common::http_get(
+        router,
+        "/",
+        &[("Host", &format!("p1.demo.{}", common::DOMAIN))],
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    common::signal(&child, "TERM");
+    let mut err = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut logged = Vec::new();
+    tokio::time::timeout(Duration::from_secs(60), async {
+        while let Ok(Some(line)) = err.next_line().await {
+            logged.push(line);
+        }
+    })
+    .await
+    .expect("valet up stops");
+    let status = tokio::time::timeout(Duration::from_secs(30), child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "{logged:?}");
+    assert!(
+        !logged.iter().any(|l| l.contains("left its pool")),
+        "{logged:#?}"
+    );
 }

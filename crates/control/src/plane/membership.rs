@@ -194,13 +194,19 @@ impl Plane {
                     .map(|_| (key.clone(), rec.app_addr, rec.last_renewal)),
                 _ => None,
             };
-            tracing::warn!(
-                worker,
-                pool = %rec.pool,
-                workers_left = left,
-                actor = ?orphan.as_ref().map(|(k, _, _)| k.to_string()),
-                "worker left its pool"
-            );
+            let actor = orphan.as_ref().map(|(k, _, _)| k.to_string());
+            if self.is_shutting_down() {
+                // Expected: the plane told it to detach.
+                tracing::info!(worker, pool = %rec.pool, workers_left = left, "worker left its pool");
+            } else {
+                tracing::warn!(
+                    worker,
+                    pool = %rec.pool,
+                    workers_left = left,
+                    actor = ?actor,
+                    "worker left its pool"
+                );
+            }
             orphan
         };
         if let Some((key, app, last_renewal)) = orphan {
