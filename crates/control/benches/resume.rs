@@ -47,6 +47,22 @@ fn report(what: &str, h: &Histogram<u64>) {
     );
 }
 
+/// A worker in pool `counter` of the control plane at `addr`, restoring at once.
+async fn spawn_worker(addr: std::net::SocketAddr, dir: &std::path::Path) -> Worker {
+    Worker::spawn(WorkerConfig {
+        credentials: Default::default(),
+        control_plane: format!("http://{addr}"),
+        pool: "counter".into(),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        snapshot_dir: dir.join("snapshots"),
+        restore_delay: Duration::ZERO,
+        worker_id: None,
+        advertise: None,
+    })
+    .await
+    .unwrap()
+}
+
 async fn run() {
     let dir = tempfile::tempdir().unwrap();
     let (store, _postgres): (std::sync::Arc<dyn valet_control::Store>, _) =
@@ -71,18 +87,7 @@ async fn run() {
         Duration::from_secs(10),
         Default::default(),
     ));
-    let worker = Worker::spawn(WorkerConfig {
-        credentials: Default::default(),
-        control_plane: format!("http://{addr}"),
-        pool: "counter".into(),
-        listen: "127.0.0.1:0".parse().unwrap(),
-        snapshot_dir: dir.path().join("snapshots"),
-        restore_delay: Duration::ZERO,
-        worker_id: None,
-        advertise: None,
-    })
-    .await
-    .unwrap();
+    let worker = spawn_worker(addr, dir.path()).await;
     assert!(
         plane
             .wait_until(Duration::from_secs(10), |p| p.pool("counter") == (1, 1))
@@ -149,20 +154,7 @@ async fn run() {
     // and suspending it again, for THROUGHPUT_FOR.
     let mut pool = vec![worker];
     for _ in 1..POOL {
-        pool.push(
-            Worker::spawn(WorkerConfig {
-                credentials: Default::default(),
-                control_plane: format!("http://{addr}"),
-                pool: "counter".into(),
-                listen: "127.0.0.1:0".parse().unwrap(),
-                snapshot_dir: dir.path().join("snapshots"),
-                restore_delay: Duration::ZERO,
-                worker_id: None,
-                advertise: None,
-            })
-            .await
-            .unwrap(),
-        );
+        pool.push(spawn_worker(addr, dir.path()).await);
     }
     assert!(
         plane

@@ -101,6 +101,16 @@ async fn router(replicas: &str, budget: &str) -> Proc {
     .await
 }
 
+/// The router's resume attempts answered `Unavailable` (or failed to reach a replica).
+async fn unavailable_attempts(router: &Proc) -> f64 {
+    router
+        .metric(
+            "atenet_router_resume_attempts_total",
+            &[("code", "UNAVAILABLE")],
+        )
+        .await
+}
+
 /// Waits until `standby` has taken over: its probes say ready.
 async fn taken_over(standby: &Proc) {
     let metrics = standby.addrs["metrics"];
@@ -158,13 +168,7 @@ async fn a_standby_takes_over_from_a_killed_replica_and_parked_requests_are_serv
         assert_eq!(status, 200, "{body}");
     }
     assert!(
-        router
-            .metric(
-                "atenet_router_resume_attempts_total",
-                &[("code", "UNAVAILABLE")]
-            )
-            .await
-            >= 1.0,
+        unavailable_attempts(&router).await >= 1.0,
         "requests parked while no replica was active"
     );
 
@@ -700,13 +704,7 @@ async fn a_terminated_replica_hands_over_and_a_parked_request_is_served() {
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("hello from: demo/p3"), "{body}");
     assert!(
-        router
-            .metric(
-                "atenet_router_resume_attempts_total",
-                &[("code", "UNAVAILABLE")]
-            )
-            .await
-            >= 1.0,
+        unavailable_attempts(&router).await >= 1.0,
         "the terminated replica's waiter was answered Unavailable, then retried"
     );
 }
