@@ -8,15 +8,19 @@
 //!                                                                └─▶ verdict (status, body, Retry-After)
 //! ```
 //!
-//! A client that goes away while its request is parked is noticed, body or not (its body
-//! is read into memory, bounded, while it waits): the parking slot is freed at once and
-//! `canceled` recorded. Every status the data plane answers itself is a verdict of the
+//! A request without a body (the first on a plaintext HTTP/1.1 connection, or the next
+//! after a verdict) is decided before hyper reads it (`lean`): when it parks it holds
+//! its head and its wait, not an HTTP/1 connection's buffers. A client that goes away
+//! while its request is parked is noticed, body or not (its body is read into memory,
+//! bounded, while it waits; without one, the socket reads end of file): the parking
+//! slot is freed at once and `canceled` recorded. Every status the data plane answers itself is a verdict of the
 //! pipeline's verdict module.
 
 #![forbid(unsafe_code)]
 
 mod body;
 mod forward;
+mod lean;
 mod server;
 pub mod tls;
 

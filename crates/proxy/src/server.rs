@@ -19,6 +19,7 @@ use valet_router::{Decision, Denial, Router, Verdict};
 
 use crate::body::{Held, RequestBody};
 use crate::forward::{Body, Outgoing, Sent, full, render};
+use crate::lean::{self, Replayed};
 use crate::tls::IngressTls;
 
 /// Explicit input limits of the data plane.
@@ -296,26 +297,126 @@ struct Conn {
 }
 
 impl Conn {
-    async fn plain(self, stream: TcpStream) {
+    async fn plain(self, mut stream: TcpStream) {
         let peer = self.peer;
-        // A connection that has sent nothing has no request to lose: a drain
-        // closes it.
-        let protocol = tokio::select! {
-            sniffed = tokio::time::timeout(HEADER_READ_TIMEOUT, sniff(&stream)) => match sniffed {
-                Ok(Ok(Some(p))) => p,
-                Ok(Ok(None)) => return,
-                Ok(Err(e)) => {
-                    tracing::debug!(%peer, error = %e, "connection failed before a request");
-                    return;
+        let mut first = true;
+        loop {
+            // A connection that has sent nothing (since its last answer) has no request
+            // to lose: a drain closes it.
+            let protocol = tokio::select! {
+                sniffed = tokio::time::timeout(HEADER_READ_TIMEOUT, sniff(&stream)) => match sniffed {
+                    Ok(Ok(Some(p))) => p,
+                    Ok(Ok(None)) => return,
+                    Ok(Err(e)) => {
+                        tracing::debug!(%peer, error = %e, "connection failed before a request");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!(%peer, "no request within the header read timeout");
+                        return;
+                    }
+                },
+                () = self.stop.cancelled() => return,
+            };
+            if protocol == Protocol::Http2 && first {
+                let io = TokioIo::new(Replayed::new(stream, bytes::Bytes::new()));
+                return self.serve(io, protocol, None, None).await;
+            }
+            first = false;
+            // Boxed: sized to what a request decided here waits with, apart from the
+            // task's own future.
+            match Box::pin(self.lean(stream)).await {
+                Lean::Answered(s) => stream = s,
+                Lean::Closed => return,
+                Lean::Hyper(io, pre) => {
+                    return self
+                        .serve(TokioIo::new(io), Protocol::Http1, None, pre)
+                        .await;
                 }
-                Err(_) => {
-                    tracing::debug!(%peer, "no request within the header read timeout");
-                    return;
-                }
-            },
-            () = self.stop.cancelled() => return,
+            }
+        }
+    }
+
+    /// Decides the request at the head of `stream` when it has no body (see
+    /// [`crate::lean`]); anything else goes to hyper untouched.
+    async fn lean(&self, mut stream: TcpStream) -> Lean {
+        use std::task::Poll;
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let head = {
+            let mut buf = vec![0u8; lean::PEEK];
+            match stream.peek(&mut buf).await {
+                Ok(n) => lean::parse(&buf[..n], self.shared.limits),
+                Err(_) => return Lean::Closed,
+            }
         };
-        self.serve(TokioIo::new(stream), protocol, None).await;
+        let Some(head) = head else {
+            return Lean::Hyper(Replayed::new(stream, bytes::Bytes::new()), None);
+        };
+        let router = &self.shared.router;
+        let started = Instant::now();
+        let deadline = started + router.config().decision_timeout();
+        let decide = router.decide_holding(&head.host, deadline, std::future::pending());
+        tokio::pin!(decide);
+        let mut taken = bytes::Bytes::new();
+        let decision = match std::future::poll_fn(|cx| Poll::Ready(decide.as_mut().poll(cx))).await
+        {
+            // Decided at once (a route under a lease, a denial): the head stays on the
+            // socket.
+            Poll::Ready(decision) => decision,
+            // It waits: the head comes off the socket, so the wait holds only it, and a
+            // client that leaves is seen. As with hyper, a client gone or the drain's
+            // last step drops the wait (`canceled`).
+            Poll::Pending => {
+                let mut buf = vec![0u8; head.len];
+                if stream.read_exact(&mut buf).await.is_err() {
+                    return Lean::Closed;
+                }
+                taken = bytes::Bytes::from(buf);
+                tokio::select! {
+                    decision = &mut decide => decision,
+                    () = lean::gone(&stream) => return Lean::Closed,
+                    () = self.force.cancelled() => return Lean::Closed,
+                }
+            }
+        };
+        let verdict = match decision {
+            Decision::Route(_) => {
+                let pre = PreDecided {
+                    host: head.host.clone(),
+                    started,
+                    decision,
+                };
+                return Lean::Hyper(Replayed::new(stream, taken), Some(pre));
+            }
+            Decision::Deny(_, verdict) => verdict,
+        };
+        if taken.is_empty() {
+            let mut buf = vec![0u8; head.len];
+            if stream.read_exact(&mut buf).await.is_err() {
+                return Lean::Closed;
+            }
+        }
+        // As hyper after a graceful shutdown: the answer closes the connection.
+        let close = head.close || self.stop.is_cancelled();
+        router.record(RouteRecord::new(
+            "http",
+            &head.host,
+            &head.path,
+            verdict.status().as_u16(),
+            verdict.reason(),
+            None,
+            started.elapsed(),
+        ));
+        let out = lean::response(&verdict, head.head_only, close);
+        let written = tokio::select! {
+            w = stream.write_all(&out) => w.is_ok(),
+            () = self.force.cancelled() => false,
+        };
+        if !written || close {
+            let _ = stream.shutdown().await;
+            return Lean::Closed;
+        }
+        Lean::Answered(stream)
     }
 
     async fn https(self, stream: TcpStream, tls: IngressTls) {
@@ -351,14 +452,19 @@ impl Conn {
         if let Some(why) = &refused {
             tracing::info!(%peer, %why, "client certificate refused");
         }
-        self.serve(TokioIo::new(stream), protocol, refused.map(Arc::from))
+        self.serve(TokioIo::new(stream), protocol, refused.map(Arc::from), None)
             .await;
     }
 
     /// Serves `io` in `protocol`; with `refused`, every request gets 403 and nothing
-    /// reaches the pipeline.
-    async fn serve<I>(self, io: TokioIo<I>, protocol: Protocol, refused: Option<Arc<str>>)
-    where
+    /// reaches the pipeline; with `pre`, the first request was decided already.
+    async fn serve<I>(
+        self,
+        io: TokioIo<I>,
+        protocol: Protocol,
+        refused: Option<Arc<str>>,
+        pre: Option<PreDecided>,
+    ) where
         I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
         let Self {
@@ -369,8 +475,10 @@ impl Conn {
             stop,
             force,
         } = self;
+        let pre = std::sync::Mutex::new(pre);
         let service = hyper::service::service_fn(move |req| {
             let refused = refused.clone();
+            let pre = pre.lock().unwrap_or_else(|e| e.into_inner()).take();
             // Before hyper reads on: see `own_head`.
             let req = own_head(req);
             let shared = Arc::clone(&shared);
@@ -383,7 +491,7 @@ impl Conn {
                         body,
                     ));
                 }
-                Ok::<_, Infallible>(handle(&shared, req, peer).await)
+                Ok::<_, Infallible>(handle(&shared, req, peer, pre).await)
             }
         });
         // Boxed, each sized to its protocol: the task's own future stays small
@@ -399,6 +507,23 @@ impl Conn {
             }
         }
     }
+}
+
+/// How a request [`Conn::lean`] took up ended.
+enum Lean {
+    /// Its verdict is written; the connection waits for its next request.
+    Answered(TcpStream),
+    /// The connection is done (the client left, asked to close, or the drain ended).
+    Closed,
+    /// hyper serves the connection from here, its first request decided or not.
+    Hyper(Replayed, Option<PreDecided>),
+}
+
+/// The decision for the request hyper is about to read, made before it read it.
+struct PreDecided {
+    host: String,
+    started: Instant,
+    decision: Decision,
 }
 
 /// Runs one connection to its end; when the data plane stops accepting, shuts it down
@@ -469,8 +594,13 @@ fn own_head<B>(req: Request<B>) -> Request<B> {
     Request::from_parts(parts, body)
 }
 
-async fn handle(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
-    let started = Instant::now();
+async fn handle(
+    shared: &Shared,
+    req: Request<Incoming>,
+    peer: SocketAddr,
+    pre: Option<PreDecided>,
+) -> Response<Body> {
+    let mut started = Instant::now();
     let limits = shared.limits;
     let headers = req.headers();
     if headers.len() > limits.max_headers {
@@ -511,6 +641,11 @@ async fn handle(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) -> Re
         .to_owned();
 
     let router = &shared.router;
+    // hyper read the very head that was decided; the host check only guards that.
+    let pre = pre.filter(|p| p.host == host);
+    if let Some(p) = &pre {
+        started = p.started;
+    }
     let deadline = started + router.config().decision_timeout();
     let (parts, body) = req.into_parts();
     let mut held = Held::new(
@@ -519,7 +654,10 @@ async fn handle(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) -> Re
         router.config().parked_body_limit(),
         router.lot().bytes().charge(),
     );
-    let decision = router.decide_holding(&host, deadline, held.fill()).await;
+    let decision = match pre {
+        Some(p) => p.decision,
+        None => router.decide_holding(&host, deadline, held.fill()).await,
+    };
     let (resp, target, verdict) = match &decision {
         // Boxed: the forwarding state is large and a parked request never needs it,
         // so it is not part of the future that waits (docs/BENCHMARKS.md).
