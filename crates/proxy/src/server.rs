@@ -330,7 +330,7 @@ impl Conn {
                 Lean::Closed => return,
                 Lean::Hyper(io, pre) => {
                     return self
-                        .serve(TokioIo::new(io), Protocol::Http1, None, pre)
+                        .serve(TokioIo::new(io), Protocol::Http1, None, pre.map(|p| *p))
                         .await;
                 }
             }
@@ -386,7 +386,7 @@ impl Conn {
                     started,
                     decision,
                 };
-                return Lean::Hyper(Replayed::new(stream, taken), Some(pre));
+                return Lean::Hyper(Replayed::new(stream, taken), Some(Box::new(pre)));
             }
             Decision::Deny(_, verdict) => verdict,
         };
@@ -516,7 +516,7 @@ enum Lean {
     /// The connection is done (the client left, asked to close, or the drain ended).
     Closed,
     /// hyper serves the connection from here, its first request decided or not.
-    Hyper(Replayed, Option<PreDecided>),
+    Hyper(Replayed, Option<Box<PreDecided>>),
 }
 
 /// The decision for the request hyper is about to read, made before it read it.
