@@ -348,29 +348,11 @@ async fn extproc_cost(text: &mut String, sys: &System, n: usize) -> Result<(), S
         Ok(crate::extproc::Answer::Routed(_)) => {}
         other => return Err(format!("ext_proc warm-up for holder: {other:?}")),
     }
-    const CLIENTS: usize = 32;
     eprintln!("parked-scale: {n} ext_proc exchanges");
     let cpu0 = sys.router_cpu();
     let calls0 = sys.resume_calls();
     let started = Instant::now();
-    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let mut set = JoinSet::new();
-    for _ in 0..CLIENTS {
-        let (client, host, next) = (client.clone(), host.clone(), Arc::clone(&next));
-        set.spawn(async move {
-            let mut failed = 0usize;
-            while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < n {
-                if !matches!(
-                    crate::extproc::decide(&client, &host).await,
-                    Ok(crate::extproc::Answer::Routed(_))
-                ) {
-                    failed += 1;
-                }
-            }
-            failed
-        });
-    }
-    let failed: usize = set.join_all().await.into_iter().sum();
+    let failed = extproc_clients(addr, host, n).await?;
     let elapsed = started.elapsed();
     let (Some(cpu0), Some(cpu1)) = (cpu0, sys.router_cpu()) else {
         let _ = writeln!(text, "ext_proc cost: n/a (router in this process)");
@@ -393,6 +375,66 @@ async fn extproc_cost(text: &mut String, sys: &System, n: usize) -> Result<(), S
         verdict(per <= TARGET_EXTPROC_US)
     );
     Ok(())
+}
+
+/// Concurrent ext_proc clients, each opening one stream per request.
+const EXTPROC_CLIENTS: usize = 32;
+
+/// No exchange waits longer than this for its answer.
+const EXTPROC_ANSWER_WAIT: Duration = Duration::from_secs(10);
+
+/// Runs `n` exchanges for `host` from [`EXTPROC_CLIENTS`] clients over one HTTP/2
+/// connection, on a thread of their own with a single-threaded runtime: as one Envoy
+/// worker thread does (an event loop with its own connection to the ext_proc cluster).
+/// A multi-threaded client on the router's two cores wakes its threads for every
+/// answer and charges the router with the context switches; see docs/BENCHMARKS.md.
+/// Returns how many were not routed.
+async fn extproc_clients(addr: std::net::SocketAddr, host: String, n: usize) -> Result<usize, String> {
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    let thread = std::thread::Builder::new()
+        .name("extproc-clients".into())
+        .spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = done_tx.send(Err(format!("ext_proc clients' runtime: {e}")));
+                    return;
+                }
+            };
+            let failed = runtime.block_on(async move {
+                let client = crate::extproc::client(addr);
+                let next = std::rc::Rc::new(std::cell::Cell::new(0usize));
+                let clients = (0..EXTPROC_CLIENTS).map(|_| {
+                    let (client, host, next) = (&client, &host, std::rc::Rc::clone(&next));
+                    async move {
+                        let mut failed = 0usize;
+                        while next.replace(next.get() + 1) < n {
+                            let answer = tokio::time::timeout(
+                                EXTPROC_ANSWER_WAIT,
+                                crate::extproc::decide(client, host),
+                            )
+                            .await;
+                            if !matches!(answer, Ok(Ok(crate::extproc::Answer::Routed(_)))) {
+                                failed += 1;
+                            }
+                        }
+                        failed
+                    }
+                });
+                futures_util::future::join_all(clients).await.into_iter().sum::<usize>()
+            });
+            let _ = done_tx.send(Ok(failed));
+        })
+        .map_err(|e| format!("ext_proc clients' thread: {e}"))?;
+    let result = done_rx
+        .await
+        .unwrap_or_else(|_| Err("ext_proc clients' thread panicked".into()));
+    // It has sent its result: the join returns at once.
+    let _ = thread.join();
+    result
 }
 
 fn verdict(met: bool) -> &'static str {
