@@ -389,7 +389,11 @@ const EXTPROC_ANSWER_WAIT: Duration = Duration::from_secs(10);
 /// A multi-threaded client on the router's two cores wakes its threads for every
 /// answer and charges the router with the context switches; see docs/BENCHMARKS.md.
 /// Returns how many were not routed.
-async fn extproc_clients(addr: std::net::SocketAddr, host: String, n: usize) -> Result<usize, String> {
+async fn extproc_clients(
+    addr: std::net::SocketAddr,
+    host: String,
+    n: usize,
+) -> Result<usize, String> {
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
     let thread = std::thread::Builder::new()
         .name("extproc-clients".into())
@@ -424,7 +428,10 @@ async fn extproc_clients(addr: std::net::SocketAddr, host: String, n: usize) -> 
                         failed
                     }
                 });
-                futures_util::future::join_all(clients).await.into_iter().sum::<usize>()
+                futures_util::future::join_all(clients)
+                    .await
+                    .into_iter()
+                    .sum::<usize>()
             });
             let _ = done_tx.send(Ok(failed));
         })

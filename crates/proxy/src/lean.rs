@@ -149,13 +149,24 @@ pub(crate) fn response(v: &Verdict, head_only: bool, close: bool) -> Vec<u8> {
 }
 
 /// Resolves when the client has gone: the socket reads end of file or fails. Bytes
-/// that arrive instead (a pipelined request) are left for hyper, and the client is not
-/// watched any more.
-pub(crate) async fn gone(stream: &TcpStream) {
-    let mut byte = [0u8; 1];
-    match stream.peek(&mut byte).await {
-        Ok(0) | Err(_) => {}
-        Ok(_) => std::future::pending().await,
+/// that arrive meanwhile (a pipelined request) are read into `extra`, up to [`PEEK`],
+/// so the client stays watched; past that it is not watched any more (the wait still
+/// ends with its decision). Cancel-safe: every byte read is in `extra`.
+pub(crate) async fn gone(stream: &TcpStream, extra: &mut Vec<u8>) {
+    loop {
+        if extra.len() >= PEEK {
+            return std::future::pending().await;
+        }
+        if stream.readable().await.is_err() {
+            return;
+        }
+        extra.reserve(PEEK - extra.len());
+        match stream.try_read_buf(extra) {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(_) => return,
+        }
     }
 }
 
@@ -340,23 +351,43 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_client_that_leaves_is_gone_one_that_sends_more_is_not() {
+    async fn a_client_that_leaves_is_gone_even_after_sending_more() {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let mut client = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
         let (server, _) = l.accept().await.unwrap();
-        let watch = gone(&server);
-        tokio::pin!(watch);
-        assert!(futures_poll_once(watch.as_mut()).await.is_pending());
-        client.write_all(b"x").await.unwrap();
-        // The byte arrives: not gone, and not watched any more.
-        let mut byte = [0u8; 1];
-        server.peek(&mut byte).await.unwrap();
-        assert!(futures_poll_once(watch.as_mut()).await.is_pending());
-        drop(client);
-        let left = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let mut extra = Vec::new();
+        {
+            let watch = gone(&server, &mut extra);
+            tokio::pin!(watch);
+            assert!(futures_poll_once(watch.as_mut()).await.is_pending());
+            client.write_all(b"GET /next").await.unwrap();
+            drop(client);
+            watch.await;
+        }
+        assert_eq!(
+            extra, b"GET /next",
+            "the bytes sent before leaving are kept"
+        );
+    }
+
+    /// The paused clock moves on only once the runtime is idle: the watch has read
+    /// what it will and waits on nothing but the timeout.
+    #[tokio::test(start_paused = true)]
+    async fn past_the_bound_the_client_is_not_watched() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut client = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
         let (server, _) = l.accept().await.unwrap();
-        drop(left);
-        gone(&server).await;
+        client.write_all(&[b'x'; PEEK + 10]).await.unwrap();
+        drop(client);
+        let mut extra = Vec::new();
+        let watch = gone(&server, &mut extra);
+        assert!(
+            tokio::time::timeout(std::time::Duration::from_secs(60), watch)
+                .await
+                .is_err(),
+            "not watched past the bound"
+        );
+        assert!(extra.len() >= PEEK);
     }
 
     async fn futures_poll_once<F: std::future::Future + Unpin>(mut f: F) -> Poll<F::Output> {

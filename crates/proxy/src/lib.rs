@@ -13,8 +13,8 @@
 //! its head and its wait, not an HTTP/1 connection's buffers. A client that goes away
 //! while its request is parked is noticed, body or not (its body is read into memory,
 //! bounded, while it waits; without one, the socket reads end of file): the parking
-//! slot is freed at once and `canceled` recorded. Every status the data plane answers itself is a verdict of the
-//! pipeline's verdict module.
+//! slot is freed at once and `canceled` recorded. Every status the data plane answers
+//! itself is a verdict of the pipeline's verdict module.
 
 #![forbid(unsafe_code)]
 

@@ -45,6 +45,29 @@ struct Shared {
     client: Client<HttpConnector, RequestBody>,
     limits: Limits,
     tunnels: Tunnels,
+    /// hyper's servers, configured once for every connection.
+    http1: hyper::server::conn::http1::Builder,
+    http2: hyper::server::conn::http2::Builder<TokioExecutor>,
+}
+
+impl Shared {
+    fn new(router: Router, limits: Limits, tunnels: Tunnels) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(Duration::from_secs(5)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build(connector);
+        let (http1, http2) = builders(limits);
+        Self {
+            router,
+            client,
+            limits,
+            tunnels,
+            http1,
+            http2,
+        }
+    }
 }
 
 /// The upgraded connections (WebSocket and other protocols) spliced to workers: owned
@@ -104,23 +127,12 @@ impl HttpServer {
         tls: Option<IngressTls>,
     ) -> std::io::Result<Self> {
         let addr = listener.local_addr()?;
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(Duration::from_secs(5)));
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(30))
-            .build(connector);
         let force = CancellationToken::new();
         let tunnels = Tunnels {
             tasks: TaskTracker::new(),
             close: force.child_token(),
         };
-        let shared = Arc::new(Shared {
-            router,
-            client,
-            limits,
-            tunnels: tunnels.clone(),
-        });
+        let shared = Arc::new(Shared::new(router, limits, tunnels.clone()));
         let stop = CancellationToken::new();
         let connections = TaskTracker::new();
         connections.spawn(accept_loop(
@@ -228,6 +240,30 @@ async fn sniff(stream: &TcpStream) -> std::io::Result<Option<Protocol>> {
     }
 }
 
+/// hyper's HTTP/1 and HTTP/2 servers under `limits`.
+fn builders(
+    limits: Limits,
+) -> (
+    hyper::server::conn::http1::Builder,
+    hyper::server::conn::http2::Builder<TokioExecutor>,
+) {
+    let mut http1 = hyper::server::conn::http1::Builder::new();
+    http1
+        .max_buf_size(4 * limits.max_header_bytes.max(8192))
+        // Room for the count check in `handle` (which answers 431 with the limit), but
+        // never past hyper's inline 100: above it hyper allocates its header index
+        // arrays on the heap for every request it parses. Past it hyper answers 431
+        // itself.
+        .max_headers((2 * limits.max_headers.max(10)).min(HYPER_INLINE_HEADERS))
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT);
+    let mut http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    http2
+        .max_header_list_size(u32::try_from(4 * limits.max_header_bytes).unwrap_or(u32::MAX))
+        .timer(hyper_util::rt::TokioTimer::new());
+    (http1, http2)
+}
+
 async fn accept_loop(
     listener: TcpListener,
     tls: Option<IngressTls>,
@@ -236,20 +272,6 @@ async fn accept_loop(
     force: CancellationToken,
     connections: TaskTracker,
 ) {
-    let mut http1 = hyper::server::conn::http1::Builder::new();
-    http1
-        .max_buf_size(4 * shared.limits.max_header_bytes.max(8192))
-        // Room for the count check in `handle` (which answers 431 with the limit), but
-        // never past hyper's inline 100: above it hyper allocates its header index
-        // arrays on the heap for every request it parses. Past it hyper answers 431
-        // itself.
-        .max_headers((2 * shared.limits.max_headers.max(10)).min(HYPER_INLINE_HEADERS))
-        .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT);
-    let mut http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
-    http2
-        .max_header_list_size(u32::try_from(4 * shared.limits.max_header_bytes).unwrap_or(u32::MAX))
-        .timer(hyper_util::rt::TokioTimer::new());
     loop {
         let (stream, peer) = tokio::select! {
             () = stop.cancelled() => break,
@@ -264,15 +286,12 @@ async fn accept_loop(
         };
         let _ = stream.set_nodelay(true);
         let shared = Arc::clone(&shared);
-        let (http1, http2) = (http1.clone(), http2.clone());
         let (stop, force) = (stop.clone(), force.clone());
         let tls = tls.clone();
         connections.spawn(async move {
             let conn = Conn {
                 shared,
                 peer,
-                http1,
-                http2,
                 stop,
                 force,
             };
@@ -290,8 +309,6 @@ async fn accept_loop(
 struct Conn {
     shared: Arc<Shared>,
     peer: SocketAddr,
-    http1: hyper::server::conn::http1::Builder,
-    http2: hyper::server::conn::http2::Builder<TokioExecutor>,
     stop: CancellationToken,
     force: CancellationToken,
 }
@@ -304,6 +321,7 @@ impl Conn {
             // A connection that has sent nothing (since its last answer) has no request
             // to lose: a drain closes it.
             let protocol = tokio::select! {
+                biased;
                 sniffed = tokio::time::timeout(HEADER_READ_TIMEOUT, sniff(&stream)) => match sniffed {
                     Ok(Ok(Some(p))) => p,
                     Ok(Ok(None)) => return,
@@ -320,7 +338,7 @@ impl Conn {
             };
             if protocol == Protocol::Http2 && first {
                 let io = TokioIo::new(Replayed::new(stream, bytes::Bytes::new()));
-                return self.serve(io, protocol, None, None).await;
+                return Box::pin(self.serve(io, protocol, None, None)).await;
             }
             first = false;
             // Boxed: sized to what a request decided here waits with, apart from the
@@ -328,10 +346,10 @@ impl Conn {
             match Box::pin(self.lean(stream)).await {
                 Lean::Answered(s) => stream = s,
                 Lean::Closed => return,
+                // Boxed: a connection waiting in `lean` is not sized for hyper's.
                 Lean::Hyper(io, pre) => {
-                    return self
-                        .serve(TokioIo::new(io), Protocol::Http1, None, pre.map(|p| *p))
-                        .await;
+                    let serve = self.serve(TokioIo::new(io), Protocol::Http1, None, pre);
+                    return Box::pin(serve).await;
                 }
             }
         }
@@ -357,24 +375,26 @@ impl Conn {
         let deadline = started + router.config().decision_timeout();
         let decide = router.decide_holding(&head.host, deadline, std::future::pending());
         tokio::pin!(decide);
-        let mut taken = bytes::Bytes::new();
+        // The head once it is off the socket, and what the client sent after it.
+        let mut taken = Vec::new();
+        let mut extra = Vec::new();
         let decision = match std::future::poll_fn(|cx| Poll::Ready(decide.as_mut().poll(cx))).await
         {
             // Decided at once (a route under a lease, a denial): the head stays on the
             // socket.
             Poll::Ready(decision) => decision,
-            // It waits: the head comes off the socket, so the wait holds only it, and a
-            // client that leaves is seen. As with hyper, a client gone or the drain's
-            // last step drops the wait (`canceled`).
+            // It waits (a resume in progress, or parked): the head comes off the
+            // socket, so the wait holds only it, and a client that leaves is seen. As
+            // with hyper, a client gone or the drain's last step drops the wait
+            // (`canceled`).
             Poll::Pending => {
-                let mut buf = vec![0u8; head.len];
-                if stream.read_exact(&mut buf).await.is_err() {
+                taken = vec![0u8; head.len];
+                if stream.read_exact(&mut taken).await.is_err() {
                     return Lean::Closed;
                 }
-                taken = bytes::Bytes::from(buf);
                 tokio::select! {
                     decision = &mut decide => decision,
-                    () = lean::gone(&stream) => return Lean::Closed,
+                    () = lean::gone(&stream, &mut extra) => return Lean::Closed,
                     () = self.force.cancelled() => return Lean::Closed,
                 }
             }
@@ -386,7 +406,9 @@ impl Conn {
                     started,
                     decision,
                 };
-                return Lean::Hyper(Replayed::new(stream, taken), Some(Box::new(pre)));
+                taken.extend_from_slice(&extra);
+                let io = Replayed::new(stream, bytes::Bytes::from(taken));
+                return Lean::Hyper(io, Some(Box::new(pre)));
             }
             Decision::Deny(_, verdict) => verdict,
         };
@@ -415,6 +437,11 @@ impl Conn {
         if !written || close {
             let _ = stream.shutdown().await;
             return Lean::Closed;
+        }
+        if !extra.is_empty() {
+            // The client's next request arrived (in part) while this one waited:
+            // hyper reads it from here.
+            return Lean::Hyper(Replayed::new(stream, bytes::Bytes::from(extra)), None);
         }
         Lean::Answered(stream)
     }
@@ -463,18 +490,17 @@ impl Conn {
         io: TokioIo<I>,
         protocol: Protocol,
         refused: Option<Arc<str>>,
-        pre: Option<PreDecided>,
+        pre: Option<Box<PreDecided>>,
     ) where
         I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
         let Self {
             shared,
             peer,
-            http1,
-            http2,
             stop,
             force,
         } = self;
+        let shared_conn = Arc::clone(&shared);
         let pre = std::sync::Mutex::new(pre);
         let service = hyper::service::service_fn(move |req| {
             let refused = refused.clone();
@@ -498,11 +524,14 @@ impl Conn {
         // instead of the larger of the two.
         match protocol {
             Protocol::Http1 => {
-                let conn = http1.serve_connection(io, service).with_upgrades();
+                let conn = shared_conn
+                    .http1
+                    .serve_connection(io, service)
+                    .with_upgrades();
                 Box::pin(drive(conn, |c| c.graceful_shutdown(), peer, &stop, &force)).await;
             }
             Protocol::Http2 => {
-                let conn = http2.serve_connection(io, service);
+                let conn = shared_conn.http2.serve_connection(io, service);
                 Box::pin(drive(conn, |c| c.graceful_shutdown(), peer, &stop, &force)).await;
             }
         }
@@ -540,7 +569,11 @@ async fn drive<C, E>(
     E: std::fmt::Display,
 {
     tokio::pin!(conn);
+    // The connection first: a request decided before hyper read it (see `lean`) is
+    // read and taken on hyper's first poll; shut down gracefully before that, hyper
+    // would close a connection that has read nothing, dropping the request.
     tokio::select! {
+        biased;
         r = conn.as_mut() => {
             if let Err(e) = r {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
@@ -598,7 +631,7 @@ async fn handle(
     shared: &Shared,
     req: Request<Incoming>,
     peer: SocketAddr,
-    pre: Option<PreDecided>,
+    pre: Option<Box<PreDecided>>,
 ) -> Response<Body> {
     let mut started = Instant::now();
     let limits = shared.limits;
@@ -641,8 +674,21 @@ async fn handle(
         .to_owned();
 
     let router = &shared.router;
-    // hyper read the very head that was decided; the host check only guards that.
-    let pre = pre.filter(|p| p.host == host);
+    // hyper read the very head that was decided (the lean path parses the host as
+    // this function does): a different host would be a bug, and is decided afresh.
+    let pre = pre.filter(|p| {
+        let same = p.host == host;
+        if !same {
+            tracing::warn!(
+                decided = %p.host,
+                read = %host,
+                "a decision made before hyper read the request is for another host; \
+                 deciding again"
+            );
+        }
+        debug_assert!(same, "lean decision for {} applied to {host}", p.host);
+        same
+    });
     if let Some(p) = &pre {
         started = p.started;
     }
@@ -719,7 +765,7 @@ async fn send(
 
 #[cfg(test)]
 mod tests {
-    use super::{H2_PREFACE, Protocol, own_head, sniff};
+    use super::{Conn, H2_PREFACE, Lean, Protocol, Shared, Tunnels, own_head, sniff};
     use tokio::io::AsyncWriteExt as _;
     use tokio::net::{TcpListener, TcpStream};
 
@@ -729,6 +775,95 @@ mod tests {
         let client = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
         let (server, _) = l.accept().await.unwrap();
         (client, server)
+    }
+
+    /// A connection's task for `router`, as the accept loop makes it.
+    fn conn(router: valet_router::Router) -> Conn {
+        let tunnels = Tunnels {
+            tasks: tokio_util::task::TaskTracker::new(),
+            close: tokio_util::sync::CancellationToken::new(),
+        };
+        Conn {
+            shared: std::sync::Arc::new(Shared::new(router, super::Limits::default(), tunnels)),
+            peer: "127.0.0.1:1".parse().unwrap(),
+            stop: tokio_util::sync::CancellationToken::new(),
+            force: tokio_util::sync::CancellationToken::new(),
+        }
+    }
+
+    /// What `Conn::lean` makes of one request: answered itself, handed to hyper
+    /// decided, or handed to hyper untouched.
+    #[tokio::test]
+    async fn the_lean_path_answers_routes_or_leaves_to_hyper() {
+        use tokio::io::AsyncReadExt as _;
+        let (cp, mut calls) = valet_router::testing::Scripted::new();
+        let config = valet_router::RouterArgs::try_parse_flags(&[] as &[&str])
+            .unwrap()
+            .resolve()
+            .unwrap();
+        let router = valet_router::Router::new(
+            std::sync::Arc::new(config),
+            cp,
+            std::sync::Arc::new(valet_router::Metrics::new()),
+        );
+        let host = "p1.demo.actors.resources.substrate.ate.dev";
+
+        // Denied after a wait: the lean path writes the verdict itself.
+        let (mut client, server) = pair().await;
+        client
+            .write_all(format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let lean = tokio::spawn({
+            let conn = conn(router.clone());
+            async move { matches!(conn.lean(server).await, Lean::Answered(_)) }
+        });
+        calls
+            .next()
+            .await
+            .fail(tonic::Code::NotFound, "no such actor");
+        assert!(lean.await.unwrap(), "answered by the lean path");
+        let mut answer = [0u8; 12];
+        client.read_exact(&mut answer).await.unwrap();
+        assert_eq!(&answer, b"HTTP/1.1 404");
+
+        // Routed after a wait: hyper gets the connection and the decision, and the
+        // head put back.
+        let (mut client, server) = pair().await;
+        client
+            .write_all(format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let lean = tokio::spawn({
+            let conn = conn(router.clone());
+            async move {
+                match conn.lean(server).await {
+                    Lean::Hyper(mut io, Some(pre)) => {
+                        let mut head = vec![0u8; 16];
+                        io.read_exact(&mut head).await.unwrap();
+                        Some((pre.host, head))
+                    }
+                    _ => None,
+                }
+            }
+        });
+        calls.next().await.running(9);
+        let (decided_for, head) = lean.await.unwrap().expect("handed to hyper, decided");
+        assert_eq!(decided_for, host);
+        assert_eq!(&head, b"GET / HTTP/1.1\r\n");
+
+        // A body: hyper's, untouched, with no decision made.
+        let (mut client, server) = pair().await;
+        client
+            .write_all(
+                format!("POST / HTTP/1.1\r\nHost: {host}\r\nContent-Length: 2\r\n\r\nhi")
+                    .as_bytes(),
+            )
+            .await
+            .unwrap();
+        let lean = conn(router.clone()).lean(server).await;
+        assert!(matches!(lean, Lean::Hyper(_, None)));
+        assert!(calls.try_next().is_none(), "no decision for it");
     }
 
     #[tokio::test]

@@ -130,6 +130,119 @@ async fn a_parked_request_is_served_and_its_connection_keeps_serving() {
         ),
         1.0
     );
+    // Each request decided once, though hyper read the first after its decision.
+    assert_eq!(decided(&router, "200", "routed"), 2.0);
+    assert_eq!(router.recent_requests().len(), 2);
+}
+
+fn decided(router: &Router, status: &str, verdict: &str) -> f64 {
+    router.metrics().sample(
+        "atenet_router_requests_total",
+        &[("status", status), ("verdict", verdict)],
+    )
+}
+
+/// Parked requests routed after the data plane stopped accepting are served: hyper
+/// takes a request decided before it read it before any graceful shutdown, which
+/// would otherwise close a connection that has read nothing (each such connection had
+/// an even chance of closing without an answer).
+#[tokio::test]
+async fn parked_requests_routed_during_a_drain_are_served() {
+    const N: usize = 8;
+    let (router, server, mut calls) = serve().await;
+    let port = echo_upstream().await;
+    let mut clients = tokio::task::JoinSet::new();
+    for i in 0..N {
+        let mut conn = connect(&server).await;
+        clients.spawn(async move { send(&mut conn, "GET", &format!("/{i}"), "p1").await });
+    }
+    calls.next().await.no_room();
+    assert!(router.lot().wait_for_active(N, WAIT).await, "all parked");
+    server.stop_accepting();
+    calls.next().await.running(port);
+    let answers = clients.join_all().await;
+    for (status, _, body) in &answers {
+        assert_eq!(*status, 200, "{body}");
+    }
+    assert_eq!(decided(&router, "200", "routed"), N as f64);
+    tokio::time::timeout(WAIT, server.drained())
+        .await
+        .expect("every connection closes after its answer");
+}
+
+/// Two requests in one write, the first parked: its verdict comes first, then the
+/// second (read while the first waited) is served, on the same connection.
+#[tokio::test]
+async fn a_request_pipelined_behind_a_parked_one_is_answered_after_it() {
+    let (router, server, mut calls) = serve().await;
+    let port = echo_upstream().await;
+    let mut raw = TcpStream::connect(server.local_addr()).await.unwrap();
+    raw.write_all(
+        format!(
+            "GET /one HTTP/1.1\r\nHost: {}\r\n\r\nGET /two HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
+            host("gone"),
+            host("p2")
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let first = calls.next().await;
+    assert_eq!(first.request.actor.to_string(), "demo/gone");
+    first.no_room();
+    assert!(router.lot().wait_for_active(1, WAIT).await, "parked");
+    calls.next().await.fail(Code::NotFound, "no such actor");
+    calls.next().await.running(port);
+    let mut out = Vec::new();
+    tokio::time::timeout(WAIT, raw.read_to_end(&mut out))
+        .await
+        .expect("both answered, then closed")
+        .unwrap();
+    let out = String::from_utf8(out).unwrap();
+    let second = out.find("HTTP/1.1 200").expect("the second answered");
+    assert!(out.starts_with("HTTP/1.1 404 Not Found\r\n"), "{out}");
+    assert!(
+        out[second..].ends_with(&format!("GET /two {}", host("p2"))),
+        "{out}"
+    );
+}
+
+/// On a connection hyper serves (its first request was routed), a request that parks
+/// is hyper's: a client that leaves it is still noticed.
+#[tokio::test]
+async fn a_client_that_leaves_a_request_parked_under_hyper_is_canceled() {
+    let (router, server, mut calls) = serve().await;
+    let port = echo_upstream().await;
+    let mut conn = connect(&server).await;
+    let first = tokio::spawn(async move {
+        let r = send(&mut conn, "GET", "/", "p1").await;
+        (conn, r)
+    });
+    calls.next().await.running(port);
+    let (mut conn, (status, _, _)) = first.await.unwrap();
+    assert_eq!(status, 200);
+    let parked = tokio::spawn(async move {
+        conn.ready().await.unwrap();
+        let req = http::Request::get("/")
+            .header("host", host("p2"))
+            .body(Empty::new())
+            .unwrap();
+        let _ = conn.send_request(req).await;
+    });
+    calls.next().await.no_room();
+    assert!(router.lot().wait_for_active(1, WAIT).await, "parked");
+    parked.abort();
+    let _ = parked.await;
+    assert!(router.lot().wait_for_active(0, WAIT).await, "slot freed");
+    assert_eq!(
+        router.metrics().sample(
+            "atenet_router_parking_wait_duration_seconds_count",
+            &[("outcome", "canceled")]
+        ),
+        1.0
+    );
+    assert_eq!(decided(&router, "408", "canceled"), 1.0);
+    assert_eq!(router.recent_requests().len(), 1, "only the first answered");
 }
 
 #[tokio::test]
@@ -204,4 +317,6 @@ async fn a_client_that_leaves_while_parked_is_canceled() {
         ),
         1.0
     );
+    assert_eq!(decided(&router, "408", "canceled"), 1.0);
+    assert!(router.recent_requests().is_empty(), "nothing answered");
 }
