@@ -79,6 +79,15 @@ impl TempPostgres {
     /// When PostgreSQL is not installed or does not start (the message says which
     /// step failed and how to install it).
     pub fn start() -> Self {
+        Self::start_trying(free_port())
+    }
+
+    /// [`TempPostgres::start`], trying `port` first: a port another process has
+    /// taken is passed over for a free one.
+    ///
+    /// # Panics
+    /// As [`TempPostgres::start`].
+    pub fn start_trying(port: u16) -> Self {
         let bin = bin_dir();
         let as_postgres = is_root();
         reap_orphans(&bin, as_postgres);
@@ -91,10 +100,10 @@ impl TempPostgres {
                 .as_nanos()
         ));
         std::fs::create_dir_all(&dir).expect("a temporary directory for PostgreSQL");
-        let server = Self {
+        let mut server = Self {
             dir,
             bin,
-            port: free_port(),
+            port,
             as_postgres,
         };
         if as_postgres {
@@ -125,27 +134,41 @@ impl TempPostgres {
                 "--no-sync",
             ],
         );
-        let options = format!(
-            "-p {} -c listen_addresses=127.0.0.1 -k {} -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=200",
-            server.port,
-            server.dir.display()
-        );
+        // The port was free when `free_port` let go of it; another process may take
+        // it before the server binds it: then another port, a few times.
         let log = server.dir.join("server.log");
-        server.run(
-            "pg_ctl",
-            &[
-                "-D",
-                path(&data),
-                "-l",
-                path(&log),
-                "-o",
-                &options,
-                "-w",
-                "-t",
-                "60",
-                "start",
-            ],
-        );
+        for attempt in 1.. {
+            let options = format!(
+                "-p {} -c listen_addresses=127.0.0.1 -k {} -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=200",
+                server.port,
+                server.dir.display()
+            );
+            let started = server.try_run(
+                "pg_ctl",
+                &[
+                    "-D",
+                    path(&data),
+                    "-l",
+                    path(&log),
+                    "-o",
+                    &options,
+                    "-w",
+                    "-t",
+                    "60",
+                    "start",
+                ],
+            );
+            match started {
+                Ok(()) => break,
+                Err(e) => {
+                    let taken =
+                        std::fs::read_to_string(&log).is_ok_and(|l| l.contains("already in use"));
+                    assert!(taken && attempt < PORT_ATTEMPTS, "{e}");
+                    let _ = std::fs::remove_file(&log);
+                    server.port = free_port();
+                }
+            }
+        }
         server
     }
 
@@ -171,6 +194,12 @@ impl TempPostgres {
     }
 
     fn run(&self, tool: &str, args: &[&str]) {
+        if let Err(e) = self.try_run(tool, args) {
+            panic!("{e}");
+        }
+    }
+
+    fn try_run(&self, tool: &str, args: &[&str]) -> Result<(), String> {
         let exe = self.bin.join(tool);
         let mut cmd = if self.as_postgres {
             let mut c = Command::new("runuser");
@@ -185,14 +214,19 @@ impl TempPostgres {
                 exe.display()
             )
         });
-        assert!(
-            out.status.success(),
+        if out.status.success() {
+            return Ok(());
+        }
+        Err(format!(
             "{tool} failed: {}{}",
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
-        );
+        ))
     }
 }
+
+/// How many ports [`TempPostgres::start`] tries before it gives up.
+const PORT_ATTEMPTS: u32 = 5;
 
 /// Servers left by test processes that were killed before dropping theirs (a
 /// timed-out test): stopped, their directories removed.

@@ -55,6 +55,21 @@ async fn count(url: &str, query: &str) -> i64 {
     n
 }
 
+/// The throwaway server's port is picked free and then given up; a port another
+/// process took meanwhile is passed over for another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_throwaway_server_passes_over_a_taken_port() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let pg = tokio::task::spawn_blocking(move || TempPostgres::start_trying(port))
+        .await
+        .unwrap();
+    assert_ne!(pg.port(), port);
+    let store = PostgresStore::open(&pg.url()).await.unwrap();
+    store.ping().await.unwrap();
+    drop(taken);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_record_survives_a_reopen_and_batches_are_transactions() {
     let pg = TempPostgres::start_async().await;
