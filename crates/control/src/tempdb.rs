@@ -161,9 +161,13 @@ impl TempPostgres {
             match started {
                 Ok(()) => break,
                 Err(e) => {
-                    let taken =
-                        std::fs::read_to_string(&log).is_ok_and(|l| l.contains("already in use"));
-                    assert!(taken && attempt < PORT_ATTEMPTS, "{e}");
+                    let log_text = std::fs::read_to_string(&log).unwrap_or_default();
+                    let taken = log_text.contains("already in use");
+                    // The log goes with the directory: quote it.
+                    assert!(
+                        taken && attempt < PORT_ATTEMPTS,
+                        "{e}\nserver log:\n{log_text}"
+                    );
                     let _ = std::fs::remove_file(&log);
                     server.port = free_port();
                 }

@@ -421,8 +421,15 @@ async fn extproc_clients(
                                 crate::extproc::decide(client, host),
                             )
                             .await;
-                            if !matches!(answer, Ok(Ok(crate::extproc::Answer::Routed(_)))) {
-                                failed += 1;
+                            match answer {
+                                Ok(Ok(crate::extproc::Answer::Routed(_))) => {}
+                                Ok(_) => failed += 1,
+                                // A router that does not answer in time: the run ends
+                                // here (the figure is then meaningless anyway).
+                                Err(_) => {
+                                    failed += 1;
+                                    next.set(n);
+                                }
                             }
                         }
                         failed
@@ -439,8 +446,8 @@ async fn extproc_clients(
     let result = done_rx
         .await
         .unwrap_or_else(|_| Err("ext_proc clients' thread panicked".into()));
-    // It has sent its result: the join returns at once.
-    let _ = thread.join();
+    // It has sent its result: the join returns at once (off the runtime's threads).
+    let _ = tokio::task::spawn_blocking(move || thread.join()).await;
     result
 }
 

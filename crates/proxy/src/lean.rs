@@ -160,12 +160,27 @@ pub(crate) async fn gone(stream: &TcpStream, extra: &mut Vec<u8>) {
         if stream.readable().await.is_err() {
             return;
         }
-        extra.reserve(PEEK - extra.len());
-        match stream.try_read_buf(extra) {
+        // Read on the stack: the readiness may be stale (nothing arrived), and a wait
+        // that is sent nothing holds no buffer.
+        let mut chunk = [0u8; 512];
+        let room = chunk.len().min(PEEK - extra.len());
+        match stream.try_read(&mut chunk[..room]) {
             Ok(0) => return,
-            Ok(_) => {}
+            Ok(n) => extra.extend_from_slice(&chunk[..n]),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
             Err(_) => return,
+        }
+    }
+}
+
+/// Reads and drops what the client has sent and is readable now (up to 64 KiB), so
+/// that closing the socket sends a FIN rather than a reset.
+pub(crate) fn discard_readable(stream: &TcpStream) {
+    let mut chunk = [0u8; 4096];
+    for _ in 0..16 {
+        match stream.try_read(&mut chunk) {
+            Ok(n) if n > 0 => {}
+            _ => return,
         }
     }
 }
@@ -320,21 +335,31 @@ mod tests {
 
     #[test]
     fn a_verdict_is_written_as_hyper_would() {
-        let v = Verdict::of(&Denial::ShuttingDown("default/p1".parse().unwrap()));
-        let out = String::from_utf8(response(&v, false, true)).unwrap();
-        let (head, body) = out.split_once("\r\n\r\n").unwrap();
-        assert!(head.starts_with(&format!(
-            "HTTP/1.1 {} {}\r\n",
-            v.status().as_str(),
-            v.status().canonical_reason().unwrap()
-        )));
-        assert!(head.contains(&format!("content-type: {}\r\n", v.content_type())));
-        assert!(head.contains("connection: close\r\n"));
-        assert!(head.contains(&format!("content-length: {}\r\n", v.body().len())));
-        assert!(head.contains("\r\ndate: "));
-        assert_eq!(body, v.body());
-        let head_only = response(&v, true, false);
-        assert!(String::from_utf8(head_only).unwrap().ends_with("\r\n\r\n"));
+        let actor: valet_router::ActorRef = "default/p1".parse().unwrap();
+        let verdicts = [
+            Verdict::of(&Denial::ShuttingDown(actor.clone())),
+            Verdict::of(&Denial::LotFull(actor)),
+        ];
+        for v in verdicts {
+            let out = String::from_utf8(response(&v, false, true)).unwrap();
+            let (head, body) = out.split_once("\r\n\r\n").unwrap();
+            assert!(head.starts_with(&format!(
+                "HTTP/1.1 {} {}\r\n",
+                v.status().as_str(),
+                v.status().canonical_reason().unwrap()
+            )));
+            // Every header the hyper path's rendering of the verdict has.
+            for (name, value) in crate::forward::render(&v).headers() {
+                let line = format!("\r\n{name}: {}\r\n", value.to_str().unwrap());
+                assert!(out.contains(&line), "{line:?} missing from {head}");
+            }
+            assert!(head.contains("\r\nconnection: close\r\n"));
+            assert!(head.contains(&format!("\r\ncontent-length: {}\r\n", v.body().len())));
+            assert!(head.contains("\r\ndate: "));
+            assert_eq!(body, v.body());
+            let head_only = String::from_utf8(response(&v, true, false)).unwrap();
+            assert!(head_only.ends_with("\r\n\r\n") && !head_only.contains("connection"));
+        }
     }
 
     #[tokio::test]
@@ -379,6 +404,12 @@ mod tests {
         let (server, _) = l.accept().await.unwrap();
         client.write_all(&[b'x'; PEEK + 10]).await.unwrap();
         drop(client);
+        // Every byte visible to the server first: the clock moves on once the runtime
+        // is idle, whether or not loopback has delivered them.
+        let mut seen = vec![0u8; PEEK + 10];
+        while server.peek(&mut seen).await.unwrap() < PEEK + 10 {
+            server.readable().await.unwrap();
+        }
         let mut extra = Vec::new();
         let watch = gone(&server, &mut extra);
         assert!(

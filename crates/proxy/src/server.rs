@@ -436,6 +436,9 @@ impl Conn {
         };
         if !written || close {
             let _ = stream.shutdown().await;
+            // Bytes of the client's left unread would make the close a reset, which
+            // can discard the answer before the client reads it.
+            lean::discard_readable(&stream);
             return Lean::Closed;
         }
         if !extra.is_empty() {
