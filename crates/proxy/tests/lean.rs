@@ -100,27 +100,40 @@ async fn send(
     (status, headers, String::from_utf8(body.to_vec()).unwrap())
 }
 
+type Answer = (u16, http::HeaderMap, String);
+
+/// [`send`] in a task of its own, so the test can answer the control plane meanwhile;
+/// the connection comes back with the answer.
+fn sending(
+    mut conn: Sender,
+    method: &'static str,
+    path: &'static str,
+    name: &'static str,
+) -> tokio::task::JoinHandle<(Sender, Answer)> {
+    tokio::spawn(async move {
+        let answer = send(&mut conn, method, path, name).await;
+        (conn, answer)
+    })
+}
+
 #[tokio::test]
 async fn a_parked_request_is_served_and_its_connection_keeps_serving() {
     let (router, server, mut calls) = serve().await;
     let port = echo_upstream().await;
-    let mut conn = connect(&server).await;
+    let conn = connect(&server).await;
 
-    let parked = tokio::spawn(async move {
-        let first = send(&mut conn, "GET", "/first?x=1", "p1").await;
-        (conn, first)
-    });
+    let parked = sending(conn, "GET", "/first?x=1", "p1");
     calls.next().await.no_room();
     assert!(router.lot().wait_for_active(1, WAIT).await, "parked");
     calls.next().await.running(port);
-    let (mut conn, (status, _, body)) = parked.await.unwrap();
+    let (conn, (status, _, body)) = parked.await.unwrap();
     assert_eq!(status, 200);
     assert_eq!(body, format!("GET /first?x=1 {}", host("p1")));
 
     // The same connection, now hyper's: the next request is routed as usual.
-    let next = tokio::spawn(async move { send(&mut conn, "GET", "/second", "p1").await });
+    let next = sending(conn, "GET", "/second", "p1");
     calls.next().await.running(port);
-    let (status, _, body) = next.await.unwrap();
+    let (_, (status, _, body)) = next.await.unwrap();
     assert_eq!(status, 200);
     assert_eq!(body, format!("GET /second {}", host("p1")));
     assert_eq!(
@@ -213,11 +226,8 @@ async fn a_request_pipelined_behind_a_parked_one_is_answered_after_it() {
 async fn a_client_that_leaves_a_request_parked_under_hyper_is_canceled() {
     let (router, server, mut calls) = serve().await;
     let port = echo_upstream().await;
-    let mut conn = connect(&server).await;
-    let first = tokio::spawn(async move {
-        let r = send(&mut conn, "GET", "/", "p1").await;
-        (conn, r)
-    });
+    let conn = connect(&server).await;
+    let first = sending(conn, "GET", "/", "p1");
     calls.next().await.running(port);
     let (mut conn, (status, _, _)) = first.await.unwrap();
     assert_eq!(status, 200);
@@ -248,24 +258,18 @@ async fn a_client_that_leaves_a_request_parked_under_hyper_is_canceled() {
 #[tokio::test]
 async fn verdicts_written_before_hyper_keep_the_connection_until_it_is_closed() {
     let (router, server, mut calls) = serve().await;
-    let mut conn = connect(&server).await;
+    let conn = connect(&server).await;
 
-    let first = tokio::spawn(async move {
-        let r = send(&mut conn, "GET", "/", "gone").await;
-        (conn, r)
-    });
+    let first = sending(conn, "GET", "/", "gone");
     calls.next().await.fail(Code::NotFound, "no such actor");
-    let (mut conn, (status, headers, body)) = first.await.unwrap();
+    let (conn, (status, headers, body)) = first.await.unwrap();
     assert_eq!(status, 404);
     assert!(headers.contains_key("date"));
     assert_eq!(headers["content-length"], body.len().to_string().as_str());
     assert!(!body.is_empty());
 
     // HEAD: the same headers, no body, and the connection still serves.
-    let head = tokio::spawn(async move {
-        let r = send(&mut conn, "HEAD", "/", "gone").await;
-        (conn, r)
-    });
+    let head = sending(conn, "HEAD", "/", "gone");
     calls.next().await.fail(Code::NotFound, "no such actor");
     let (_conn, (status, headers, head_body)) = head.await.unwrap();
     assert_eq!(status, 404);
