@@ -136,16 +136,18 @@ async fn a_parked_request_is_served_and_its_connection_keeps_serving() {
     let (_, (status, _, body)) = next.await.unwrap();
     assert_eq!(status, 200);
     assert_eq!(body, format!("GET /second {}", host("p1")));
-    assert_eq!(
-        router.metrics().sample(
-            "atenet_router_parking_wait_duration_seconds_count",
-            &[("outcome", "served")]
-        ),
-        1.0
-    );
+    assert_eq!(parked_outcome(&router, "served"), 1.0);
     // Each request decided once, though hyper read the first after its decision.
     assert_eq!(decided(&router, "200", "routed"), 2.0);
     assert_eq!(router.recent_requests().len(), 2);
+}
+
+/// Parked requests that ended with `outcome`.
+fn parked_outcome(router: &Router, outcome: &str) -> f64 {
+    router.metrics().sample(
+        "atenet_router_parking_wait_duration_seconds_count",
+        &[("outcome", outcome)],
+    )
 }
 
 fn decided(router: &Router, status: &str, verdict: &str) -> f64 {
@@ -244,13 +246,7 @@ async fn a_client_that_leaves_a_request_parked_under_hyper_is_canceled() {
     parked.abort();
     let _ = parked.await;
     assert!(router.lot().wait_for_active(0, WAIT).await, "slot freed");
-    assert_eq!(
-        router.metrics().sample(
-            "atenet_router_parking_wait_duration_seconds_count",
-            &[("outcome", "canceled")]
-        ),
-        1.0
-    );
+    assert_eq!(parked_outcome(&router, "canceled"), 1.0);
     assert_eq!(decided(&router, "408", "canceled"), 1.0);
     assert_eq!(router.recent_requests().len(), 1, "only the first answered");
 }
@@ -314,13 +310,7 @@ async fn a_client_that_leaves_while_parked_is_canceled() {
     assert!(router.lot().wait_for_active(1, WAIT).await, "parked");
     drop(raw);
     assert!(router.lot().wait_for_active(0, WAIT).await, "slot freed");
-    assert_eq!(
-        router.metrics().sample(
-            "atenet_router_parking_wait_duration_seconds_count",
-            &[("outcome", "canceled")]
-        ),
-        1.0
-    );
+    assert_eq!(parked_outcome(&router, "canceled"), 1.0);
     assert_eq!(decided(&router, "408", "canceled"), 1.0);
     assert!(router.recent_requests().is_empty(), "nothing answered");
 }
