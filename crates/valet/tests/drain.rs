@@ -249,3 +249,75 @@ async fn sigterm_on_an_extproc_only_router() {
     );
     assert_eq!(router.exit_code(WITHIN).await, Some(0));
 }
+
+/// A worker freed during the drain goes to the parked requests, which are routed and
+/// answered by their actor, on both planes: SIGTERM keeps a parked request's chance to
+/// be served, not only its verdict. The HTTP requests go through the lean path (no
+/// body), so the head it took off each socket is handed to hyper during the drain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_serves_parked_requests_a_worker_frees_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cp, _w1) = full_pool(dir.path(), &["q1".to_owned()]).await;
+    let c = client(cp.addr);
+    let url = format!("http://{}", cp.addr);
+    let mut router = Proc::start(
+        "admin",
+        &[
+            "router",
+            "--listen",
+            "127.0.0.1:0",
+            "--extproc-listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--control-plane",
+            &url,
+            "--parked-request-budget",
+            "20s",
+        ],
+    )
+    .await;
+    let http = router.addrs["router"];
+    let by_http: Vec<_> = (0..200)
+        .map(|_| {
+            tokio::spawn(async move { try_http_get(http, "/", &[("Host", &host("q1"))]).await })
+        })
+        .collect();
+    let ep = extproc::client(router.addrs["extproc"]);
+    let by_extproc: Vec<_> = (0..20)
+        .map(|_| {
+            let ep = ep.clone();
+            tokio::spawn(async move { extproc::decide(&ep, &host("q1")).await })
+        })
+        .collect();
+    eventually("220 parked", WITHIN, || async {
+        (router.metric("atenet_router_parking_active", &[]).await == 220.0).then_some(())
+    })
+    .await;
+
+    router.terminate();
+    eventually("new connections refused", WITHIN, || async {
+        tokio::net::TcpStream::connect(http)
+            .await
+            .is_err()
+            .then_some(())
+    })
+    .await;
+    common::suspend(&c, "demo/p0").await.unwrap();
+
+    for r in by_http {
+        let (status, body) = r.await.unwrap().expect("an answer over HTTP");
+        assert_eq!(status, 200, "{body}");
+        assert!(body.starts_with("hello from: demo/q1 |"), "{body}");
+    }
+    let mut authorities = std::collections::BTreeSet::new();
+    for r in by_extproc {
+        match r.await.unwrap().unwrap() {
+            Answer::Routed(authority) => authorities.insert(authority),
+            other => panic!("over ext_proc: {other:?}"),
+        };
+    }
+    assert_eq!(authorities.len(), 1, "one worker: {authorities:?}");
+    assert!(!authorities.first().unwrap().is_empty());
+    assert_eq!(router.exit_code(WITHIN).await, Some(0));
+}
