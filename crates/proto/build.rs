@@ -10,6 +10,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let mut config = tonic_prost_build::Config::new();
     config.protoc_executable(protoc);
+    // It carries a bearer token: its `Debug` (in `lib.rs`) leaves the token out.
+    config.skip_debug(["valet.worker.Renew"]);
 
     tonic_prost_build::configure()
         .file_descriptor_set_path(out_dir.join("ateapi_descriptor.bin"))

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use jsonwebtoken::jwk::{AlgorithmParameters, Jwk, PublicKeyUse};
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
@@ -175,6 +175,7 @@ pub struct JwtVerifier {
     keys: Vec<Key>,
     audience: Option<String>,
     issuer: Option<String>,
+    leeway: Duration,
 }
 
 impl std::fmt::Debug for JwtVerifier {
@@ -183,6 +184,7 @@ impl std::fmt::Debug for JwtVerifier {
             .field("keys", &self.keys.len())
             .field("audience", &self.audience)
             .field("issuer", &self.issuer)
+            .field("leeway", &self.leeway)
             .finish()
     }
 }
@@ -216,6 +218,7 @@ impl JwtVerifier {
             }],
             audience,
             issuer,
+            leeway: LEEWAY,
         })
     }
 
@@ -286,14 +289,24 @@ impl JwtVerifier {
             keys,
             audience,
             issuer,
+            leeway: LEEWAY,
         })
     }
 
-    /// Checks `token`; the reason when it is refused (never the token itself).
+    /// The same verifier tolerating `leeway` of clock skew on `exp` and `nbf` instead of
+    /// 30 s (tests use zero, to see a token expire soon).
+    #[must_use]
+    pub fn with_leeway(mut self, leeway: Duration) -> Self {
+        self.leeway = leeway;
+        self
+    }
+
+    /// Checks `token`: when it stops being accepted (its `exp` plus the tolerated skew),
+    /// or the reason it is refused (never the token itself).
     ///
     /// # Errors
     /// Why the token is not accepted.
-    pub fn verify(&self, token: &str) -> Result<(), String> {
+    pub fn verify(&self, token: &str) -> Result<SystemTime, String> {
         let header =
             jsonwebtoken::decode_header(token).map_err(|e| format!("malformed token: {e}"))?;
         let mut last = String::from("no key verifies the token's algorithm");
@@ -307,7 +320,7 @@ impl JwtVerifier {
             }
             let mut v = Validation::new(header.alg);
             v.algorithms = vec![header.alg];
-            v.leeway = LEEWAY.as_secs();
+            v.leeway = self.leeway.as_secs();
             v.validate_exp = true;
             v.validate_nbf = true;
             // A configured audience or issuer must be present, not only match when it is.
@@ -327,12 +340,55 @@ impl JwtVerifier {
                 v.set_issuer(&[iss]);
             }
             match jsonwebtoken::decode::<serde_json::Value>(token, &k.key, &v) {
-                Ok(_) => return Ok(()),
+                Ok(t) => {
+                    // Validated: `exp` is there and a number of seconds, in the
+                    // future; capped at 2106 so that the sum cannot overflow.
+                    let exp = t.claims["exp"].as_f64().unwrap_or_default();
+                    let exp = Duration::from_secs_f64(exp.clamp(0.0, f64::from(u32::MAX)));
+                    return Ok(UNIX_EPOCH + exp + self.leeway);
+                }
                 Err(e) => last = e.to_string(),
             }
         }
         Err(last)
     }
+}
+
+/// When a call's bearer token stops being accepted (its `exp` plus the tolerated skew):
+/// set by [`Authn`] on every call it lets through with a token. A stream outlives the
+/// call that opened it, so a stream's server ends it then, unless it was handed a fresh
+/// token meanwhile (workers renew theirs in band).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Expiry(pub SystemTime);
+
+impl Expiry {
+    /// The call's, when it carried a token.
+    pub fn of<T>(req: &Request<T>) -> Option<Self> {
+        req.extensions().get::<Self>().copied()
+    }
+
+    /// Resolves at the expiry (on the runtime's clock, measured from the wall clock now).
+    pub async fn passed(self) {
+        let left = self.0.duration_since(SystemTime::now()).unwrap_or_default();
+        tokio::time::sleep(left).await;
+    }
+}
+
+/// Resolves when `expiry` passes; never without one.
+pub(crate) async fn expired(expiry: Option<Expiry>) {
+    match expiry {
+        Some(e) => e.passed().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Checks a token handed over on an open stream: its expiry, or why it is refused
+/// (`None` when no verifier is configured: the stream has no expiry either).
+pub(crate) fn refresh(
+    verifier: Option<&Reloading<JwtVerifier>>,
+    token: &str,
+) -> Option<Result<Expiry, String>> {
+    verifier.map(|v| v.load().verify(token).map(Expiry))
 }
 
 /// Refuses calls without a valid bearer token (`Unauthenticated`, which a router
@@ -355,7 +411,11 @@ impl Interceptor for Authn {
             })
             .ok_or_else(|| Status::unauthenticated("a bearer token is required"))?;
         match verifier.load().verify(token.trim()) {
-            Ok(()) => Ok(req),
+            Ok(expires) => {
+                let mut req = req;
+                req.extensions_mut().insert(Expiry(expires));
+                Ok(req)
+            }
             Err(why) => {
                 tracing::debug!(%why, "bearer token refused");
                 Err(Status::unauthenticated(format!(
@@ -425,6 +485,29 @@ mod tests {
             v.verify(&token(&encryption, "sig")).is_err(),
             "kid names the key, not the signer"
         );
+    }
+
+    #[test]
+    fn a_token_is_accepted_until_its_exp_plus_the_leeway() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = ec_key();
+        let path = write(
+            dir.path(),
+            &serde_json::json!({"keys": [jwk(&key, "k", "sig")]}),
+        );
+        let exp = std::time::SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+            + 600;
+        let claims = serde_json::json!({"aud": "valet", "iss": "test", "exp": exp});
+        let token = jsonwebtoken::encode(&Header::new(Algorithm::ES256), &claims, &key).unwrap();
+        let v =
+            JwtVerifier::from_jwks_file(&path, Some("valet".into()), Some("test".into())).unwrap();
+        let until = UNIX_EPOCH + Duration::from_secs(exp);
+        assert_eq!(v.verify(&token), Ok(until + LEEWAY));
+        let v = v.with_leeway(Duration::ZERO);
+        assert_eq!(v.verify(&token), Ok(until));
     }
 
     #[test]

@@ -13,10 +13,12 @@ use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status, Streaming};
 use valet_proto::ateapi::{self, control_server};
 use valet_proto::leases::{self as lp, leases_server};
+use valet_proto::reload::Reloading;
 use valet_proto::worker::{
     self as wk, worker_command::Command, worker_event::Event, workers_server,
 };
 
+use crate::auth::{Expiry, JwtVerifier, expired, refresh};
 use crate::link::WorkerLink;
 use crate::model::ActorKey;
 use crate::plane::Plane;
@@ -65,6 +67,7 @@ pub async fn serve(
         .add_service(InterceptedService::new(
             workers_server::WorkersServer::new(WorkersService {
                 plane: plane.clone(),
+                jwt: security.jwt.clone(),
             })
             .max_decoding_message_size(MAX_MESSAGE_BYTES),
             authn.clone(),
@@ -344,6 +347,7 @@ impl leases_server::Leases for LeasesService {
         Pin<Box<dyn tokio_stream::Stream<Item = Result<lp::PlaneMessage, Status>> + Send>>;
 
     async fn watch(&self, r: Request<Streaming<lp::RouterMessage>>) -> Res<Self::WatchStream> {
+        let expiry = Expiry::of(&r);
         let mut inbound = r.into_inner();
         let router = match inbound.message().await? {
             Some(lp::RouterMessage {
@@ -363,11 +367,26 @@ impl leases_server::Leases for LeasesService {
             })),
         };
         let _ = tx.send(Ok(welcome)).await;
+        // Weak: the stream ends when the plane drops its sender.
+        let ending = tx.downgrade();
         drop(tx);
         let plane = self.plane.clone();
         self.plane.spawn_link(async move {
             loop {
-                match inbound.message().await {
+                let message = tokio::select! {
+                    m = inbound.message() => m,
+                    () = expired(expiry) => {
+                        // The router watches again with the token in its file now.
+                        tracing::info!(%router, "the router's bearer token expired; ending its lease watch");
+                        if let Some(tx) = ending.upgrade() {
+                            let _ = tx.try_send(Err(Status::unauthenticated(
+                                "bearer token expired: watch again with a fresh token",
+                            )));
+                        }
+                        break;
+                    }
+                };
+                match message {
                     Ok(Some(lp::RouterMessage {
                         message: Some(lp::router_message::Message::Ack(ack)),
                     })) => {
@@ -392,12 +411,14 @@ impl leases_server::Leases for LeasesService {
 #[derive(Debug, Clone)]
 pub struct WorkersService {
     plane: Plane,
+    /// Verifies the tokens workers renew in band (see [`Expiry`]).
+    jwt: Option<Reloading<JwtVerifier>>,
 }
 
 impl WorkersService {
-    /// The service alone, for a server built by hand.
+    /// The service alone, for a server built by hand (without bearer tokens).
     pub fn new(plane: Plane) -> Self {
-        Self { plane }
+        Self { plane, jwt: None }
     }
 }
 
@@ -407,6 +428,7 @@ impl workers_server::Workers for WorkersService {
         Pin<Box<dyn tokio_stream::Stream<Item = Result<wk::WorkerCommand, Status>> + Send>>;
 
     async fn attach(&self, r: Request<Streaming<wk::WorkerEvent>>) -> Res<Self::AttachStream> {
+        let mut expiry = Expiry::of(&r);
         let mut inbound = r.into_inner();
         let join = match inbound.message().await? {
             Some(wk::WorkerEvent {
@@ -429,9 +451,20 @@ impl workers_server::Workers for WorkersService {
             .await;
         drop(tx);
         let plane = self.plane.clone();
+        let jwt = self.jwt.clone();
         self.plane.spawn_link(async move {
             loop {
-                match inbound.message().await {
+                let event = tokio::select! {
+                    e = inbound.message() => e,
+                    () = expired(expiry) => {
+                        tracing::warn!(worker = %join.worker_id, "the worker's bearer token expired and was not renewed; ending its stream");
+                        link.end(Status::unauthenticated(
+                            "bearer token expired: attach again with a fresh token",
+                        ));
+                        break;
+                    }
+                };
+                match event {
                     Ok(Some(wk::WorkerEvent {
                         event: Some(Event::Reply(reply)),
                     })) => link.deliver(reply),
@@ -441,6 +474,13 @@ impl workers_server::Workers for WorkersService {
                     Ok(Some(wk::WorkerEvent {
                         event: Some(Event::Renew(renew)),
                     })) => {
+                        if !renew.bearer_token.is_empty() {
+                            match refresh(jwt.as_ref(), &renew.bearer_token) {
+                                Some(Ok(fresh)) => expiry = Some(fresh),
+                                Some(Err(why)) => tracing::warn!(worker = %join.worker_id, %why, "the worker's renewed bearer token is refused; its stream ends when the one it has expires"),
+                                None => {}
+                            }
+                        }
                         if plane.renewed(&join.worker_id, &link) {
                             link.notify(Command::Renewed(wk::Renewed { seq: renew.seq }));
                         }

@@ -61,6 +61,15 @@ impl WorkerLink {
         self.close();
     }
 
+    /// Ends the stream from this side with `status`, which the worker receives as the
+    /// call's error.
+    pub(crate) fn end(&self, status: tonic::Status) {
+        if let Some(tx) = self.tx.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = tx.try_send(Err(status));
+        }
+        self.close();
+    }
+
     /// Sends `command` and waits up to `timeout` for the worker's reply.
     pub(crate) async fn call(
         &self,

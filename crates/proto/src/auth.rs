@@ -188,6 +188,11 @@ impl ClientCredentials {
         })
     }
 
+    /// The bearer token the calls carry: the one in the token file now.
+    pub fn bearer_token(&self) -> &BearerToken {
+        &self.token
+    }
+
     /// Whether the channel uses TLS.
     pub fn is_tls(&self) -> bool {
         self.tls.is_some()
@@ -322,26 +327,42 @@ impl tower_service::Service<Uri> for CpConnector {
 #[derive(Debug, Clone, Default)]
 pub struct BearerToken(Option<Arc<Path>>);
 
+impl BearerToken {
+    /// The token in the file now; `None` without a token file.
+    ///
+    /// # Errors
+    /// An unreadable file: `Unavailable`, a local failure, not the server's answer (so a
+    /// parked request retries).
+    pub fn current(&self) -> Option<Result<String, Status>> {
+        let path = self.0.as_ref()?;
+        // A small local file (a projected token), read for every call so that a
+        // rotated one is used at once.
+        Some(
+            std::fs::read_to_string(path)
+                .map(|t| t.trim().to_owned())
+                .map_err(|e| {
+                    Status::unavailable(format!(
+                        "cannot read --ateapi-token-file {}: {e}",
+                        path.display()
+                    ))
+                }),
+        )
+    }
+}
+
 impl Interceptor for BearerToken {
     fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
-        let Some(path) = &self.0 else {
+        let Some(token) = self.current() else {
             return Ok(req);
         };
-        // A small local file (a projected token). An unreadable one is a local failure,
-        // not the server's answer: `Unavailable`, so a parked request retries.
-        let token = std::fs::read_to_string(path).map_err(|e| {
+        let token = token?;
+        let path = self.0.as_deref().expect("a token was read from it");
+        let mut value = MetadataValue::try_from(format!("Bearer {token}")).map_err(|_| {
             Status::unavailable(format!(
-                "cannot read --ateapi-token-file {}: {e}",
+                "--ateapi-token-file {} holds characters a header cannot carry",
                 path.display()
             ))
         })?;
-        let mut value =
-            MetadataValue::try_from(format!("Bearer {}", token.trim())).map_err(|_| {
-                Status::unavailable(format!(
-                    "--ateapi-token-file {} holds characters a header cannot carry",
-                    path.display()
-                ))
-            })?;
         // Never indexed by HPACK, never printed by a `Debug` of the metadata.
         value.set_sensitive(true);
         req.metadata_mut().insert("authorization", value);

@@ -17,6 +17,35 @@ pub mod ateapi {
 #[allow(missing_docs, unreachable_pub, missing_debug_implementations)]
 pub mod worker {
     tonic::include_proto!("valet.worker");
+
+    /// Never the token: whether one is carried.
+    impl std::fmt::Debug for Renew {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("Renew")
+                .field("seq", &self.seq)
+                .field("bearer_token", &!self.bearer_token.is_empty())
+                .finish()
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn a_renewal_never_prints_its_token() {
+            let r = super::Renew {
+                seq: 7,
+                bearer_token: "secret.jwt.value".into(),
+            };
+            let printed = format!(
+                "{r:?} {:?}",
+                super::WorkerEvent {
+                    event: Some(super::worker_event::Event::Renew(r.clone())),
+                }
+            );
+            assert!(!printed.contains("secret"), "{printed}");
+            assert!(printed.contains("seq: 7"), "{printed}");
+        }
+    }
 }
 
 /// `valet.leases`: route leases between routers and the control plane.

@@ -302,6 +302,23 @@ struct Agent {
     lease: Arc<HostingLease>,
 }
 
+/// The token in the token file when it differs from `sent` (which it then becomes);
+/// empty when it does not, or there is no token file. An unreadable file sends nothing:
+/// the stream keeps the token it has until that one expires.
+fn changed_token(token: &valet_proto::auth::BearerToken, sent: &mut Option<String>) -> String {
+    match token.current() {
+        Some(Ok(t)) if sent.as_ref() != Some(&t) => {
+            *sent = Some(t.clone());
+            t
+        }
+        Some(Err(e)) => {
+            tracing::debug!(error = %e.message(), "token not refreshed on the attachment");
+            String::new()
+        }
+        _ => String::new(),
+    }
+}
+
 impl Agent {
     async fn run(
         self,
@@ -321,6 +338,9 @@ impl Agent {
             };
             match attached {
                 Ok(()) => backoff = Duration::from_millis(100),
+                Err(e) if e.code() == tonic::Code::Unauthenticated => {
+                    tracing::warn!(worker = %self.id, control_plane = %endpoint.uri(), error = %e.message(), "the control plane refused the worker's bearer token; attaching again with the token file's current one")
+                }
                 Err(e) => {
                     tracing::warn!(worker = %self.id, control_plane = %endpoint.uri(), error = %e, "control plane unreachable; retrying")
                 }
@@ -382,6 +402,8 @@ impl Agent {
         let mut sent: std::collections::VecDeque<(u64, tokio::time::Instant)> =
             std::collections::VecDeque::new();
         let mut seq = 0u64;
+        // The token this stream last carried; a changed one goes with the next renewal.
+        let mut sent_token: Option<String> = None;
         // A lease that ran out before this attachment is renewed by its Welcome.
         let mut watch_lease = !self.lease.is_cut_off();
         loop {
@@ -400,7 +422,8 @@ impl Agent {
                     if sent.len() > 64 {
                         sent.pop_front();
                     }
-                    let renew = wk::WorkerEvent { event: Some(Event::Renew(wk::Renew { seq })) };
+                    let bearer_token = changed_token(credentials.bearer_token(), &mut sent_token);
+                    let renew = wk::WorkerEvent { event: Some(Event::Renew(wk::Renew { seq, bearer_token })) };
                     if tx.send(renew).await.is_err() {
                         return Err(tonic::Status::unavailable("control plane stream closed"));
                     }

@@ -6,6 +6,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use tonic::Status;
 use valet_proto::ateapi;
@@ -91,6 +92,7 @@ impl Plane {
                     last_renewal: tokio::time::Instant::now(),
                 },
             );
+            self.inner.stats.attachments.fetch_add(1, Ordering::Relaxed);
             tracing::info!(
                 worker = %id,
                 pool = %join.pool,

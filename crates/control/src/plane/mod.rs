@@ -117,6 +117,7 @@ pub(crate) struct Stats {
     activations: AtomicU64,
     handoffs: AtomicU64,
     queued: AtomicU64,
+    attachments: AtomicU64,
     per_actor: Mutex<HashMap<ActorKey, u64>>,
 }
 
@@ -131,6 +132,8 @@ pub struct StatsSnapshot {
     pub handoffs: u64,
     /// Resumes that waited in a capacity queue.
     pub queued: u64,
+    /// Worker streams the plane accepted (a worker that attaches again counts again).
+    pub attachments: u64,
 }
 
 /// What a resume comes to: the actor and whether this call activated it.
@@ -589,6 +592,7 @@ impl Plane {
             activations: s.activations.load(Ordering::Relaxed),
             handoffs: s.handoffs.load(Ordering::Relaxed),
             queued: s.queued.load(Ordering::Relaxed),
+            attachments: s.attachments.load(Ordering::Relaxed),
         }
     }
 
