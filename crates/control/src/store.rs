@@ -16,6 +16,9 @@ use crate::model::{ActorKey, ActorStatus};
 
 /// The database file's name inside the data dir.
 pub const DB_FILE: &str = "control-plane.sqlite3";
+/// The file in the data directory whose exclusive lock the control plane using it holds
+/// (with its process id inside, for the message a second one prints).
+pub const LOCK_FILE: &str = "control-plane.lock";
 
 /// A durable actor record.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -115,6 +118,17 @@ pub enum StoreError {
     },
     #[error("database {database}: {why}")]
     Postgres { database: String, why: String },
+    #[error(
+        "data dir {} is in use by another control plane{holder}: stop it, or give this one another --data-dir",
+        dir.display()
+    )]
+    InUse { dir: PathBuf, holder: String },
+    #[error("data dir {}: cannot lock {LOCK_FILE}: {source}", dir.display())]
+    Lock {
+        dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// The future of a store call.
@@ -212,18 +226,56 @@ fn migrate_sqlite(conn: &mut Connection, database: &str) -> Result<(), StoreErro
     Ok(())
 }
 
+/// Takes the exclusive lock of `data_dir` and writes this process's id into it.
+fn lock_data_dir(data_dir: &Path) -> Result<std::fs::File, StoreError> {
+    use std::io::{Read, Seek, Write};
+    let dir = data_dir.to_owned();
+    let failed = |source| StoreError::Lock {
+        dir: dir.clone(),
+        source,
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(data_dir.join(LOCK_FILE))
+        .map_err(failed)?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let mut held = String::new();
+            let _ = file.read_to_string(&mut held);
+            let holder = match held.trim().parse::<u32>() {
+                Ok(pid) => format!(" (pid {pid})"),
+                Err(_) => String::new(),
+            };
+            return Err(StoreError::InUse { dir, holder });
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(failed(e)),
+    }
+    file.set_len(0).map_err(failed)?;
+    file.rewind().map_err(failed)?;
+    writeln!(file, "{}", std::process::id()).map_err(failed)?;
+    Ok(file)
+}
+
 /// The embedded SQLite store. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
     conn: Arc<Mutex<Connection>>,
     path: PathBuf,
+    /// Held while any clone lives; the kernel releases it when the process dies.
+    _lock: Arc<std::fs::File>,
 }
 
 impl SqliteStore {
-    /// Opens (creating if needed) the database in `data_dir`.
+    /// Opens (creating if needed) the database in `data_dir`, which it locks: two
+    /// control planes on one SQLite file would each take its records for their own.
     ///
     /// # Errors
-    /// When the directory or the database cannot be opened.
+    /// When the directory or the database cannot be opened, or another control plane
+    /// holds the directory.
     pub fn open(data_dir: &Path) -> Result<Self, StoreError> {
         let path = data_dir.join(DB_FILE);
         let err = |source| StoreError::Sqlite {
@@ -234,6 +286,7 @@ impl SqliteStore {
             path: path.clone(),
             source: rusqlite::Error::ToSqlConversionFailure(Box::new(e)),
         })?;
+        let lock = lock_data_dir(data_dir)?;
         let mut conn = Connection::open(&path).map_err(err)?;
         conn.execute_batch(
             "PRAGMA journal_mode = WAL;
@@ -245,6 +298,7 @@ impl SqliteStore {
         Ok(Self {
             conn: Arc::new(Mutex::new(conn)),
             path,
+            _lock: Arc::new(lock),
         })
     }
 
@@ -535,6 +589,27 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(version, SCHEMA_VERSION);
+    }
+
+    #[test]
+    fn a_data_dir_serves_one_control_plane_at_a_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = SqliteStore::open(dir.path()).unwrap();
+        let held = first.clone();
+        drop(first);
+        let e = SqliteStore::open(dir.path()).unwrap_err();
+        assert!(matches!(e, StoreError::InUse { .. }), "{e}");
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "data dir {} is in use by another control plane (pid {}): stop it, or give this one another --data-dir",
+                dir.path().display(),
+                std::process::id()
+            )
+        );
+        // Free once the last clone is gone.
+        drop(held);
+        drop(SqliteStore::open(dir.path()).unwrap());
     }
 
     #[tokio::test]

@@ -227,6 +227,52 @@ async fn killed_control_plane_loses_nothing_acknowledged() {
     drop(cp);
 }
 
+/// One data dir, one control plane: a second process given it exits 1 with one line
+/// naming the first's pid, and the first goes on serving. Once the first is SIGKILLed
+/// the kernel has released its lock: a new process starts on the same records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_dir_takes_one_control_plane_and_outlives_its_sigkill() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let cp = control_plane(&data, "127.0.0.1:0", &[]).await;
+    let c = client(cp.addr);
+    c.clone()
+        .create_atespace(ateapi::CreateAtespaceRequest {
+            name: "demo".into(),
+        })
+        .await
+        .unwrap();
+    create(&c, "demo/a").await.unwrap();
+    let pid = cp.child.id().unwrap();
+
+    let second = tokio::time::timeout(
+        WITHIN,
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_valet"))
+            .args(["control-plane", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(&data)
+            .env("VALET_LOG", "off")
+            .output(),
+    )
+    .await
+    .expect("the second control plane exits at once")
+    .unwrap();
+    assert_eq!(second.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8_lossy(&second.stderr),
+        format!(
+            "valet control-plane: data dir {} is in use by another control plane (pid {pid}): stop it, or give this one another --data-dir\n",
+            data.display()
+        )
+    );
+    get(&c, "demo/a").await.expect("the first still serves");
+
+    cp.kill().await;
+    let cp = control_plane(&data, "127.0.0.1:0", &[]).await;
+    get(&client(cp.addr), "demo/a")
+        .await
+        .expect("a new control plane on the records");
+}
+
 /// `valet ctl` against a control-plane process: tables for people, JSON for scripts,
 /// and one-line errors with the gRPC code.
 #[tokio::test]
