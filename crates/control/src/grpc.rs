@@ -472,6 +472,9 @@ impl workers_server::Workers for WorkersService {
                         event: Some(Event::Activity(activity)),
                     })) => plane.activity(&join.worker_id, &link, &activity),
                     Ok(Some(wk::WorkerEvent {
+                        event: Some(Event::Drain(_)),
+                    })) => plane.worker_draining(&join.worker_id, &link),
+                    Ok(Some(wk::WorkerEvent {
                         event: Some(Event::Renew(renew)),
                     })) => {
                         if !renew.bearer_token.is_empty() {

@@ -288,6 +288,11 @@ impl FakeWorker {
         let _ = self.plane.renewed(&self.id, &self.link);
     }
 
+    /// The worker asks to drain (it is stopping).
+    pub fn drain(&self) {
+        self.plane.worker_draining(&self.id, &self.link);
+    }
+
     /// The worker's stream ends.
     pub fn leave(self) {
         self.link.close();

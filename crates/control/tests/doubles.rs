@@ -60,6 +60,7 @@ async fn expect(w: &mut FakeWorker, what: &str) -> Received {
         Command::Detach(_) => "detach",
         Command::Welcome(_) => "welcome",
         Command::Renewed(_) => "renewed",
+        Command::Drained(_) => "drained",
     };
     assert_eq!(name, what, "{r:?}");
     r
@@ -115,6 +116,81 @@ async fn checkpoint_timeout_crashes_the_actor() {
     );
     assert_eq!(plane.status_of("demo", "a"), Some(S::Crashed));
     expect(&mut w, "evict").await;
+}
+
+/// A worker that drains (it got SIGTERM) has its actor checkpointed, not reverted
+/// later: SUSPENDED with no revert pending, restored elsewhere from that snapshot. It is
+/// never handed to a capacity waiter, even when its checkpoint frees it; a new worker
+/// is.
+#[tokio::test(start_paused = true)]
+async fn a_draining_worker_checkpoints_its_actor_and_gets_nothing_new() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a", "b"]).await;
+    let (mut w1, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    let resume = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
+    };
+    let r = expect(&mut w1, "restore").await;
+    w1.answer(r.id, Ok(()));
+    resume.await.unwrap().unwrap();
+    let waiting = {
+        let plane = plane.clone();
+        tokio::spawn(async move {
+            plane
+                .resume_actor(key("b"), Some(Duration::from_secs(60)))
+                .await
+        })
+    };
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(1), |p| p.stats().queued == 1)
+            .await
+    );
+
+    w1.drain();
+    let r = expect(&mut w1, "checkpoint").await;
+    w1.answer(r.id, Ok(()));
+    expect(&mut w1, "drained").await;
+    assert_eq!(plane.status_of("demo", "a"), Some(S::Suspended));
+    let row = store.actor(&key("a")).unwrap();
+    assert_eq!((row.worker, row.revert_pending), (None, false));
+    assert_eq!(plane.pool("counter"), (1, 0), "w1 has no room for anyone");
+    assert!(!waiting.is_finished(), "b still waits");
+    assert_eq!(
+        plane.resume_actor(key("a"), None).await.unwrap_err().code(),
+        Code::ResourceExhausted
+    );
+
+    let (mut w2, _) = FakeWorker::attach(&plane, "w2", "counter", app(), None).unwrap();
+    let r = expect(&mut w2, "restore").await;
+    w2.answer(r.id, Ok(()));
+    waiting.await.unwrap().unwrap();
+    assert_eq!(plane.status_of("demo", "b"), Some(S::Running));
+    w1.leave();
+    assert_eq!(plane.status_of("demo", "a"), Some(S::Suspended));
+}
+
+/// A worker that drains while an actor is being restored onto it waits for the
+/// restore, then checkpoints that actor and is told `Drained`.
+#[tokio::test(start_paused = true)]
+async fn a_drain_during_a_restore_checkpoints_the_actor_once_it_runs() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a"]).await;
+    let (mut w1, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    let resume = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
+    };
+    let restore = expect(&mut w1, "restore").await;
+    w1.drain();
+    w1.answer(restore.id, Ok(()));
+    resume.await.unwrap().unwrap();
+    let r = expect(&mut w1, "checkpoint").await;
+    w1.answer(r.id, Ok(()));
+    expect(&mut w1, "drained").await;
+    assert_eq!(plane.status_of("demo", "a"), Some(S::Suspended));
+    assert!(!store.actor(&key("a")).unwrap().revert_pending);
 }
 
 fn running_on(name: &str, worker: &str) -> ActorRow {

@@ -782,6 +782,13 @@ pub(crate) struct WorkerArgs {
     #[arg(long, env = "VALET_ADVERTISE_ADDRESS", value_name = "IP")]
     pub(crate) advertise_address: Option<std::net::IpAddr>,
 
+    /// On SIGTERM, how long to wait for the control plane to checkpoint the hosted
+    /// actor and release this worker (its requests in flight end first) before
+    /// stopping anyway; the actor then goes back to its last snapshot. Keep it within
+    /// the pod's terminationGracePeriodSeconds.
+    #[arg(long, env = "VALET_WORKER_DRAIN_TIMEOUT", default_value = "25s", value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) drain_timeout: Duration,
+
     #[command(flatten)]
     pub(crate) ateapi: valet_router::config::AteapiArgs,
 }

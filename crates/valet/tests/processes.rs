@@ -97,6 +97,93 @@ async fn killed_worker_releases_its_actor() {
     );
 }
 
+/// SIGTERM a worker (a rollout): it asks the control plane to checkpoint its actor
+/// before it stops, so the actor resumes on the other worker from that checkpoint,
+/// memory included (a full-snapshot template), where a SIGKILL would lose the memory.
+/// The draining worker is never given the actor back; it exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_worker_checkpoints_its_actor_before_it_stops() {
+    let dir = tempfile::tempdir().unwrap();
+    let snaps = dir.path().join("snapshots");
+    let cp = control_plane(
+        &dir.path().join("data"),
+        "127.0.0.1:0",
+        &["--template", "agent:full"],
+    )
+    .await;
+    let c = client(cp.addr);
+    let mut w1 = worker_with(cp.addr, &snaps, "w1", &["--pool", "agent"]).await;
+    eventually("w1 joined", WITHIN, || async {
+        let n = c
+            .clone()
+            .list_workers(())
+            .await
+            .ok()?
+            .into_inner()
+            .workers
+            .len();
+        (n == 1).then_some(())
+    })
+    .await;
+    c.clone()
+        .create_atespace(ateapi::CreateAtespaceRequest {
+            name: "demo".into(),
+        })
+        .await
+        .unwrap();
+    c.clone()
+        .create_actor(ateapi::CreateActorRequest {
+            actor_ref: common::aref("demo/p1"),
+            actor_template_namespace: "default".into(),
+            actor_template_name: "agent".into(),
+            worker_selector: None,
+        })
+        .await
+        .unwrap();
+    let a = resume(&c, "demo/p1").await.unwrap();
+    assert_eq!(addr_of(&a), w1.addr);
+    for n in 1..=3 {
+        let (code, body) = http_get(addr_of(&a), "/", &[]).await;
+        assert_eq!(code, 200);
+        assert!(
+            body.ends_with(&format!(
+                "memory count: {n} | preserved file counter: {n}\n"
+            )),
+            "{body}"
+        );
+    }
+    let w2 = worker_with(cp.addr, &snaps, "w2", &["--pool", "agent"]).await;
+    eventually("w2 joined", WITHIN, || async {
+        let n = c
+            .clone()
+            .list_workers(())
+            .await
+            .ok()?
+            .into_inner()
+            .workers
+            .len();
+        (n == 2).then_some(())
+    })
+    .await;
+
+    w1.terminate();
+    assert_eq!(w1.exit_code(WITHIN).await, Some(0));
+    let back = get(&c, "demo/p1").await.unwrap();
+    assert_eq!(
+        status(&back),
+        S::Suspended,
+        "checkpointed before w1 stopped"
+    );
+    let a = resume(&c, "demo/p1").await.unwrap();
+    assert_eq!(addr_of(&a), w2.addr);
+    let (code, body) = http_get(addr_of(&a), "/", &[]).await;
+    assert_eq!(code, 200);
+    assert_eq!(
+        body,
+        "hello from: demo/p1 | preserved memory count: 4 | preserved file counter: 4\n"
+    );
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Acked {
     Created,

@@ -77,7 +77,19 @@ pub struct Worker {
     app_addr: SocketAddr,
     slot: Slot,
     stop: CancellationToken,
+    drain: Drain,
     tasks: TaskTracker,
+}
+
+/// A drain asked of the control plane (see [`Worker::drain`]).
+#[derive(Debug, Clone, Default)]
+struct Drain {
+    /// Asked: the agent sends `Drain` on every attachment from now on.
+    asked: CancellationToken,
+    /// The control plane answered `Drained`.
+    done: CancellationToken,
+    /// Whether the agent is attached now.
+    attached: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// An error starting a worker.
@@ -152,12 +164,14 @@ impl Worker {
         tasks.spawn(serve_app(listener, Arc::clone(&slot), stop.clone()));
         let lease = HostingLease::new();
         tasks.spawn(Arc::clone(&lease).watchdog(Arc::clone(&slot), id.clone(), stop.clone()));
+        let drain = Drain::default();
         let agent = Agent {
             id: id.clone(),
             config,
             app_addr,
             slot: Arc::clone(&slot),
             lease,
+            drain: drain.clone(),
         };
         tasks.spawn(agent.run(endpoints, credentials, stop.clone()));
         Ok(Self {
@@ -165,6 +179,7 @@ impl Worker {
             app_addr,
             slot,
             stop,
+            drain,
             tasks,
         })
     }
@@ -182,6 +197,32 @@ impl Worker {
     /// The actor hosted now (`atespace/name`).
     pub fn hosting(&self) -> Option<String> {
         self.slot.borrow().as_ref().map(|h| h.actor.clone())
+    }
+
+    /// Stops as a rollout wants it (`valet worker` on SIGTERM): asks the control plane
+    /// to checkpoint the hosted actor and give this worker nothing new, keeps serving
+    /// the actor's requests in flight meanwhile (the checkpoint waits for them), and
+    /// once the control plane answers, or `timeout` passes, stops as [`Self::shutdown`]
+    /// does. Whether the control plane answered. A worker that hosts nothing and is not
+    /// attached stops at once.
+    pub async fn drain(self, timeout: Duration) -> bool {
+        use std::sync::atomic::Ordering;
+        let idle = self.hosting().is_none() && !self.drain.attached.load(Ordering::Relaxed);
+        self.drain.asked.cancel();
+        let drained = !idle
+            && tokio::time::timeout(timeout, self.drain.done.cancelled())
+                .await
+                .is_ok();
+        if !drained && !idle {
+            tracing::warn!(
+                worker = %self.id,
+                hosting = ?self.hosting(),
+                ?timeout,
+                "the control plane did not answer the drain in time; stopping (its actor goes back to its last snapshot)"
+            );
+        }
+        self.shutdown().await;
+        drained
     }
 
     /// Stops the app and the agent (the control plane sees the worker leave) and waits
@@ -300,6 +341,7 @@ struct Agent {
     app_addr: SocketAddr,
     slot: Slot,
     lease: Arc<HostingLease>,
+    drain: Drain,
 }
 
 /// The token in the token file when it differs from `sent` (which it then becomes);
@@ -336,6 +378,12 @@ impl Agent {
                 () = stop.cancelled() => return,
                 r = self.attach_once(endpoint, &credentials, &stop) => r,
             };
+            self.drain
+                .attached
+                .store(false, std::sync::atomic::Ordering::Relaxed);
+            if self.drain.done.is_cancelled() {
+                return;
+            }
             match attached {
                 Ok(()) => backoff = Duration::from_millis(100),
                 Err(e) if e.code() == tonic::Code::Unauthenticated => {
@@ -395,6 +443,10 @@ impl Agent {
         .map_err(|_| tonic::Status::internal("event channel closed"))?;
         let mut inbound = client.attach(ReceiverStream::new(rx)).await?.into_inner();
         tracing::info!(worker = %self.id, pool = %self.config.pool, "attached to the control plane");
+        self.drain
+            .attached
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        let mut drain_sent = false;
         let reporter = report_activity(self.slot.subscribe(), tx.clone());
         tokio::pin!(reporter);
         let mut renewals = tokio::time::interval(RENEW_EVERY);
@@ -412,6 +464,15 @@ impl Agent {
                 m = inbound.message() => m?,
                 () = &mut reporter => {
                     return Err(tonic::Status::unavailable("control plane stream closed"));
+                }
+                () = self.drain.asked.cancelled(), if !drain_sent => {
+                    drain_sent = true;
+                    tracing::info!(worker = %self.id, hosting = ?self.hosting(), "stopping: asking the control plane to checkpoint the actor and give this worker nothing new");
+                    let drain = wk::WorkerEvent { event: Some(Event::Drain(wk::Drain {})) };
+                    if tx.send(drain).await.is_err() {
+                        return Err(tonic::Status::unavailable("control plane stream closed"));
+                    }
+                    continue;
                 }
                 () = self.lease.cut_off(), if watch_lease => {
                     return Err(tonic::Status::unavailable("hosting lease ran out; attaching anew"));
@@ -464,6 +525,11 @@ impl Agent {
                 Command::Evict(e) => {
                     self.evict(e);
                     continue;
+                }
+                Command::Drained(_) => {
+                    tracing::info!(worker = %self.id, "drained: the control plane released this worker");
+                    self.drain.done.cancel();
+                    return Ok(());
                 }
                 Command::Detach(_) => {
                     tracing::info!(

@@ -100,10 +100,7 @@ impl Drop for Reservation {
         let freed = {
             let mut st = self.plane.lock();
             match st.workers.get_mut(&self.worker) {
-                Some(w) if w.slot == Slot::Reserved(self.actor.clone()) => {
-                    w.slot = Slot::Free;
-                    true
-                }
+                Some(w) if w.slot == Slot::Reserved(self.actor.clone()) => w.vacate(),
                 _ => false,
             }
         };
@@ -191,7 +188,7 @@ impl Plane {
                     if let Some(w) = st.workers.get_mut(worker)
                         && w.slot == Slot::Reserved(unused.actor.clone())
                     {
-                        w.slot = Slot::Free;
+                        w.vacate();
                     }
                 }
             }

@@ -90,6 +90,7 @@ impl Plane {
                     slot,
                     link,
                     last_renewal: tokio::time::Instant::now(),
+                    leaving: false,
                 },
             );
             self.inner.stats.attachments.fetch_add(1, Ordering::Relaxed);
@@ -156,6 +157,88 @@ impl Plane {
                 }
             }
         });
+    }
+
+    /// `worker` (on its current stream `link`) is stopping and asked to drain: it gets
+    /// no new actor from now on, the actor it hosts is checkpointed as `SuspendActor`
+    /// does (its requests in flight end first; the actor is SUSPENDED from that fresh
+    /// snapshot, not reverted to an older one), and then it is told `Drained`.
+    pub(crate) fn worker_draining(&self, worker: &str, link: &Arc<WorkerLink>) {
+        {
+            let mut st = self.lock();
+            let Some(rec) = st
+                .workers
+                .get_mut(worker)
+                .filter(|w| Arc::ptr_eq(&w.link, link) && !w.leaving)
+            else {
+                return;
+            };
+            rec.leaving = true;
+            if rec.slot == Slot::Free {
+                rec.vacate();
+            }
+            tracing::info!(worker, pool = %rec.pool, "worker draining: checkpointing its actor, giving it no new one");
+        }
+        let plane = self.clone();
+        let (worker, link) = (worker.to_owned(), Arc::clone(link));
+        self.inner.tasks.spawn(async move {
+            plane.drain(&worker, &link).await;
+        });
+    }
+
+    /// Empties a draining worker, then tells it `Drained`. Ends without a word when its
+    /// stream ends first (then [`Self::worker_left`] handles its actor). Each round
+    /// suspends the actor on it or waits (bounded) for the operation on that actor to
+    /// end; a worker still not empty after a few rounds is told all the same.
+    async fn drain(&self, worker: &str, link: &Arc<WorkerLink>) {
+        let wait = self
+            .config()
+            .restore_timeout
+            .max(self.config().checkpoint_timeout);
+        for _ in 0..4 {
+            let on_it = {
+                let st = self.lock();
+                match st.workers.get(worker) {
+                    Some(w) if Arc::ptr_eq(&w.link, link) => match &w.slot {
+                        Slot::Hosting(k) | Slot::Reserved(k) => Some(k.clone()),
+                        Slot::Free | Slot::Leaving => None,
+                    },
+                    _ => return,
+                }
+            };
+            let Some(key) = on_it else {
+                tracing::info!(worker, "worker drained");
+                link.notify(Command::Drained(wk::Drained {}));
+                return;
+            };
+            match self.suspend_actor(key.clone()).await {
+                // Suspended: the slot is vacant now. Or another operation on the actor
+                // (the restore that put it there, a suspend in progress): wait for it
+                // to end, then look again.
+                Ok(_) => {}
+                Err(e) if e.code() == tonic::Code::Aborted => {
+                    if !self
+                        .wait_until(wait, |p| p.lock().busy(&key).is_none())
+                        .await
+                    {
+                        break;
+                    }
+                }
+                // The checkpoint failed (the actor is CRASHED, or its record could not
+                // be written), or the plane is shutting down: the worker may stop all
+                // the same; its actor is then released as for any worker that leaves.
+                Err(e) => {
+                    tracing::warn!(worker, actor = %key, error = %e.message(), "drain could not checkpoint the actor; the worker stops all the same");
+                    link.notify(Command::Drained(wk::Drained {}));
+                    return;
+                }
+            }
+        }
+        tracing::warn!(
+            worker,
+            "drain could not empty the worker; it stops all the same"
+        );
+        link.notify(Command::Drained(wk::Drained {}));
     }
 
     /// A hosting renewal from `worker` (on its current stream `link`).
@@ -344,7 +427,7 @@ impl Plane {
             .map(|(id, w)| {
                 let actor = match &w.slot {
                     Slot::Hosting(k) | Slot::Reserved(k) => st.actors.get(k).map(|r| (k, r)),
-                    Slot::Free => None,
+                    Slot::Free | Slot::Leaving => None,
                 };
                 ateapi::Worker {
                     worker_namespace: NAMESPACE.into(),

@@ -148,6 +148,8 @@ pub(crate) enum Slot {
     Reserved(ActorKey),
     /// The actor the records place on it.
     Hosting(ActorKey),
+    /// Nothing, and nothing ever again: the worker is draining (it is stopping).
+    Leaving,
 }
 
 #[derive(Debug)]
@@ -158,6 +160,21 @@ pub(crate) struct WorkerRec {
     pub(crate) link: Arc<WorkerLink>,
     /// When the plane last heard a hosting renewal from it (or it attached).
     pub(crate) last_renewal: tokio::time::Instant,
+    /// It asked to drain: once vacated, its slot is [`Slot::Leaving`], never free.
+    pub(crate) leaving: bool,
+}
+
+impl WorkerRec {
+    /// Nothing is on it any more: free, or [`Slot::Leaving`] when it drains. Whether it
+    /// has room now (to hand to a waiter). The one place a slot becomes vacant.
+    pub(crate) fn vacate(&mut self) -> bool {
+        self.slot = if self.leaving {
+            Slot::Leaving
+        } else {
+            Slot::Free
+        };
+        !self.leaving
+    }
 }
 
 #[derive(Debug, Default)]
@@ -293,8 +310,8 @@ impl State {
     fn free_slot(&mut self, worker: &str, key: &ActorKey, freed: &mut Vec<String>) {
         if let Some(rec) = self.workers.get_mut(worker)
             && matches!(&rec.slot, Slot::Hosting(k) | Slot::Reserved(k) if k == key)
+            && rec.vacate()
         {
-            rec.slot = Slot::Free;
             freed.push(worker.to_owned());
         }
     }

@@ -53,6 +53,6 @@ pub(crate) async fn run(args: WorkerArgs) -> ExitCode {
     println!("listening worker {}", worker.app_addr());
     tracing::info!(worker = worker.id(), app = %worker.app_addr(), "worker started");
     terminated.await;
-    worker.shutdown().await;
+    worker.drain(args.drain_timeout).await;
     ExitCode::SUCCESS
 }
