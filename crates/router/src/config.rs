@@ -105,23 +105,49 @@ pub struct AteapiArgs {
     /// are given; `jwt` also sends `authorization: Bearer` with the token in
     /// --ateapi-token-file. Default for https: mtls. Server verification is never
     /// skipped.
-    #[arg(long, env = "VALET_ATEAPI_AUTH", value_enum, value_name = "MODE")]
+    #[arg(
+        long,
+        global = true,
+        env = "VALET_ATEAPI_AUTH",
+        value_enum,
+        value_name = "MODE"
+    )]
     pub ateapi_auth: Option<AteapiAuth>,
     /// PEM CA the control plane's certificate must chain to (required for https).
-    #[arg(long, env = "VALET_ATEAPI_CA_FILE", value_name = "PATH")]
+    #[arg(long, global = true, env = "VALET_ATEAPI_CA_FILE", value_name = "PATH")]
     pub ateapi_ca_file: Option<PathBuf>,
     /// PEM client certificate (with --ateapi-key-file).
-    #[arg(long, env = "VALET_ATEAPI_CERT_FILE", value_name = "PATH")]
+    #[arg(
+        long,
+        global = true,
+        env = "VALET_ATEAPI_CERT_FILE",
+        value_name = "PATH"
+    )]
     pub ateapi_cert_file: Option<PathBuf>,
     /// PEM key of the client certificate (with --ateapi-cert-file).
-    #[arg(long, env = "VALET_ATEAPI_KEY_FILE", value_name = "PATH")]
+    #[arg(
+        long,
+        global = true,
+        env = "VALET_ATEAPI_KEY_FILE",
+        value_name = "PATH"
+    )]
     pub ateapi_key_file: Option<PathBuf>,
     /// Name checked in the control plane's certificate and sent as SNI (default: the
     /// URL's host).
-    #[arg(long, env = "VALET_ATEAPI_SERVER_NAME", value_name = "NAME")]
+    #[arg(
+        long,
+        global = true,
+        env = "VALET_ATEAPI_SERVER_NAME",
+        value_name = "NAME"
+    )]
     pub ateapi_server_name: Option<String>,
     /// File holding the bearer token (`jwt`), read again for every call.
-    #[arg(long, env = "VALET_ATEAPI_TOKEN_FILE", value_name = "PATH")]
+    #[arg(
+        long,
+        global = true,
+        env = "VALET_ATEAPI_TOKEN_FILE",
+        value_name = "PATH"
+    )]
     pub ateapi_token_file: Option<PathBuf>,
 }
 

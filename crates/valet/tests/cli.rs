@@ -308,3 +308,39 @@ fn every_flag_of_every_subcommand_has_a_variable() {
     assert!(visited > 20, "walked only {visited} help pages");
     assert!(missing.is_empty(), "flags without a variable: {missing:?}");
 }
+
+/// `valet ctl`'s control-plane flags go before or after its subcommand alike: the
+/// same one-line configuration error either way (the CA file is missing), never
+/// clap's "unexpected argument".
+#[test]
+fn ctl_takes_its_control_plane_flags_after_the_subcommand() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("missing-ca.pem");
+    let ca = ca.to_str().unwrap();
+    let flags = [
+        "--control-plane",
+        "https://127.0.0.1:1",
+        "--ateapi-ca-file",
+        ca,
+    ];
+    let before: Vec<&str> = ["ctl"]
+        .into_iter()
+        .chain(flags)
+        .chain(["actor", "get", "demo/p1"])
+        .collect();
+    let after: Vec<&str> = ["ctl", "actor", "get", "demo/p1"]
+        .into_iter()
+        .chain(flags)
+        .collect();
+    let (before, after) = (valet(&before, &[]), valet(&after, &[]));
+    assert_eq!(stderr_lines(&after), stderr_lines(&before));
+    assert_eq!(after.status.code(), before.status.code());
+    let lines = stderr_lines(&after);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(
+        lines[0].starts_with(&format!(
+            "valet ctl: invalid configuration: --ateapi-ca-file={ca}: "
+        )),
+        "{lines:?}"
+    );
+}
