@@ -40,13 +40,11 @@ struct ControlPlane {
 
 impl ControlPlane {
     async fn start(exe: &Path, data: &Path, listen: &str, lease: Duration) -> Result<Self, String> {
-        let mut child = tokio::process::Command::new(exe)
+        let mut child = crate::processes::part_command(exe)
             .args(["control-plane", "--listen", listen, "--data-dir"])
             .arg(data)
             .args(["--route-lease", &valet_router::config::fmt_duration(lease)])
-            .env("VALET_LOG", "warn")
             .stdout(Stdio::piped())
-            .kill_on_drop(true)
             .spawn()
             .map_err(|e| format!("{}: {e}", exe.display()))?;
         let mut lines = BufReader::new(child.stdout.take().expect("piped")).lines();
@@ -145,7 +143,7 @@ pub async fn leases(opts: &LeaseOpts) -> Result<Report, String> {
         .map_err(|e| e.to_string())?;
     }
 
-    let config = RouterArgs::try_parse_flags([
+    let config = RouterArgs::try_parse_flags_only([
         "--control-plane",
         url.as_str(),
         "--listen",

@@ -78,19 +78,26 @@ impl std::fmt::Debug for Processes {
     }
 }
 
-/// A child `valet` process, its log (stderr) in `log`.
-fn command(exe: &Path, args: &[String], log: &Path) -> Result<Command, String> {
-    let stderr = std::fs::File::create(log).map_err(|e| format!("{}: {e}", log.display()))?;
-    let mut cmd = Command::new(exe);
-    // Only the flags given here configure the parts: no VALET_* variable of this
-    // process (a --route-lease, a log level) leaks into them.
+/// `program` (a `valet` binary, or a profiler wrapping one) as a part a scenario
+/// starts: only the flags given configure it, no `VALET_…` variable of this process (a
+/// `--route-lease`, a budget, a log level left in the shell) leaks into it; it logs
+/// warnings and is killed when dropped.
+pub fn part_command(program: impl AsRef<std::ffi::OsStr>) -> Command {
+    let mut cmd = Command::new(program);
     for (key, _) in std::env::vars_os() {
         if key.to_string_lossy().starts_with("VALET_") {
             cmd.env_remove(key);
         }
     }
+    cmd.env("VALET_LOG", "warn").kill_on_drop(true);
+    cmd
+}
+
+/// A child `valet` process, its log (stderr) in `log`.
+fn command(exe: &Path, args: &[String], log: &Path) -> Result<Command, String> {
+    let stderr = std::fs::File::create(log).map_err(|e| format!("{}: {e}", log.display()))?;
+    let mut cmd = part_command(exe);
     cmd.args(args)
-        .env("VALET_LOG", "warn")
         .stdin(Stdio::null())
         .stderr(stderr)
         .kill_on_drop(true);

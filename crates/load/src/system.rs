@@ -168,18 +168,16 @@ impl System {
                     .unwrap_or_default();
                 let mut cmd = match wrapper.split_first() {
                     Some((program, args)) => {
-                        let mut c = tokio::process::Command::new(program);
+                        let mut c = crate::processes::part_command(program);
                         c.args(args).arg(exe);
                         c
                     }
-                    None => tokio::process::Command::new(exe),
+                    None => crate::processes::part_command(exe),
                 };
                 let mut child = cmd
                     .arg("router")
                     .args(&flags)
-                    .env("VALET_LOG", "warn")
                     .stdout(Stdio::piped())
-                    .kill_on_drop(true)
                     .spawn()
                     .map_err(|e| format!("{}: {e}", exe.display()))?;
                 let mut lines = BufReader::new(child.stdout.take().expect("piped")).lines();
@@ -209,7 +207,7 @@ impl System {
                 (addr, Some(child), None)
             }
             None => {
-                let config = RouterArgs::try_parse_flags(&flags)
+                let config = RouterArgs::try_parse_flags_only(&flags)
                     .map_err(|e| e.to_string())?
                     .resolve()
                     .map_err(|e| e.to_string())?;

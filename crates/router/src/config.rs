@@ -635,6 +635,24 @@ impl RouterArgs {
         <RouterFlags as clap::Parser>::try_parse_from(flags).map(|f| f.args)
     }
 
+    /// [`Self::try_parse_flags`] without the `VALET_…` variables: only the flags given
+    /// and the defaults, as a benchmark's own router needs (a variable left in the
+    /// shell must not change what it measures).
+    ///
+    /// # Errors
+    /// Clap's error for an unknown flag or an unparsable value.
+    pub fn try_parse_flags_only<I, T>(flags: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        use clap::{CommandFactory, FromArgMatches};
+        let matches = RouterFlags::command()
+            .mut_args(|a| a.env(None::<&'static str>))
+            .try_get_matches_from(flags)?;
+        RouterFlags::from_arg_matches(&matches).map(|f| f.args)
+    }
+
     /// Validates every flag and derives `--extproc-max-requests` and `--drain-timeout`.
     ///
     /// # Errors
