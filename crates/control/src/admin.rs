@@ -12,8 +12,29 @@ use tokio_util::sync::CancellationToken;
 
 use crate::plane::Plane;
 
-/// The plane the probes describe, once there is one (a standby has none yet).
-pub type PlaneSlot = std::sync::Arc<std::sync::OnceLock<Plane>>;
+/// The plane the probes describe while there is one: a standby has none, and a
+/// replica that lost its database goes back to having none.
+#[derive(Debug, Clone, Default)]
+pub struct PlaneSlot(std::sync::Arc<std::sync::RwLock<Option<Plane>>>);
+
+impl PlaneSlot {
+    /// A slot holding `plane`.
+    pub fn with(plane: Plane) -> Self {
+        let slot = Self::default();
+        slot.set(Some(plane));
+        slot
+    }
+
+    /// Describe `plane` from now on (`None`: standby).
+    pub fn set(&self, plane: Option<Plane>) {
+        *self.0.write().unwrap_or_else(|e| e.into_inner()) = plane;
+    }
+
+    /// The plane now, if any.
+    pub fn get(&self) -> Option<Plane> {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
 
 /// Serves the probes and metrics of `plane` on `listener` until `stop` is cancelled.
 pub fn spawn(
@@ -21,7 +42,7 @@ pub fn spawn(
     plane: Plane,
     stop: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
-    spawn_slot(listener, std::sync::Arc::new(plane.into()), stop)
+    spawn_slot(listener, PlaneSlot::with(plane), stop)
 }
 
 /// As [`spawn`], for a plane that may not exist yet: until `slot` is filled,

@@ -133,6 +133,15 @@ fn why(e: &tokio_postgres::Error) -> String {
 }
 
 impl PostgresStore {
+    /// Whether `url` is a PostgreSQL URL (checked with the other flags, before
+    /// anything starts).
+    ///
+    /// # Errors
+    /// Why it is not.
+    pub fn check_url(url: &str) -> Result<(), String> {
+        Config::from_str(url).map(|_| ()).map_err(|e| why(&e))
+    }
+
     /// Connects to `url`, brings the schema to [`SCHEMA_VERSION`] (under an advisory
     /// lock, so replicas starting together migrate once), then waits until no other
     /// control plane is active on the database and becomes the active one.
@@ -162,7 +171,14 @@ impl PostgresStore {
             database: database.clone(),
             why: why(&e),
         };
-        let (client, connection) = config.connect(NoTls).await.map_err(err)?;
+        let (client, connection) =
+            config
+                .connect(NoTls)
+                .await
+                .map_err(|e| StoreError::Unreachable {
+                    database: database.clone(),
+                    why: why(&e),
+                })?;
         let lost = CancellationToken::new();
         {
             let lost = lost.clone();

@@ -118,6 +118,10 @@ pub enum StoreError {
     },
     #[error("database {database}: {why}")]
     Postgres { database: String, why: String },
+    /// No connection could be made (the server is down, unreachable, or refused the
+    /// credentials).
+    #[error("database {database}: cannot connect: {why}")]
+    Unreachable { database: String, why: String },
     #[error(
         "data dir {} is in use by another control plane{holder}: stop it, or give this one another --data-dir",
         dir.display()

@@ -9,6 +9,12 @@ use std::process::Command;
 /// A running throwaway server.
 #[derive(Debug)]
 pub struct TempPostgres {
+    ctl: PgCtl,
+}
+
+/// Where a server lives and how its tools run; [`TempPostgres`] removes it on drop.
+#[derive(Debug, Clone)]
+struct PgCtl {
     dir: PathBuf,
     bin: PathBuf,
     port: u16,
@@ -100,7 +106,7 @@ impl TempPostgres {
                 .as_nanos()
         ));
         std::fs::create_dir_all(&dir).expect("a temporary directory for PostgreSQL");
-        let mut server = Self {
+        let mut server = PgCtl {
             dir,
             bin,
             port,
@@ -136,29 +142,9 @@ impl TempPostgres {
         );
         // The port was free when `free_port` let go of it; another process may take
         // it before the server binds it: then another port, a few times.
-        let log = server.dir.join("server.log");
+        let log = server.log();
         for attempt in 1.. {
-            let options = format!(
-                "-p {} -c listen_addresses=127.0.0.1 -k {} -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=200",
-                server.port,
-                server.dir.display()
-            );
-            let started = server.try_run(
-                "pg_ctl",
-                &[
-                    "-D",
-                    path(&data),
-                    "-l",
-                    path(&log),
-                    "-o",
-                    &options,
-                    "-w",
-                    "-t",
-                    "60",
-                    "start",
-                ],
-            );
-            match started {
+            match server.pg_start() {
                 Ok(()) => break,
                 Err(e) => {
                     let log_text = std::fs::read_to_string(&log).unwrap_or_default();
@@ -173,7 +159,38 @@ impl TempPostgres {
                 }
             }
         }
-        server
+        Self { ctl: server }
+    }
+
+    /// Stops the server as for a restart: every session is ended, what was committed
+    /// is written out (the server runs without `fsync` and synchronous commits, so an
+    /// immediate stop would lose the last commits, which a real one would not).
+    ///
+    /// # Panics
+    /// When it does not stop.
+    pub async fn stop(&self) {
+        let ctl = self.ctl.clone();
+        tokio::task::spawn_blocking(move || {
+            let data = ctl.data();
+            ctl.run("pg_ctl", &["-D", path(&data), "-m", "fast", "-w", "stop"]);
+        })
+        .await
+        .expect("PostgreSQL stops");
+    }
+
+    /// Starts the server again after [`Self::stop`], on the same port.
+    ///
+    /// # Panics
+    /// When it does not start (the port was taken meanwhile).
+    pub async fn start_again(&self) {
+        let ctl = self.ctl.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = ctl.pg_start() {
+                panic!("PostgreSQL did not start again: {e}");
+            }
+        })
+        .await
+        .expect("PostgreSQL starts");
     }
 
     /// [`TempPostgres::start`] on the blocking pool.
@@ -185,14 +202,16 @@ impl TempPostgres {
 
     /// A URL of database `postgres` as user `postgres` (trust authentication).
     pub fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.ctl.port)
     }
 
     /// The server's port.
     pub fn port(&self) -> u16 {
-        self.port
+        self.ctl.port
     }
+}
 
+impl PgCtl {
     fn data(&self) -> PathBuf {
         self.dir.join("data")
     }
@@ -227,6 +246,35 @@ impl TempPostgres {
             String::from_utf8_lossy(&out.stderr)
         ))
     }
+
+    fn log(&self) -> PathBuf {
+        self.dir.join("server.log")
+    }
+
+    /// Starts the server on its data directory and port.
+    fn pg_start(&self) -> Result<(), String> {
+        let options = format!(
+            "-p {} -c listen_addresses=127.0.0.1 -k {} -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=200",
+            self.port,
+            self.dir.display()
+        );
+        let (data, log) = (self.data(), self.log());
+        self.try_run(
+            "pg_ctl",
+            &[
+                "-D",
+                path(&data),
+                "-l",
+                path(&log),
+                "-o",
+                &options,
+                "-w",
+                "-t",
+                "60",
+                "start",
+            ],
+        )
+    }
 }
 
 /// How many ports [`TempPostgres::start`] tries before it gives up.
@@ -251,10 +299,12 @@ fn reap_orphans(bin: &Path, as_postgres: bool) {
             continue;
         }
         let orphan = TempPostgres {
-            dir: entry.path(),
-            bin: bin.to_owned(),
-            port: 0,
-            as_postgres,
+            ctl: PgCtl {
+                dir: entry.path(),
+                bin: bin.to_owned(),
+                port: 0,
+                as_postgres,
+            },
         };
         drop(orphan);
     }
@@ -273,10 +323,10 @@ fn free_port() -> u16 {
 
 impl Drop for TempPostgres {
     fn drop(&mut self) {
-        let data = self.data();
+        let data = self.ctl.data();
         let stop = ["-D", path(&data), "-m", "immediate", "-w", "stop"];
-        let exe = self.bin.join("pg_ctl");
-        let _ = if self.as_postgres {
+        let exe = self.ctl.bin.join("pg_ctl");
+        let _ = if self.ctl.as_postgres {
             Command::new("runuser")
                 .args(["-u", "postgres", "--"])
                 .arg(&exe)
@@ -285,6 +335,6 @@ impl Drop for TempPostgres {
         } else {
             Command::new(&exe).args(stop).output()
         };
-        let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::remove_dir_all(&self.ctl.dir);
     }
 }

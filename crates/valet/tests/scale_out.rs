@@ -295,7 +295,9 @@ async fn database_rules_a_newer_schema_and_a_lost_database() {
         err.contains("newer than this binary") && err.lines().count() == 1,
         "{err}"
     );
-    // Every connection of the live replica cut, as a database restart would.
+    // Every connection of the live replica cut, as a database restart would: it
+    // stops serving, and, waiting to be active again, finds the newer schema: a newer
+    // version took the database over, so it exits 1.
     client
         .batch_execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
@@ -306,7 +308,77 @@ async fn database_rules_a_newer_schema_and_a_lost_database() {
     drop(client);
     let _ = task.await;
     assert_eq!(cp.exit_code(WITHIN).await, Some(1));
-    assert!(cp.logs().contains("lost the database"), "{}", cp.logs());
+    let logs = cp.logs();
+    assert!(logs.contains("lost the database"), "{logs}");
+    assert!(
+        logs.lines().last().is_some_and(
+            |l| l.starts_with("valet control-plane: ") && l.contains("newer than this binary")
+        ),
+        "{logs}"
+    );
+}
+
+/// The database restarts under an active replica and a standby: neither process
+/// ends. While it is down both are standbys (`/readyz` 503); once it is back one of
+/// them is active again, on its same port, with every acknowledged record; SIGTERM
+/// then stops both with 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_replicas_ride_out_a_database_restart() {
+    let pg = TempPostgres::start_async().await;
+    let url = pg.url();
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let (mut a, mut b) = active_and_standby(&url, data.to_str().unwrap(), true).await;
+    let c = common::client(a.addr);
+    c.clone()
+        .create_atespace(ateapi::CreateAtespaceRequest {
+            name: "demo".into(),
+        })
+        .await
+        .unwrap();
+    common::create(&c, "demo/p1").await.unwrap();
+
+    pg.stop().await;
+    let ready = |p: &Proc| {
+        let metrics = p.addrs["metrics"];
+        async move { common::try_http_get(metrics, "/readyz", &[]).await }
+    };
+    eventually("the active replica stops serving", WITHIN, || async {
+        let r = ready(&a).await?;
+        (r.0 == 503 && r.1.contains("standby")).then_some(())
+    })
+    .await;
+    assert_eq!(ready(&b).await.unwrap().0, 503);
+    for p in [&mut a, &mut b] {
+        assert!(p.child.try_wait().unwrap().is_none(), "{}", p.logs());
+    }
+
+    pg.start_again().await;
+    let active = eventually("a replica is active again", WITHIN, || async {
+        for p in [&a, &b] {
+            if ready(p).await.is_some_and(|r| r.0 == 200) {
+                let addr = p.addrs["bound control-plane"];
+                return Some(addr);
+            }
+        }
+        None
+    })
+    .await;
+    assert!(
+        [
+            a.addrs["bound control-plane"],
+            b.addrs["bound control-plane"]
+        ]
+        .contains(&active)
+    );
+    let p1 = common::get(&common::client(active), "demo/p1")
+        .await
+        .unwrap();
+    assert_eq!(p1.actor_id, "p1");
+    for mut p in [a, b] {
+        p.terminate();
+        assert_eq!(p.exit_code(WITHIN).await, Some(0), "{}", p.logs());
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use tokio::net::{TcpListener, TcpSocket};
 use tokio_util::sync::CancellationToken;
+use valet_control::store::StoreError;
 use valet_control::{Plane, PlaneConfig, PostgresStore, SqliteStore, Store};
 
 use crate::EXIT_CONFIG;
@@ -88,6 +89,12 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
             );
             return ExitCode::from(EXIT_CONFIG);
         }
+        if let Err(why) = PostgresStore::check_url(url) {
+            eprintln!(
+                "valet control-plane: invalid configuration: --database: not a PostgreSQL URL: {why}"
+            );
+            return ExitCode::from(EXIT_CONFIG);
+        }
         if !args.leases.route_lease.is_zero() {
             eprintln!(
                 "valet control-plane: invalid configuration: --route-lease={}: must be 0 with --database (route leases are not shared across replicas yet)",
@@ -132,36 +139,6 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
     if let Ok(bound) = socket.local_addr() {
         println!("bound control-plane {bound}");
     }
-    let mut terminated = Box::pin(terminated);
-    // Losing the database's active lock: another replica may take over, so stop.
-    let mut lost = CancellationToken::new();
-    let store: Arc<dyn Store> = match &args.database {
-        None => match SqliteStore::open(&args.data_dir) {
-            Ok(s) => Arc::new(s),
-            Err(e) => {
-                eprintln!("valet control-plane: {e}");
-                return ExitCode::FAILURE;
-            }
-        },
-        Some(url) => {
-            // A standby waits here until it is the active replica; SIGTERM ends the wait.
-            let opened = tokio::select! {
-                opened = PostgresStore::open(url) => opened,
-                () = &mut terminated => return ExitCode::SUCCESS,
-            };
-            match opened {
-                Ok(s) => {
-                    lost = s.lost();
-                    Arc::new(s)
-                }
-                Err(e) => {
-                    eprintln!("valet control-plane: {e}");
-                    return ExitCode::FAILURE;
-                }
-            }
-        }
-    };
-    let database = store.describe();
     let config = PlaneConfig {
         capacity_wait: args.capacity_wait == OnOff::On,
         templates: args.templates.clone(),
@@ -173,73 +150,159 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         route_lease: args.leases.route_lease,
         hosting_lease: args.leases.hosting_lease,
     };
-    let plane = match Plane::open(store, config).await {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("valet control-plane: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    // SO_REUSEADDR from here on: the connections it accepts inherit it, so that once
-    // they linger in TIME_WAIT after this process ends, a restart can bind the port.
-    let listener = match socket
-        .set_reuseaddr(true)
-        .and_then(|()| socket.listen(LISTEN_BACKLOG))
+    // SIGTERM, as a token: it ends a standby's wait as well as serving.
+    let stopping = CancellationToken::new();
     {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("valet control-plane: cannot listen on {}: {e}", args.listen);
-            return ExitCode::FAILURE;
-        }
-    };
-    slot.get_or_init(|| plane.clone());
-    let addr = listener
-        .local_addr()
-        .map_or_else(|_| args.listen.to_string(), |a| a.to_string());
-    println!("listening control-plane {addr}");
-    tracing::info!(
-        %addr,
-        %database,
-        capacity_wait = args.capacity_wait == OnOff::On,
-        tls,
-        "control plane serving"
-    );
-    let stop = {
-        let lost = lost.clone();
-        async move {
-            tokio::select! {
-                () = terminated => {}
-                () = lost.cancelled() => {}
-            }
-        }
-    };
-    let result = valet_control::serve(
-        listener,
-        plane.clone(),
-        stop,
-        args.shutdown_timeout,
-        security,
-    )
-    .await;
-    if lost.is_cancelled() {
-        stop_metrics.cancel();
-        eprintln!(
-            "valet control-plane: lost the database lock ({database}): another replica may take over; exiting"
-        );
-        return ExitCode::FAILURE;
+        let stopping = stopping.clone();
+        tokio::spawn(async move {
+            terminated.await;
+            stopping.cancel();
+        });
     }
+    // Where a replica that lost its database binds again to wait as a standby: the
+    // same port, also when it was picked at random.
+    let bound = socket.local_addr().unwrap_or(args.listen);
+    let mut socket = Some(socket);
+    let mut reached = false;
+    let code = loop {
+        let socket = match socket.take().map_or_else(|| reserve(bound), Ok) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("valet control-plane: cannot bind {bound} again: {e}");
+                break ExitCode::FAILURE;
+            }
+        };
+        // Losing the database's active lock: another replica may take over, so stop
+        // serving (and wait as a standby again).
+        let (store, lost): (Arc<dyn Store>, CancellationToken) = match &args.database {
+            None => match SqliteStore::open(&args.data_dir) {
+                Ok(s) => (Arc::new(s), CancellationToken::new()),
+                Err(e) => {
+                    eprintln!("valet control-plane: {e}");
+                    break ExitCode::FAILURE;
+                }
+            },
+            Some(url) => match open_replica(url, &mut reached, &stopping).await {
+                Ok(Some(s)) => {
+                    let lost = s.lost();
+                    (Arc::new(s), lost)
+                }
+                Ok(None) => break ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("valet control-plane: {e}");
+                    break ExitCode::FAILURE;
+                }
+            },
+        };
+        let database = store.describe();
+        let plane = match Plane::open(store, config.clone()).await {
+            Ok(p) => p,
+            Err(e) => {
+                eprintln!("valet control-plane: {e}");
+                break ExitCode::FAILURE;
+            }
+        };
+        // SO_REUSEADDR from here on: the connections it accepts inherit it, so that once
+        // they linger in TIME_WAIT after this process ends, a restart can bind the port.
+        let listener = match socket
+            .set_reuseaddr(true)
+            .and_then(|()| socket.listen(LISTEN_BACKLOG))
+        {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("valet control-plane: cannot listen on {bound}: {e}");
+                break ExitCode::FAILURE;
+            }
+        };
+        slot.set(Some(plane.clone()));
+        let addr = listener
+            .local_addr()
+            .map_or_else(|_| bound.to_string(), |a| a.to_string());
+        println!("listening control-plane {addr}");
+        tracing::info!(
+            %addr,
+            %database,
+            capacity_wait = args.capacity_wait == OnOff::On,
+            tls,
+            "control plane serving"
+        );
+        let stop = {
+            let (stopping, lost) = (stopping.clone(), lost.clone());
+            async move {
+                tokio::select! {
+                    () = stopping.cancelled() => {}
+                    () = lost.cancelled() => {}
+                }
+            }
+        };
+        let result = valet_control::serve(
+            listener,
+            plane,
+            stop,
+            args.shutdown_timeout,
+            security.clone(),
+        )
+        .await;
+        slot.set(None);
+        if lost.is_cancelled() && !stopping.is_cancelled() {
+            tracing::warn!(
+                %database,
+                "lost the database lock: another replica may take over; stopped serving, waiting as a standby"
+            );
+            continue;
+        }
+        break match result {
+            Ok(()) => {
+                tracing::info!("control plane stopped");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("valet control-plane: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    };
     stop_metrics.cancel();
     if let Some(m) = metrics {
         let _ = m.await;
     }
-    match result {
-        Ok(()) => {
-            tracing::info!("control plane stopped");
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("valet control-plane: {e}");
-            ExitCode::FAILURE
+    code
+}
+
+/// Opens the PostgreSQL store as the active replica, waiting as a standby until it
+/// is; `None` when SIGTERM ends the wait. Once this process has reached the database,
+/// a database it cannot reach again (restarting, or cut off) is waited for, trying
+/// again every few seconds: a database restart does not end the replicas. Before that,
+/// an unreachable database is an error (a wrong host, port or password shows at once),
+/// as is a schema newer than this binary (a newer version took the database over).
+async fn open_replica(
+    url: &str,
+    reached: &mut bool,
+    stopping: &CancellationToken,
+) -> Result<Option<PostgresStore>, StoreError> {
+    let mut backoff = std::time::Duration::from_millis(500);
+    loop {
+        let opened = tokio::select! {
+            opened = PostgresStore::open(url) => opened,
+            () = stopping.cancelled() => return Ok(None),
+        };
+        match opened {
+            Ok(s) => {
+                *reached = true;
+                return Ok(Some(s));
+            }
+            Err(e @ StoreError::NewerSchema { .. }) => return Err(e),
+            Err(e @ StoreError::Unreachable { .. }) if !*reached => return Err(e),
+            Err(e) => {
+                // Anything but a failed connection means it was reached.
+                *reached = true;
+                tracing::warn!(error = %e, retry_in = ?backoff, "database unavailable; waiting for it as a standby");
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    () = stopping.cancelled() => return Ok(None),
+                }
+                backoff = (backoff * 2).min(std::time::Duration::from_secs(5));
+            }
         }
     }
 }
