@@ -97,10 +97,12 @@ async fn killed_worker_releases_its_actor() {
     );
 }
 
-/// SIGTERM a worker (a rollout): it asks the control plane to checkpoint its actor
-/// before it stops, so the actor resumes on the other worker from that checkpoint,
-/// memory included (a full-snapshot template), where a SIGKILL would lose the memory.
-/// The draining worker is never given the actor back; it exits 0.
+/// SIGTERM a worker (a rollout) while a client sends request after request through a
+/// router: the worker asks the control plane to checkpoint its actor before it stops,
+/// so the actor resumes on the other worker from that checkpoint, memory included (a
+/// full-snapshot template), where a SIGKILL would lose the memory. Every request is
+/// answered 200 and counted exactly once (one the checkpoint's fence turned away is
+/// replayed by the router). The draining worker exits 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_worker_checkpoints_its_actor_before_it_stops() {
     let dir = tempfile::tempdir().unwrap();
@@ -166,22 +168,35 @@ async fn sigterm_worker_checkpoints_its_actor_before_it_stops() {
     })
     .await;
 
+    let router = router(cp.addr, &["--parked-request-budget", "20s"]).await;
+    let (progress, mut answered) = tokio::sync::watch::channel(0usize);
+    let http = router.addrs["router"];
+    let client = tokio::spawn(async move {
+        let mut bodies = Vec::new();
+        for i in 0..40 {
+            let (code, body) = http_get(http, "/", &[("Host", &actor_host("p1"))]).await;
+            assert_eq!(code, 200, "request {i}: {body}");
+            bodies.push(body);
+            progress.send_replace(i + 1);
+        }
+        bodies
+    });
+    answered.wait_for(|n| *n >= 5).await.unwrap();
     w1.terminate();
     assert_eq!(w1.exit_code(WITHIN).await, Some(0));
-    let back = get(&c, "demo/p1").await.unwrap();
-    assert_eq!(
-        status(&back),
-        S::Suspended,
-        "checkpointed before w1 stopped"
-    );
-    let a = resume(&c, "demo/p1").await.unwrap();
-    assert_eq!(addr_of(&a), w2.addr);
-    let (code, body) = http_get(addr_of(&a), "/", &[]).await;
-    assert_eq!(code, 200);
-    assert_eq!(
-        body,
-        "hello from: demo/p1 | preserved memory count: 4 | preserved file counter: 4\n"
-    );
+    for (i, body) in client.await.unwrap().iter().enumerate() {
+        let n = i + 4;
+        assert_eq!(
+            body,
+            &format!(
+                "hello from: demo/p1 | preserved memory count: {n} | preserved file counter: {n}\n"
+            ),
+            "request {i} through the router"
+        );
+    }
+    let a = get(&c, "demo/p1").await.unwrap();
+    assert_eq!(status(&a), S::Running);
+    assert_eq!(addr_of(&a), w2.addr, "resumed on the other worker");
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
