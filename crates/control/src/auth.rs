@@ -342,10 +342,12 @@ impl JwtVerifier {
             match jsonwebtoken::decode::<serde_json::Value>(token, &k.key, &v) {
                 Ok(t) => {
                     // Validated: `exp` is there and a number of seconds, in the
-                    // future; capped at 2106 so that the sum cannot overflow.
+                    // future; capped at 2106, and the leeway added only where the
+                    // sum can be represented.
                     let exp = t.claims["exp"].as_f64().unwrap_or_default();
                     let exp = Duration::from_secs_f64(exp.clamp(0.0, f64::from(u32::MAX)));
-                    return Ok(UNIX_EPOCH + exp + self.leeway);
+                    let until = UNIX_EPOCH.checked_add(exp.saturating_add(self.leeway));
+                    return Ok(until.unwrap_or(UNIX_EPOCH + exp));
                 }
                 Err(e) => last = e.to_string(),
             }

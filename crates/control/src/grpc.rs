@@ -80,12 +80,17 @@ pub async fn serve(
         ))
         .add_service(reflection);
     let stopped = stop.clone().cancelled_owned();
+    // The TLS accept loop owns the listener: it is ended (and the port let go) before
+    // this returns, so that the caller can bind the port again at once.
+    let mut accepting = None;
     let mut server: Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> =
         match security.tls {
             // TLS is done here rather than by tonic, so that each connection takes the
             // configuration current when it is accepted (rotated files, no restart).
             Some(tls) => {
-                Box::pin(router.serve_with_incoming_shutdown(tls_incoming(listener, tls), stopped))
+                let (incoming, task) = tls_incoming(listener, tls);
+                accepting = Some(task);
+                Box::pin(router.serve_with_incoming_shutdown(incoming, stopped))
             }
             // `Server::tcp_nodelay` is ignored for a given incoming stream: the stream
             // sets it.
@@ -94,38 +99,53 @@ pub async fn serve(
                 stopped,
             )),
         };
-    tokio::select! {
-        served = &mut server => return served,
-        () = shutdown => {}
-    }
-    tracing::info!("control plane shutting down: accepting nothing new");
-    stop.cancel();
-    let closed = async {
-        let (served, ()) = tokio::join!(&mut server, plane.shutdown(shutdown_timeout));
-        served
+    let served = tokio::select! {
+        served = &mut server => Some(served),
+        () = shutdown => None,
     };
-    match tokio::time::timeout(shutdown_timeout + CLOSE_GRACE, closed).await {
-        Ok(served) => served,
-        Err(_) => {
-            tracing::warn!("connections still open after the shutdown; closing them");
-            Ok(())
+    let served = match served {
+        Some(served) => served,
+        None => {
+            tracing::info!("control plane shutting down: accepting nothing new");
+            stop.cancel();
+            let closed = async {
+                let (served, ()) = tokio::join!(&mut server, plane.shutdown(shutdown_timeout));
+                served
+            };
+            match tokio::time::timeout(shutdown_timeout + CLOSE_GRACE, closed).await {
+                Ok(served) => served,
+                Err(_) => {
+                    tracing::warn!("connections still open after the shutdown; closing them");
+                    Ok(())
+                }
+            }
         }
+    };
+    drop(server);
+    if let Some(task) = accepting {
+        task.abort();
+        let _ = task.await;
     }
+    served
 }
 
 /// How long a client may take to complete its TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The connections [`tls_incoming`] hands over.
+type TlsIncoming =
+    ReceiverStream<Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>, std::io::Error>>;
+
 /// Connections accepted on `listener`, through a TLS handshake with the configuration
-/// current at accept time. Failed handshakes are logged and dropped. The accepting task
-/// (and the handshakes in progress) end when the server drops the stream.
+/// current at accept time, and the task that accepts them. Failed handshakes are
+/// logged and dropped. The task (and the handshakes in progress) end when the server
+/// drops the stream, or when it is aborted.
 fn tls_incoming(
     listener: TcpListener,
     tls: valet_proto::reload::Reloading<tokio_rustls::rustls::ServerConfig>,
-) -> ReceiverStream<Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>, std::io::Error>>
-{
+) -> (TlsIncoming, tokio::task::JoinHandle<()>) {
     let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(async move {
+    let task = tokio::spawn(async move {
         let mut handshakes = tokio::task::JoinSet::new();
         loop {
             tokio::select! {
@@ -159,7 +179,7 @@ fn tls_incoming(
             }
         }
     });
-    ReceiverStream::new(rx)
+    (ReceiverStream::new(rx), task)
 }
 
 /// `ateapi.Control` over the plane.

@@ -167,9 +167,13 @@ impl PostgresStore {
         config.keepalives_interval(Duration::from_secs(2));
         config.keepalives_retries(3);
         let database = describe(&config);
-        let err = |e: tokio_postgres::Error| StoreError::Postgres {
-            database: database.clone(),
-            why: why(&e),
+        let err = |e: tokio_postgres::Error| {
+            let (database, why) = (database.clone(), why(&e));
+            if connection_failed(&e) {
+                StoreError::Lost { database, why }
+            } else {
+                StoreError::Postgres { database, why }
+            }
         };
         let (client, connection) =
             config
@@ -183,10 +187,20 @@ impl PostgresStore {
         {
             let lost = lost.clone();
             let database = database.clone();
-            // Owned by the connection: it ends when the store's client is dropped.
+            // Owned by the connection: it ends when the store's client is dropped, or
+            // once the replica lost the lock (`lost`, from the heartbeat): the
+            // connection is then dropped, so its session (and the lock, should the
+            // server still count it held) does not outlive the replica's serving, also
+            // while clones of the store linger.
+            let held = lost.clone();
             tokio::spawn(async move {
-                if let Err(e) = connection.await {
-                    tracing::error!(%database, why = %why(&e), "lost the database connection");
+                tokio::select! {
+                    ended = connection => {
+                        if let Err(e) = ended {
+                            tracing::error!(%database, why = %why(&e), "lost the database connection");
+                        }
+                    }
+                    () = held.cancelled() => {}
                 }
                 lost.cancel();
             });
@@ -287,6 +301,23 @@ impl PostgresStore {
             database: self.database.clone(),
             why: format!("no connection: {e}"),
         })
+    }
+}
+
+/// Whether `e` says the connection ended (the server restarted or shut down, the
+/// session was terminated, the network failed), rather than that the server refused
+/// the statement.
+fn connection_failed(e: &tokio_postgres::Error) -> bool {
+    if e.is_closed() {
+        return true;
+    }
+    match e.code() {
+        Some(state) => {
+            let code = state.code();
+            code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03")
+        }
+        // Not the server's answer: an I/O error on the way.
+        None => e.as_db_error().is_none(),
     }
 }
 

@@ -122,6 +122,10 @@ pub enum StoreError {
     /// credentials).
     #[error("database {database}: cannot connect: {why}")]
     Unreachable { database: String, why: String },
+    /// The connection ended under the request (the server restarted, the session was
+    /// terminated, the network failed): not the server refusing it.
+    #[error("database {database}: connection lost: {why}")]
+    Lost { database: String, why: String },
     #[error(
         "data dir {} is in use by another control plane{holder}: stop it, or give this one another --data-dir",
         dir.display()

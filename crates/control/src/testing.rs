@@ -211,6 +211,30 @@ impl FakeWorker {
         app: SocketAddr,
         hosting: Option<&ActorKey>,
     ) -> Result<(Self, bool), Status> {
+        Self::join(plane, id, pool, app, hosting, false)
+    }
+
+    /// [`Self::attach`] for a worker that re-attaches in the middle of its drain.
+    ///
+    /// # Errors
+    /// The plane's refusal of the join.
+    pub fn attach_draining(
+        plane: &Plane,
+        id: &str,
+        pool: &str,
+        app: SocketAddr,
+    ) -> Result<Self, Status> {
+        Self::join(plane, id, pool, app, None, true).map(|(w, _)| w)
+    }
+
+    fn join(
+        plane: &Plane,
+        id: &str,
+        pool: &str,
+        app: SocketAddr,
+        hosting: Option<&ActorKey>,
+        draining: bool,
+    ) -> Result<(Self, bool), Status> {
         let (tx, rx) = mpsc::channel(64);
         let link = Arc::new(WorkerLink::new(tx));
         let join = wk::Join {
@@ -222,6 +246,7 @@ impl FakeWorker {
                 name: k.name().to_owned(),
                 snapshot_key: String::new(),
             }),
+            draining,
         };
         let kept = plane.worker_joined(&join, Arc::clone(&link))?;
         Ok((

@@ -171,6 +171,43 @@ async fn a_draining_worker_checkpoints_its_actor_and_gets_nothing_new() {
     assert_eq!(plane.status_of("demo", "a"), Some(S::Suspended));
 }
 
+/// A worker whose stream broke in the middle of its drain (a control-plane failover)
+/// re-attaches draining: it is never handed to a waiter, and its drain goes on (here:
+/// nothing on it, so `Drained` at once).
+#[tokio::test(start_paused = true)]
+async fn a_worker_that_re_attaches_draining_gets_nothing_new() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a", "b"]).await;
+    let (mut w0, _) = FakeWorker::attach(&plane, "w0", "counter", app(), None).unwrap();
+    let resume = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
+    };
+    let r = expect(&mut w0, "restore").await;
+    w0.answer(r.id, Ok(()));
+    resume.await.unwrap().unwrap();
+    let waiting = {
+        let plane = plane.clone();
+        tokio::spawn(async move {
+            plane
+                .resume_actor(key("b"), Some(Duration::from_secs(60)))
+                .await
+        })
+    };
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(1), |p| p.stats().queued == 1)
+            .await
+    );
+
+    let mut w1 = FakeWorker::attach_draining(&plane, "w1", "counter", app()).unwrap();
+    expect(&mut w1, "drained").await;
+    assert_eq!(plane.pool("counter"), (2, 0), "w1 has no room for anyone");
+    assert!(!waiting.is_finished(), "b still waits");
+    w1.leave();
+    waiting.abort();
+}
+
 /// A worker that drains while an actor is being restored onto it waits for the
 /// restore, then checkpoints that actor and is told `Drained`.
 #[tokio::test(start_paused = true)]

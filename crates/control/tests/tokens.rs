@@ -162,7 +162,7 @@ impl Attached {
                 worker_id: id.into(),
                 pool: "counter".into(),
                 app_address: "127.0.0.1:9".into(),
-                hosting: None,
+                ..Default::default()
             })),
         })
         .await
@@ -230,13 +230,14 @@ fn assert_expired(status: &Status, what: &str) {
     );
 }
 
-/// Three workers attach with a token that expires in 3 s: the one that renews nothing
+/// Three workers attach with a token that expires in 6 s (a few seconds, so that
+/// setting up fits well within it on a loaded machine): the one that renews nothing
 /// and the one whose fresh token is refused are cut off at the expiry; the one that
 /// renewed a valid fresh token stays attached after it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_stream_ends_at_its_tokens_expiry_unless_it_renews_a_valid_one() {
     let s = Secured::start().await;
-    let (creds, _) = s.credentials("short", &token(&s.signing, 3));
+    let (creds, _) = s.credentials("short", &token(&s.signing, 6));
     let plain = Attached::open(s.channel(&creds), "plain").await;
     let mut renewed = Attached::open(s.channel(&creds), "renewed").await;
     let mut refused = Attached::open(s.channel(&creds), "refused").await;
@@ -263,7 +264,7 @@ async fn a_worker_stream_ends_at_its_tokens_expiry_unless_it_renews_a_valid_one(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_watch_ends_at_its_tokens_expiry() {
     let s = Secured::start().await;
-    let (creds, _) = s.credentials("short", &token(&s.signing, 2));
+    let (creds, _) = s.credentials("short", &token(&s.signing, 4));
     let (tx, rx) = mpsc::channel(4);
     tx.send(lp::RouterMessage {
         message: Some(lp::router_message::Message::Hello(lp::Hello {
@@ -296,11 +297,11 @@ async fn a_lease_watch_ends_at_its_tokens_expiry() {
 /// A real worker whose token file is rotated after it attached renews the new token in
 /// band and keeps its one attachment past the first token's expiry. The clock is a
 /// stream that attached with a token expiring later and renews nothing: once it is cut
-/// off, the worker's first token is at least a second past its expiry.
+/// off, the worker's first token is at least three seconds past its expiry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_real_worker_renews_its_rotated_token_and_stays_attached() {
     let s = Secured::start().await;
-    let (creds, file) = s.credentials("worker-token", &token(&s.signing, 3));
+    let (creds, file) = s.credentials("worker-token", &token(&s.signing, 6));
     let worker = Worker::spawn(WorkerConfig {
         credentials: creds,
         control_plane: s.url.clone(),
@@ -323,7 +324,7 @@ async fn a_real_worker_renews_its_rotated_token_and_stays_attached() {
     let next = write(s.dir.path(), "worker-token.next", &token(&s.signing, 3600));
     std::fs::rename(next, &file).unwrap();
 
-    let (clock, _) = s.credentials("clock", &token(&s.signing, 5));
+    let (clock, _) = s.credentials("clock", &token(&s.signing, 10));
     assert_expired(
         &Attached::open(s.channel(&clock), "clock").await.end().await,
         "the clock stream",

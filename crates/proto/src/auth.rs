@@ -328,6 +328,11 @@ impl tower_service::Service<Uri> for CpConnector {
 pub struct BearerToken(Option<Arc<Path>>);
 
 impl BearerToken {
+    /// The token file, if any.
+    pub fn path(&self) -> Option<&Path> {
+        self.0.as_deref()
+    }
+
     /// The token in the file now; `None` without a token file.
     ///
     /// # Errors

@@ -343,10 +343,14 @@ impl LeaseClient {
     }
 
     async fn watch_loop(self: Arc<Self>, channel: Channel) {
-        let mut backoff = Duration::from_millis(100);
+        const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+        let mut backoff = FIRST_BACKOFF;
         loop {
             let ended = self.watch_once(channel.clone()).await;
-            self.up.store(false, Ordering::Relaxed);
+            // A watch that was open (welcomed) starts the back-off over.
+            if self.up.swap(false, Ordering::Relaxed) {
+                backoff = FIRST_BACKOFF;
+            }
             self.cache.set_holder(None);
             if matches!(ended, Watched::Lost(_)) {
                 // The watch is a call too: the control plane did not answer it.
@@ -362,6 +366,12 @@ impl LeaseClient {
                 }
                 Watched::Lost(why) => {
                     tracing::debug!(error = %why, "lease watch lost; watching again");
+                    backoff
+                }
+                // The control plane answered: it is reachable (no stale routing), the
+                // watch just needs credentials again (a token that expired ends it).
+                Watched::Refused(why) => {
+                    tracing::info!(error = %why, "lease watch refused; watching again with the token file's current token");
                     backoff
                 }
             };
@@ -390,8 +400,7 @@ impl LeaseClient {
         };
         let mut inbound = match opened {
             Ok(r) => r.into_inner(),
-            Err(s) if s.code() == tonic::Code::Unimplemented => return Watched::Unsupported,
-            Err(s) => return Watched::Lost(s.message().to_owned()),
+            Err(s) => return Watched::from_status(&s),
         };
         loop {
             let msg = tokio::select! {
@@ -445,8 +454,7 @@ impl LeaseClient {
                 }
                 Ok(Some(_)) => {}
                 Ok(None) => return Watched::Lost("the control plane ended the watch".into()),
-                Err(s) if s.code() == tonic::Code::Unimplemented => return Watched::Unsupported,
-                Err(s) => return Watched::Lost(s.message().to_owned()),
+                Err(s) => return Watched::from_status(&s),
             }
         }
     }
@@ -508,7 +516,23 @@ impl LeaseClient {
 enum Watched {
     Stopped,
     Unsupported,
+    /// No answer from the control plane: a transport failure, or the stream cut.
     Lost(String),
+    /// The control plane refused it: its credentials (a bearer token that expired).
+    Refused(String),
+}
+
+impl Watched {
+    /// How a watch that ended with `status` ended.
+    fn from_status(status: &tonic::Status) -> Self {
+        match status.code() {
+            tonic::Code::Unimplemented => Self::Unsupported,
+            tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => {
+                Self::Refused(status.message().to_owned())
+            }
+            _ => Self::Lost(status.message().to_owned()),
+        }
+    }
 }
 
 /// The worker address of an actor as answered, if it is routable.

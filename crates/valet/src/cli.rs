@@ -533,6 +533,8 @@ pub(crate) const DEFAULT_UP_METRICS_LISTEN: &str = "127.0.0.1:7071";
 pub(crate) const DEFAULT_CONTROL_PLANE_LISTEN: &str = "127.0.0.1:7070";
 /// Default `--data-dir`.
 pub(crate) const DEFAULT_DATA_DIR: &str = "./valet-data";
+/// Default `valet worker --drain-timeout`: within Kubernetes' default 30 s grace.
+pub(crate) const DEFAULT_WORKER_DRAIN_TIMEOUT: &str = "25s";
 /// Default control-plane address of workers and `valet ctl`.
 pub(crate) const DEFAULT_CONTROL_PLANE: &str = "http://127.0.0.1:7070";
 
@@ -548,7 +550,8 @@ pub(crate) struct ControlPlaneArgs {
     #[arg(long, env = "VALET_CONTROL_PLANE_LISTEN", default_value = DEFAULT_CONTROL_PLANE_LISTEN, value_name = "ADDR")]
     pub(crate) listen: std::net::SocketAddr,
 
-    /// Directory of the embedded database.
+    /// Directory of the embedded database; one control plane at a time uses it (it
+    /// holds the directory's control-plane.lock; a second one exits 1).
     #[arg(long, env = "VALET_DATA_DIR", default_value = DEFAULT_DATA_DIR, value_name = "DIR")]
     pub(crate) data_dir: PathBuf,
 
@@ -786,7 +789,7 @@ pub(crate) struct WorkerArgs {
     /// actor and release this worker (its requests in flight end first) before
     /// stopping anyway; the actor then goes back to its last snapshot. Keep it within
     /// the pod's terminationGracePeriodSeconds.
-    #[arg(long, env = "VALET_WORKER_DRAIN_TIMEOUT", default_value = "25s", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "VALET_WORKER_DRAIN_TIMEOUT", default_value = DEFAULT_WORKER_DRAIN_TIMEOUT, value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) drain_timeout: Duration,
 
     #[command(flatten)]

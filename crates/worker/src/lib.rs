@@ -346,18 +346,25 @@ struct Agent {
 
 /// The token in the token file when it differs from `sent` (which it then becomes);
 /// empty when it does not, or there is no token file. An unreadable file sends nothing:
-/// the stream keeps the token it has until that one expires.
-fn changed_token(token: &valet_proto::auth::BearerToken, sent: &mut Option<String>) -> String {
-    match token.current() {
-        Some(Ok(t)) if sent.as_ref() != Some(&t) => {
+/// the stream keeps the token it has until that one expires. Read off the runtime.
+async fn changed_token(
+    token: &valet_proto::auth::BearerToken,
+    sent: &mut Option<String>,
+) -> String {
+    let Some(path) = token.path() else {
+        return String::new();
+    };
+    match tokio::fs::read_to_string(path).await {
+        Ok(t) if sent.as_deref() != Some(t.trim()) => {
+            let t = t.trim().to_owned();
             *sent = Some(t.clone());
             t
         }
-        Some(Err(e)) => {
-            tracing::debug!(error = %e.message(), "token not refreshed on the attachment");
+        Ok(_) => String::new(),
+        Err(e) => {
+            tracing::debug!(file = %path.display(), error = %e, "token not refreshed on the attachment");
             String::new()
         }
-        _ => String::new(),
     }
 }
 
@@ -429,11 +436,14 @@ impl Agent {
                 snapshot_key: h.snapshot_key.clone(),
             }
         });
+        // Re-attaching during a drain: the control plane goes on with it at once.
+        let draining = self.drain.asked.is_cancelled();
         let join = wk::Join {
             worker_id: self.id.clone(),
             pool: self.config.pool.clone(),
             app_address: self.app_addr.to_string(),
             hosting,
+            draining,
         };
         let joined_at = tokio::time::Instant::now();
         tx.send(wk::WorkerEvent {
@@ -446,7 +456,7 @@ impl Agent {
         self.drain
             .attached
             .store(true, std::sync::atomic::Ordering::Relaxed);
-        let mut drain_sent = false;
+        let mut drain_sent = draining;
         let reporter = report_activity(self.slot.subscribe(), tx.clone());
         tokio::pin!(reporter);
         let mut renewals = tokio::time::interval(RENEW_EVERY);
@@ -483,7 +493,7 @@ impl Agent {
                     if sent.len() > 64 {
                         sent.pop_front();
                     }
-                    let bearer_token = changed_token(credentials.bearer_token(), &mut sent_token);
+                    let bearer_token = changed_token(credentials.bearer_token(), &mut sent_token).await;
                     let renew = wk::WorkerEvent { event: Some(Event::Renew(wk::Renew { seq, bearer_token })) };
                     if tx.send(renew).await.is_err() {
                         return Err(tonic::Status::unavailable("control plane stream closed"));

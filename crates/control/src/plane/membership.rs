@@ -17,6 +17,10 @@ use crate::link::WorkerLink;
 use crate::model::{self, ActorKey, ActorStatus, NAMESPACE};
 use crate::store::{ActorRow, Batch};
 
+/// How many times a drain suspends (or waits for) the actor on its worker before it
+/// tells the worker to stop all the same.
+const DRAIN_ROUNDS: usize = 4;
+
 impl Plane {
     /// A worker attached (or re-attached). Returns whether it keeps the actor it
     /// reported; one it may not keep is evicted.
@@ -39,6 +43,7 @@ impl Plane {
             _ => None,
         };
         let id = join.worker_id.clone();
+        let draining = join.draining.then(|| Arc::clone(&link));
         let (kept, stale, free) = {
             let mut st = self.lock();
             let previous = st.workers.remove(&id);
@@ -69,10 +74,12 @@ impl Plane {
                     r.worker.as_deref() == Some(id.as_str()) && kept.as_ref() != Some(*k)
                 })
                 .map(|(k, _)| k.clone());
+            let leaving = join.draining;
             let slot = match (&kept, previous.map(|p| p.slot), recorded) {
                 (Some(k), _, _) => Slot::Hosting(k.clone()),
                 (None, Some(Slot::Reserved(k)), _) => Slot::Reserved(k),
                 (None, _, Some(k)) => Slot::Hosting(k),
+                _ if leaving => Slot::Leaving,
                 _ => Slot::Free,
             };
             let free = slot == Slot::Free;
@@ -90,7 +97,7 @@ impl Plane {
                     slot,
                     link,
                     last_renewal: tokio::time::Instant::now(),
-                    leaving: false,
+                    leaving,
                 },
             );
             self.inner.stats.attachments.fetch_add(1, Ordering::Relaxed);
@@ -134,6 +141,10 @@ impl Plane {
         }
         if free {
             self.hand_off(&id);
+        }
+        if let Some(link) = draining {
+            tracing::info!(worker = %id, "worker re-attached draining: its drain goes on");
+            self.spawn_drain(&id, link);
         }
         Ok(kept.is_some())
     }
@@ -179,8 +190,13 @@ impl Plane {
             }
             tracing::info!(worker, pool = %rec.pool, "worker draining: checkpointing its actor, giving it no new one");
         }
+        self.spawn_drain(worker, Arc::clone(link));
+    }
+
+    /// Runs [`Self::drain`] for `worker`, marked leaving, on the plane's task tracker.
+    fn spawn_drain(&self, worker: &str, link: Arc<WorkerLink>) {
         let plane = self.clone();
-        let (worker, link) = (worker.to_owned(), Arc::clone(link));
+        let worker = worker.to_owned();
         self.inner.tasks.spawn(async move {
             plane.drain(&worker, &link).await;
         });
@@ -195,7 +211,7 @@ impl Plane {
             .config()
             .restore_timeout
             .max(self.config().checkpoint_timeout);
-        for _ in 0..4 {
+        for round in 0..=DRAIN_ROUNDS {
             let on_it = {
                 let st = self.lock();
                 match st.workers.get(worker) {
@@ -211,16 +227,20 @@ impl Plane {
                 link.notify(Command::Drained(wk::Drained {}));
                 return;
             };
+            if round == DRAIN_ROUNDS {
+                break;
+            }
             match self.suspend_actor(key.clone()).await {
                 // Suspended: the slot is vacant now. Or another operation on the actor
                 // (the restore that put it there, a suspend in progress): wait for it
-                // to end, then look again.
+                // to end (or the plane to shut down), then look again.
                 Ok(_) => {}
                 Err(e) if e.code() == tonic::Code::Aborted => {
-                    if !self
-                        .wait_until(wait, |p| p.lock().busy(&key).is_none())
-                        .await
-                    {
+                    let ended = tokio::select! {
+                        ended = self.wait_until(wait, |p| p.lock().busy(&key).is_none()) => ended,
+                        () = self.inner.shutdown.cancelled() => false,
+                    };
+                    if !ended {
                         break;
                     }
                 }

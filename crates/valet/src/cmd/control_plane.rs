@@ -150,22 +150,23 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         route_lease: args.leases.route_lease,
         hosting_lease: args.leases.hosting_lease,
     };
-    // SIGTERM, as a token: it ends a standby's wait as well as serving.
+    // SIGTERM, as a token: it ends a standby's wait as well as serving. The task
+    // ends with the process's signal handling; it is aborted on the way out.
     let stopping = CancellationToken::new();
-    {
+    let signals = {
         let stopping = stopping.clone();
         tokio::spawn(async move {
             terminated.await;
             stopping.cancel();
-        });
-    }
+        })
+    };
     // Where a replica that lost its database binds again to wait as a standby: the
     // same port, also when it was picked at random.
     let bound = socket.local_addr().unwrap_or(args.listen);
     let mut socket = Some(socket);
-    let mut reached = false;
+    let mut history = History::default();
     let code = loop {
-        let socket = match socket.take().map_or_else(|| reserve(bound), Ok) {
+        let reserved = match socket.take().map_or_else(|| reserve(bound), Ok) {
             Ok(s) => s,
             Err(e) => {
                 eprintln!("valet control-plane: cannot bind {bound} again: {e}");
@@ -182,7 +183,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
                     break ExitCode::FAILURE;
                 }
             },
-            Some(url) => match open_replica(url, &mut reached, &stopping).await {
+            Some(url) => match open_replica(url, &mut history, &stopping).await {
                 Ok(Some(s)) => {
                     let lost = s.lost();
                     (Arc::new(s), lost)
@@ -197,11 +198,23 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         let database = store.describe();
         let plane = match Plane::open(store, config.clone()).await {
             Ok(p) => p,
+            // The database went away again while the records loaded: wait as a
+            // standby again (with the same port).
+            Err(e) if args.database.is_some() && history.waits_out(&e) => {
+                tracing::warn!(error = %e, "database unavailable while loading the records; waiting for it as a standby");
+                socket = Some(reserved);
+                if !history.pause(&stopping).await {
+                    break ExitCode::SUCCESS;
+                }
+                continue;
+            }
             Err(e) => {
                 eprintln!("valet control-plane: {e}");
                 break ExitCode::FAILURE;
             }
         };
+        history.served = true;
+        let socket = reserved;
         // SO_REUSEADDR from here on: the connections it accepts inherit it, so that once
         // they linger in TIME_WAIT after this process ends, a restart can bind the port.
         let listener = match socket
@@ -262,6 +275,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
             }
         };
     };
+    signals.abort();
     stop_metrics.cancel();
     if let Some(m) = metrics {
         let _ = m.await;
@@ -269,18 +283,68 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
     code
 }
 
+/// What this process has done with its database so far, which decides whether a
+/// failure is waited out or ends the process.
+#[derive(Debug)]
+struct History {
+    /// It connected once: the URL, host and credentials are right.
+    reached: bool,
+    /// It served once: the database and its schema work for this binary.
+    served: bool,
+    /// The next wait before trying again.
+    backoff: std::time::Duration,
+}
+
+impl Default for History {
+    fn default() -> Self {
+        Self {
+            reached: false,
+            served: false,
+            backoff: std::time::Duration::from_millis(500),
+        }
+    }
+}
+
+impl History {
+    /// Whether to wait for the database and try again rather than exit. A schema
+    /// newer than this binary always ends it (a newer version took the database
+    /// over); a database never reached ends it (a wrong host, port or password shows
+    /// at once); a lost connection never does (a database restart ends no replica);
+    /// anything else (a refused statement) ends it until it has served once.
+    fn waits_out(&mut self, e: &StoreError) -> bool {
+        match e {
+            StoreError::NewerSchema { .. } => false,
+            StoreError::Unreachable { .. } => self.reached,
+            StoreError::Lost { .. } => {
+                self.reached = true;
+                true
+            }
+            _ => {
+                self.reached = true;
+                self.served
+            }
+        }
+    }
+
+    /// Waits before the next try (0.5 s, doubling to 5 s); false when SIGTERM came.
+    async fn pause(&mut self, stopping: &CancellationToken) -> bool {
+        let wait = self.backoff;
+        self.backoff = (self.backoff * 2).min(std::time::Duration::from_secs(5));
+        tokio::select! {
+            () = tokio::time::sleep(wait) => true,
+            () = stopping.cancelled() => false,
+        }
+    }
+}
+
 /// Opens the PostgreSQL store as the active replica, waiting as a standby until it
-/// is; `None` when SIGTERM ends the wait. Once this process has reached the database,
-/// a database it cannot reach again (restarting, or cut off) is waited for, trying
-/// again every few seconds: a database restart does not end the replicas. Before that,
-/// an unreachable database is an error (a wrong host, port or password shows at once),
-/// as is a schema newer than this binary (a newer version took the database over).
+/// is; `None` when SIGTERM ends the wait. Failures [`History::waits_out`] are waited
+/// out, trying again every few seconds; the others are returned.
 async fn open_replica(
     url: &str,
-    reached: &mut bool,
+    history: &mut History,
     stopping: &CancellationToken,
 ) -> Result<Option<PostgresStore>, StoreError> {
-    let mut backoff = std::time::Duration::from_millis(500);
     loop {
         let opened = tokio::select! {
             opened = PostgresStore::open(url) => opened,
@@ -288,21 +352,17 @@ async fn open_replica(
         };
         match opened {
             Ok(s) => {
-                *reached = true;
+                history.reached = true;
+                history.backoff = std::time::Duration::from_millis(500);
                 return Ok(Some(s));
             }
-            Err(e @ StoreError::NewerSchema { .. }) => return Err(e),
-            Err(e @ StoreError::Unreachable { .. }) if !*reached => return Err(e),
-            Err(e) => {
-                // Anything but a failed connection means it was reached.
-                *reached = true;
-                tracing::warn!(error = %e, retry_in = ?backoff, "database unavailable; waiting for it as a standby");
-                tokio::select! {
-                    () = tokio::time::sleep(backoff) => {}
-                    () = stopping.cancelled() => return Ok(None),
+            Err(e) if history.waits_out(&e) => {
+                tracing::warn!(error = %e, retry_in = ?history.backoff, "database unavailable; waiting for it as a standby");
+                if !history.pause(stopping).await {
+                    return Ok(None);
                 }
-                backoff = (backoff * 2).min(std::time::Duration::from_secs(5));
             }
+            Err(e) => return Err(e),
         }
     }
 }
@@ -310,4 +370,59 @@ async fn open_replica(
 /// `d` as the flag would take it (`5s`, `1.5s`).
 fn humantime_secs(d: std::time::Duration) -> String {
     format!("{}s", d.as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn errors() -> [StoreError; 4] {
+        let (database, why) = (String::from("db"), String::from("x"));
+        [
+            StoreError::NewerSchema {
+                database: database.clone(),
+                found: 9,
+                supported: 3,
+            },
+            StoreError::Unreachable {
+                database: database.clone(),
+                why: why.clone(),
+            },
+            StoreError::Lost {
+                database: database.clone(),
+                why: why.clone(),
+            },
+            StoreError::Postgres { database, why },
+        ]
+    }
+
+    /// What a replica waits out, by what it has done: a fresh one exits on what may be
+    /// a configuration mistake, one that served waits out everything but a newer schema,
+    /// and a lost connection is waited out always (and counts as reached).
+    #[test]
+    fn a_replica_waits_out_only_what_a_restart_would_fix() {
+        let cases = [
+            // (reached, served) → newer, unreachable, lost, refused
+            ((false, false), [false, false, true, false]),
+            ((true, false), [false, true, true, false]),
+            ((true, true), [false, true, true, true]),
+        ];
+        for ((reached, served), expected) in cases {
+            for (e, wait) in errors().iter().zip(expected) {
+                let mut h = History {
+                    reached,
+                    served,
+                    ..History::default()
+                };
+                assert_eq!(
+                    h.waits_out(e),
+                    wait,
+                    "{e} after reached={reached} served={served}"
+                );
+            }
+        }
+        let mut fresh = History::default();
+        assert!(fresh.waits_out(&errors()[2]));
+        assert!(fresh.reached, "a lost connection was a connection");
+    }
 }

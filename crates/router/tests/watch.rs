@@ -1,0 +1,82 @@
+//! The router's lease watch against a real gRPC server: a watch the control plane
+//! refuses (its bearer token expired) is the control plane answering, not a control
+//! plane out of reach, so expired leases are not used as stale routes meanwhile.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tonic::{Request, Response, Status, Streaming};
+use valet_proto::leases::{self as pb, leases_server};
+use valet_router::{GrpcControlPlane, Metrics, Router, RouterArgs};
+
+/// The first watch is welcomed, then refused; the second is never answered.
+#[derive(Default)]
+struct Script {
+    watches: AtomicUsize,
+    second: Notify,
+}
+
+#[derive(Clone, Default)]
+struct Refusing(Arc<Script>);
+
+type Out = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::PlaneMessage, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl leases_server::Leases for Refusing {
+    type WatchStream = Out;
+
+    async fn watch(
+        &self,
+        _: Request<Streaming<pb::RouterMessage>>,
+    ) -> Result<Response<Out>, Status> {
+        if self.0.watches.fetch_add(1, Ordering::SeqCst) == 0 {
+            let welcome = pb::PlaneMessage {
+                message: Some(pb::plane_message::Message::Welcome(pb::Welcome {
+                    route_lease: Duration::from_secs(5).try_into().ok(),
+                })),
+            };
+            let refused = Status::unauthenticated("bearer token expired: watch again");
+            return Ok(Response::new(Box::pin(tokio_stream::iter([
+                Ok(welcome),
+                Err(refused),
+            ]))));
+        }
+        self.0.second.notify_one();
+        Ok(Response::new(Box::pin(tokio_stream::pending())))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_watch_is_not_an_unreachable_control_plane() {
+    let script = Refusing::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(leases_server::LeasesServer::new(script.clone()))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let config = RouterArgs::try_parse_flags_only(["--control-plane", &url])
+        .unwrap()
+        .resolve()
+        .unwrap();
+    let cp = GrpcControlPlane::connect_lazy(&url, config.credentials()).unwrap();
+    let channel = cp.channel();
+    let router = Router::new(Arc::new(config), Arc::new(cp), Arc::new(Metrics::new()));
+    let leases = router.start_leases(channel);
+
+    tokio::time::timeout(Duration::from_secs(10), script.0.second.notified())
+        .await
+        .expect("the router watches again after the refusal");
+    let cache = router.route_cache();
+    assert!(cache.holder_for_test().is_none(), "the watch is down");
+    assert!(
+        !cache.unreachable(),
+        "a refusal is an answer: the control plane is reachable"
+    );
+    leases.shutdown().await;
+    server.abort();
+}
