@@ -167,14 +167,7 @@ impl PostgresStore {
         config.keepalives_interval(Duration::from_secs(2));
         config.keepalives_retries(3);
         let database = describe(&config);
-        let err = |e: tokio_postgres::Error| {
-            let (database, why) = (database.clone(), why(&e));
-            if connection_failed(&e) {
-                StoreError::Lost { database, why }
-            } else {
-                StoreError::Postgres { database, why }
-            }
-        };
+        let err = |e: tokio_postgres::Error| store_error(&database, &e);
         let (client, connection) =
             config
                 .connect(NoTls)
@@ -290,17 +283,33 @@ impl PostgresStore {
     }
 
     fn err(&self) -> impl Fn(tokio_postgres::Error) -> StoreError + '_ {
-        |e| StoreError::Postgres {
-            database: self.database.clone(),
-            why: why(&e),
-        }
+        |e| store_error(&self.database, &e)
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
-        self.pool.get().await.map_err(|e| StoreError::Postgres {
-            database: self.database.clone(),
-            why: format!("no connection: {e}"),
+        use deadpool_postgres::PoolError;
+        self.pool.get().await.map_err(|e| match e {
+            PoolError::Backend(e) => store_error(&self.database, &e),
+            PoolError::Timeout(_) => StoreError::Lost {
+                database: self.database.clone(),
+                why: format!("no connection: {e}"),
+            },
+            e => StoreError::Postgres {
+                database: self.database.clone(),
+                why: format!("no connection: {e}"),
+            },
         })
+    }
+}
+
+/// `e` as a store error: [`StoreError::Lost`] when the connection ended under it,
+/// otherwise the database refusing the statement.
+fn store_error(database: &str, e: &tokio_postgres::Error) -> StoreError {
+    let (database, why) = (database.to_owned(), why(e));
+    if connection_failed(e) {
+        StoreError::Lost { database, why }
+    } else {
+        StoreError::Postgres { database, why }
     }
 }
 
@@ -316,8 +325,18 @@ fn connection_failed(e: &tokio_postgres::Error) -> bool {
             let code = state.code();
             code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03")
         }
-        // Not the server's answer: an I/O error on the way.
-        None => e.as_db_error().is_none(),
+        // Not the server's answer: an I/O error on the way counts; anything else
+        // (an answer without the row asked for, say) does not.
+        None => {
+            let mut source = std::error::Error::source(e);
+            while let Some(s) = source {
+                if s.is::<std::io::Error>() {
+                    return true;
+                }
+                source = s.source();
+            }
+            false
+        }
     }
 }
 
@@ -362,10 +381,7 @@ async fn check_version(client: &Client, database: &str) -> Result<(), StoreError
     let exists: bool = client
         .query_one("SELECT to_regclass('valet_schema') IS NOT NULL", &[])
         .await
-        .map_err(|e| StoreError::Postgres {
-            database: database.to_owned(),
-            why: why(&e),
-        })?
+        .map_err(|e| store_error(database, &e))?
         .get(0);
     if !exists {
         return Ok(());
@@ -373,10 +389,7 @@ async fn check_version(client: &Client, database: &str) -> Result<(), StoreError
     let found: Option<i64> = client
         .query_one("SELECT max(version) FROM valet_schema", &[])
         .await
-        .map_err(|e| StoreError::Postgres {
-            database: database.to_owned(),
-            why: why(&e),
-        })?
+        .map_err(|e| store_error(database, &e))?
         .get(0);
     match found {
         Some(found) if found > SCHEMA_VERSION => Err(StoreError::NewerSchema {
@@ -391,9 +404,12 @@ async fn check_version(client: &Client, database: &str) -> Result<(), StoreError
 /// Brings the schema to [`SCHEMA_VERSION`], one migration per transaction, under the
 /// migration lock; refuses a newer schema.
 async fn migrate(client: &Client, database: &str) -> Result<(), StoreError> {
-    let err = |e: tokio_postgres::Error| StoreError::Postgres {
-        database: database.to_owned(),
-        why: format!("migrating the schema: {}", why(&e)),
+    let err = |e: tokio_postgres::Error| match store_error(database, &e) {
+        StoreError::Postgres { database, why } => StoreError::Postgres {
+            database,
+            why: format!("migrating the schema: {why}"),
+        },
+        lost => lost,
     };
     client
         .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])

@@ -371,6 +371,7 @@ impl LeaseClient {
                 // The control plane answered: it is reachable (no stale routing), the
                 // watch just needs credentials again (a token that expired ends it).
                 Watched::Refused(why) => {
+                    self.cache.answered(true);
                     tracing::info!(error = %why, "lease watch refused; watching again with the token file's current token");
                     backoff
                 }

@@ -456,7 +456,9 @@ impl Agent {
         self.drain
             .attached
             .store(true, std::sync::atomic::Ordering::Relaxed);
-        let mut drain_sent = draining;
+        // Sent even when the Join says so: a control plane older than that field
+        // learns of the drain only this way (a newer one ignores the repeat).
+        let mut drain_sent = false;
         let reporter = report_activity(self.slot.subscribe(), tx.clone());
         tokio::pin!(reporter);
         let mut renewals = tokio::time::interval(RENEW_EVERY);

@@ -230,6 +230,11 @@ impl Plane {
             if round == DRAIN_ROUNDS {
                 break;
             }
+            // The plane is shutting down: it tells the worker to detach, and the worker
+            // goes on with its drain on the next control plane it attaches to.
+            if self.is_shutting_down() {
+                return;
+            }
             match self.suspend_actor(key.clone()).await {
                 // Suspended: the slot is vacant now. Or another operation on the actor
                 // (the restore that put it there, a suspend in progress): wait for it
@@ -238,15 +243,16 @@ impl Plane {
                 Err(e) if e.code() == tonic::Code::Aborted => {
                     let ended = tokio::select! {
                         ended = self.wait_until(wait, |p| p.lock().busy(&key).is_none()) => ended,
-                        () = self.inner.shutdown.cancelled() => false,
+                        () = self.inner.shutdown.cancelled() => return,
                     };
                     if !ended {
                         break;
                     }
                 }
                 // The checkpoint failed (the actor is CRASHED, or its record could not
-                // be written), or the plane is shutting down: the worker may stop all
-                // the same; its actor is then released as for any worker that leaves.
+                // be written): the worker may stop all the same; its actor is then
+                // released as for any worker that leaves.
+                Err(_) if self.is_shutting_down() => return,
                 Err(e) => {
                     tracing::warn!(worker, actor = %key, error = %e.message(), "drain could not checkpoint the actor; the worker stops all the same");
                     link.notify(Command::Drained(wk::Drained {}));

@@ -214,6 +214,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
             }
         };
         history.served = true;
+        history.backoff = History::default().backoff;
         let socket = reserved;
         // SO_REUSEADDR from here on: the connections it accepts inherit it, so that once
         // they linger in TIME_WAIT after this process ends, a restart can bind the port.
@@ -315,7 +316,8 @@ impl History {
         match e {
             StoreError::NewerSchema { .. } => false,
             StoreError::Unreachable { .. } => self.reached,
-            StoreError::Lost { .. } => {
+            // Another replica took over (its epoch is newer): wait as its standby.
+            StoreError::Lost { .. } | StoreError::Refused(_) => {
                 self.reached = true;
                 true
             }
@@ -353,7 +355,6 @@ async fn open_replica(
         match opened {
             Ok(s) => {
                 history.reached = true;
-                history.backoff = std::time::Duration::from_millis(500);
                 return Ok(Some(s));
             }
             Err(e) if history.waits_out(&e) => {
@@ -376,7 +377,7 @@ fn humantime_secs(d: std::time::Duration) -> String {
 mod tests {
     use super::*;
 
-    fn errors() -> [StoreError; 4] {
+    fn errors() -> [StoreError; 5] {
         let (database, why) = (String::from("db"), String::from("x"));
         [
             StoreError::NewerSchema {
@@ -392,6 +393,7 @@ mod tests {
                 database: database.clone(),
                 why: why.clone(),
             },
+            StoreError::Refused("epoch 3 is no longer current".into()),
             StoreError::Postgres { database, why },
         ]
     }
@@ -402,10 +404,10 @@ mod tests {
     #[test]
     fn a_replica_waits_out_only_what_a_restart_would_fix() {
         let cases = [
-            // (reached, served) → newer, unreachable, lost, refused
-            ((false, false), [false, false, true, false]),
-            ((true, false), [false, true, true, false]),
-            ((true, true), [false, true, true, true]),
+            // (reached, served) → newer, unreachable, lost, taken over, refused
+            ((false, false), [false, false, true, true, false]),
+            ((true, false), [false, true, true, true, false]),
+            ((true, true), [false, true, true, true, true]),
         ];
         for ((reached, served), expected) in cases {
             for (e, wait) in errors().iter().zip(expected) {
