@@ -118,21 +118,22 @@ async fn checkpoint_timeout_crashes_the_actor() {
     expect(&mut w, "evict").await;
 }
 
-/// A worker that drains (it got SIGTERM) has its actor checkpointed, not reverted
-/// later: SUSPENDED with no revert pending, restored elsewhere from that snapshot. It is
-/// never handed to a capacity waiter, even when its checkpoint frees it; a new worker
-/// is.
-#[tokio::test(start_paused = true)]
-async fn a_draining_worker_checkpoints_its_actor_and_gets_nothing_new() {
-    let store = MemoryStore::default();
-    let plane = plane_with(&store, &["a", "b"]).await;
-    let (mut w1, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+/// `demo/a` restored on worker `id` (attached for it), and a resume of `demo/b`
+/// waiting for capacity (up to 60 s): the worker and that resume.
+async fn a_running_and_b_waiting(
+    plane: &Plane,
+    id: &str,
+) -> (
+    FakeWorker,
+    tokio::task::JoinHandle<Result<(valet_proto::ateapi::Actor, bool), tonic::Status>>,
+) {
+    let (mut w, _) = FakeWorker::attach(plane, id, "counter", app(), None).unwrap();
     let resume = {
         let plane = plane.clone();
         tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
     };
-    let r = expect(&mut w1, "restore").await;
-    w1.answer(r.id, Ok(()));
+    let r = expect(&mut w, "restore").await;
+    w.answer(r.id, Ok(()));
     resume.await.unwrap().unwrap();
     let waiting = {
         let plane = plane.clone();
@@ -147,6 +148,18 @@ async fn a_draining_worker_checkpoints_its_actor_and_gets_nothing_new() {
             .wait_until(Duration::from_secs(1), |p| p.stats().queued == 1)
             .await
     );
+    (w, waiting)
+}
+
+/// A worker that drains (it got SIGTERM) has its actor checkpointed, not reverted
+/// later: SUSPENDED with no revert pending, restored elsewhere from that snapshot. It is
+/// never handed to a capacity waiter, even when its checkpoint frees it; a new worker
+/// is.
+#[tokio::test(start_paused = true)]
+async fn a_draining_worker_checkpoints_its_actor_and_gets_nothing_new() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a", "b"]).await;
+    let (mut w1, waiting) = a_running_and_b_waiting(&plane, "w1").await;
 
     w1.drain();
     let r = expect(&mut w1, "checkpoint").await;
@@ -178,27 +191,7 @@ async fn a_draining_worker_checkpoints_its_actor_and_gets_nothing_new() {
 async fn a_worker_that_re_attaches_draining_gets_nothing_new() {
     let store = MemoryStore::default();
     let plane = plane_with(&store, &["a", "b"]).await;
-    let (mut w0, _) = FakeWorker::attach(&plane, "w0", "counter", app(), None).unwrap();
-    let resume = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
-    };
-    let r = expect(&mut w0, "restore").await;
-    w0.answer(r.id, Ok(()));
-    resume.await.unwrap().unwrap();
-    let waiting = {
-        let plane = plane.clone();
-        tokio::spawn(async move {
-            plane
-                .resume_actor(key("b"), Some(Duration::from_secs(60)))
-                .await
-        })
-    };
-    assert!(
-        plane
-            .wait_until(Duration::from_secs(1), |p| p.stats().queued == 1)
-            .await
-    );
+    let (_w0, waiting) = a_running_and_b_waiting(&plane, "w0").await;
 
     let mut w1 = FakeWorker::attach_draining(&plane, "w1", "counter", app()).unwrap();
     expect(&mut w1, "drained").await;

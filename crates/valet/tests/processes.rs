@@ -15,10 +15,10 @@ use valet_proto::ateapi::{self, actor::Status as S, control_client::ControlClien
 
 const WITHIN: Duration = Duration::from_secs(20);
 
-/// Waits (bounded) until two workers have joined, then creates atespace `demo`.
-async fn two_workers_and_demo(c: &ControlClient<Channel>) {
-    eventually("two workers", WITHIN, || async {
-        let n = c
+/// Waits (bounded) until `n` workers have joined.
+async fn workers_joined(c: &ControlClient<Channel>, n: usize) {
+    eventually("the workers join", WITHIN, || async {
+        let joined = c
             .clone()
             .list_workers(())
             .await
@@ -26,9 +26,14 @@ async fn two_workers_and_demo(c: &ControlClient<Channel>) {
             .into_inner()
             .workers
             .len();
-        (n == 2).then_some(())
+        (joined == n).then_some(())
     })
     .await;
+}
+
+/// Waits (bounded) until two workers have joined, then creates atespace `demo`.
+async fn two_workers_and_demo(c: &ControlClient<Channel>) {
+    workers_joined(c, 2).await;
     c.clone()
         .create_atespace(ateapi::CreateAtespaceRequest {
             name: "demo".into(),
@@ -115,18 +120,7 @@ async fn sigterm_worker_checkpoints_its_actor_before_it_stops() {
     .await;
     let c = client(cp.addr);
     let mut w1 = worker_with(cp.addr, &snaps, "w1", &["--pool", "agent"]).await;
-    eventually("w1 joined", WITHIN, || async {
-        let n = c
-            .clone()
-            .list_workers(())
-            .await
-            .ok()?
-            .into_inner()
-            .workers
-            .len();
-        (n == 1).then_some(())
-    })
-    .await;
+    workers_joined(&c, 1).await;
     c.clone()
         .create_atespace(ateapi::CreateAtespaceRequest {
             name: "demo".into(),
@@ -155,18 +149,7 @@ async fn sigterm_worker_checkpoints_its_actor_before_it_stops() {
         );
     }
     let w2 = worker_with(cp.addr, &snaps, "w2", &["--pool", "agent"]).await;
-    eventually("w2 joined", WITHIN, || async {
-        let n = c
-            .clone()
-            .list_workers(())
-            .await
-            .ok()?
-            .into_inner()
-            .workers
-            .len();
-        (n == 2).then_some(())
-    })
-    .await;
+    workers_joined(&c, 2).await;
 
     let router = router(cp.addr, &["--parked-request-budget", "20s"]).await;
     let (progress, mut answered) = tokio::sync::watch::channel(0usize);
