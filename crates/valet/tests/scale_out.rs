@@ -308,14 +308,16 @@ async fn database_rules_a_newer_schema_and_a_lost_database() {
     drop(client);
     let _ = task.await;
     assert_eq!(cp.exit_code(WITHIN).await, Some(1));
+    // Its stderr is read by a task of its own: wait for the last line to be read.
+    eventually("the newer-schema line", WITHIN, || async {
+        cp.logs()
+            .lines()
+            .any(|l| l.starts_with("valet control-plane: ") && l.contains("newer than this binary"))
+            .then_some(())
+    })
+    .await;
     let logs = cp.logs();
     assert!(logs.contains("lost the database"), "{logs}");
-    assert!(
-        logs.lines().last().is_some_and(
-            |l| l.starts_with("valet control-plane: ") && l.contains("newer than this binary")
-        ),
-        "{logs}"
-    );
 }
 
 /// The database restarts under an active replica and a standby: neither process
