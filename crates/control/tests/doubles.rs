@@ -118,6 +118,19 @@ async fn checkpoint_timeout_crashes_the_actor() {
     expect(&mut w, "evict").await;
 }
 
+/// A resume of `demo/<name>` that waits up to 60 s for capacity, in a task.
+fn resume_waiting(
+    plane: &Plane,
+    name: &'static str,
+) -> tokio::task::JoinHandle<Result<(valet_proto::ateapi::Actor, bool), tonic::Status>> {
+    let plane = plane.clone();
+    tokio::spawn(async move {
+        plane
+            .resume_actor(key(name), Some(Duration::from_secs(60)))
+            .await
+    })
+}
+
 /// `demo/a` restored on worker `id` (attached for it), and a resume of `demo/b`
 /// waiting for capacity (up to 60 s): the worker and that resume.
 async fn a_running_and_b_waiting(
@@ -135,14 +148,7 @@ async fn a_running_and_b_waiting(
     let r = expect(&mut w, "restore").await;
     w.answer(r.id, Ok(()));
     resume.await.unwrap().unwrap();
-    let waiting = {
-        let plane = plane.clone();
-        tokio::spawn(async move {
-            plane
-                .resume_actor(key("b"), Some(Duration::from_secs(60)))
-                .await
-        })
-    };
+    let waiting = resume_waiting(plane, "b");
     assert!(
         plane
             .wait_until(Duration::from_secs(1), |p| p.stats().queued == 1)
@@ -295,14 +301,7 @@ async fn shutdown_answers_waiters_waits_for_restores_and_detaches_workers() {
         tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
     };
     let restore = expect(&mut w, "restore").await;
-    let waiting = {
-        let plane = plane.clone();
-        tokio::spawn(async move {
-            plane
-                .resume_actor(key("b"), Some(Duration::from_secs(60)))
-                .await
-        })
-    };
+    let waiting = resume_waiting(&plane, "b");
     assert!(
         plane
             .wait_until(Duration::from_secs(1), |p| p.waiters("counter") == 1)

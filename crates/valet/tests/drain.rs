@@ -55,6 +55,12 @@ async fn full_pool(dir: &std::path::Path, actors: &[String]) -> (Proc, Proc) {
     (cp, w1)
 }
 
+/// A `valet router` process with both data planes (HTTP and ext_proc) and its admin
+/// server, on `cp`, with `extra` flags.
+async fn both_planes(cp: std::net::SocketAddr, extra: &[&str]) -> Proc {
+    common::router_on(cp, "127.0.0.1:0", "127.0.0.1:0", extra).await
+}
+
 /// 1,000 requests parked over HTTP and 100 over ext_proc, and an open WebSocket, when
 /// SIGTERM arrives: every request gets its complete capacity 503 at the budget (none is
 /// reset), new connections are refused, the tunnel is closed at the drain timeout, and
@@ -81,19 +87,9 @@ async fn sigterm_answers_every_parked_request_on_both_planes() {
         })
         .await
         .unwrap();
-    let url = format!("http://{}", cp.addr);
-    let mut router = Proc::start(
-        "admin",
+    let mut router = both_planes(
+        cp.addr,
         &[
-            "router",
-            "--listen",
-            "127.0.0.1:0",
-            "--extproc-listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--control-plane",
-            &url,
             "--parked-request-budget",
             "4s",
             "--parked-request-max",
@@ -193,24 +189,11 @@ async fn sigterm_on_an_extproc_only_router() {
         &["--restore-delay", "60s"],
     )
     .await;
-    let url = format!("http://{}", cp.addr);
-    let mut router = Proc::start(
-        "admin",
-        &[
-            "router",
-            "--listen",
-            "",
-            "--extproc-listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--control-plane",
-            &url,
-            "--parked-request-budget",
-            "3s",
-            "--drain-timeout",
-            "4s",
-        ],
+    let mut router = common::router_on(
+        cp.addr,
+        "",
+        "127.0.0.1:0",
+        &["--parked-request-budget", "3s", "--drain-timeout", "4s"],
     )
     .await;
     let ep = extproc::client(router.addrs["extproc"]);
@@ -259,24 +242,7 @@ async fn sigterm_serves_parked_requests_a_worker_frees_for() {
     let dir = tempfile::tempdir().unwrap();
     let (cp, _w1) = full_pool(dir.path(), &["q1".to_owned()]).await;
     let c = client(cp.addr);
-    let url = format!("http://{}", cp.addr);
-    let mut router = Proc::start(
-        "admin",
-        &[
-            "router",
-            "--listen",
-            "127.0.0.1:0",
-            "--extproc-listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--control-plane",
-            &url,
-            "--parked-request-budget",
-            "20s",
-        ],
-    )
-    .await;
+    let mut router = both_planes(cp.addr, &["--parked-request-budget", "20s"]).await;
     let http = router.addrs["router"];
     let by_http: Vec<_> = (0..200)
         .map(|_| {

@@ -154,13 +154,19 @@ pub fn signal(child: &Child, name: &str) {
 
 /// `valet router` on 127.0.0.1:0 (HTTP and admin; no ext_proc) in front of `cp`.
 pub async fn router(cp: SocketAddr, extra: &[&str]) -> Proc {
+    router_on(cp, "127.0.0.1:0", "", extra).await
+}
+
+/// `valet router` in front of `cp` with its HTTP data plane on `listen` and its
+/// ext_proc server on `extproc` (empty: off), and its admin server on 127.0.0.1:0.
+pub async fn router_on(cp: SocketAddr, listen: &str, extproc: &str, extra: &[&str]) -> Proc {
     let url = format!("http://{cp}");
     let mut args = vec![
         "router",
         "--listen",
-        "127.0.0.1:0",
+        listen,
         "--extproc-listen",
-        "",
+        extproc,
         "--admin-listen",
         "127.0.0.1:0",
         "--control-plane",
