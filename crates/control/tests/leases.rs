@@ -346,3 +346,137 @@ async fn a_cut_off_worker_keeps_its_actor_for_the_hosting_lease() {
         "released at the hosting lease"
     );
 }
+
+/// Resumes `name` on `w`, which restores it.
+async fn run_on(plane: &Plane, w: &mut FakeWorker, name: &str) {
+    let t = {
+        let plane = plane.clone();
+        let name = name.to_owned();
+        tokio::spawn(async move { resume(&plane, &name, None).await })
+    };
+    let restore = w.next().await.unwrap();
+    assert!(matches!(restore.command, Command::Restore(_)));
+    w.answer(restore.id, Ok(()));
+    t.await.unwrap();
+}
+
+/// A worker whose stream is cut, that comes back with its actor and whose stream is cut
+/// again, keeps its actor for a hosting lease from its *last* renewal: the release the
+/// first cut scheduled does not run at the first lease's end.
+#[tokio::test(start_paused = true)]
+async fn a_worker_cut_off_twice_keeps_its_actor_a_lease_from_its_last_renewal() {
+    let store = MemoryStore::default();
+    let plane = plane_on(&store, &["a"]).await;
+    let (addr, _app, mut w) = live_worker(&plane, "w1").await;
+    run_on(&plane, &mut w, "a").await;
+    w.leave();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (w, kept) = FakeWorker::attach(&plane, "w1", "counter", addr, Some(&key("a"))).unwrap();
+    assert!(kept, "it came back with its actor");
+    tokio::time::sleep(Duration::from_secs(9)).await;
+    w.renew();
+    let renewed = Instant::now();
+    w.leave();
+    // The first cut's lease ended 5 s after this renewal.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(
+        plane.status_of("demo", "a"),
+        Some(S::Running),
+        "the worker may still serve it"
+    );
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(60), |p| p.status_of("demo", "a")
+                == Some(S::Suspended))
+            .await
+    );
+    assert_eq!(renewed.elapsed(), Duration::from_secs(15));
+}
+
+/// After a restart, a worker that re-attached with its actor and was then cut off
+/// keeps it for a hosting lease from its last renewal, past the restart's grace.
+#[tokio::test(start_paused = true)]
+async fn after_a_restart_a_worker_that_rejoined_and_was_cut_off_keeps_its_actor() {
+    use valet_control::store::{ActorRow, Batch};
+    let store = MemoryStore::default();
+    store
+        .write(Batch {
+            put_atespaces: vec!["demo".into()],
+            put_actors: vec![ActorRow {
+                atespace: "demo".into(),
+                name: "a".into(),
+                uid: "uid-a".into(),
+                template_namespace: "default".into(),
+                template: "counter".into(),
+                pool: "counter".into(),
+                status: valet_control::model::ActorStatus::Running,
+                version: 3,
+                worker: Some("w1".into()),
+                selector: Vec::new(),
+                revert_pending: false,
+            }],
+            ..Batch::default()
+        })
+        .await
+        .unwrap();
+    let plane = plane_on(&store, &[]).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let app = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = app.local_addr().unwrap();
+    let (w, kept) = FakeWorker::attach(&plane, "w1", "counter", addr, Some(&key("a"))).unwrap();
+    assert!(kept);
+    tokio::time::sleep(Duration::from_secs(9)).await;
+    w.renew();
+    let renewed = Instant::now();
+    w.leave();
+    // The restart's grace (the hosting lease, 15 s) ended 5 s after this renewal.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(plane.status_of("demo", "a"), Some(S::Running));
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(60), |p| p.status_of("demo", "a")
+                == Some(S::Suspended))
+            .await
+    );
+    assert_eq!(renewed.elapsed(), Duration::from_secs(15));
+}
+
+/// Suspending an actor whose worker's stream is gone (before or during the checkpoint)
+/// does not hand the actor on before the worker has fenced it: the suspend ends a
+/// hosting lease after the worker's last renewal, unless its process is gone.
+#[tokio::test(start_paused = true)]
+async fn a_suspend_waits_for_a_cut_off_worker_to_fence_its_actor() {
+    let store = MemoryStore::default();
+    let plane = plane_on(&store, &["before", "during"]).await;
+
+    // Cut off before the suspend.
+    let (_addr, _app, mut w) = live_worker(&plane, "w1").await;
+    run_on(&plane, &mut w, "before").await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    w.renew();
+    let renewed = Instant::now();
+    w.leave();
+    let suspended = plane.suspend_actor(key("before")).await.unwrap();
+    assert_eq!(suspended.status, S::Suspended as i32);
+    assert_eq!(renewed.elapsed(), Duration::from_secs(15));
+
+    // Cut off while the worker checkpoints.
+    let (_addr, _app2, mut w) = live_worker(&plane, "w2").await;
+    run_on(&plane, &mut w, "during").await;
+    let suspend = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.suspend_actor(key("during")).await })
+    };
+    let c = w.next().await.unwrap();
+    assert!(matches!(c.command, Command::Checkpoint(_)));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let cut = Instant::now();
+    w.leave();
+    suspend.await.unwrap().unwrap();
+    assert_eq!(
+        cut.elapsed(),
+        Duration::from_secs(13),
+        "a lease from its attachment, 2 s before the cut"
+    );
+    assert_eq!(plane.status_of("demo", "during"), Some(S::Suspended));
+}

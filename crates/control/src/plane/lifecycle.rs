@@ -456,6 +456,12 @@ impl Plane {
             Ok(()) | Err(LinkError::Gone) => {
                 if result.is_err() {
                     tracing::warn!(actor = %key, worker, "worker went away during checkpoint; actor back to its last snapshot");
+                    // It may still serve the actor (only its stream may be cut): not
+                    // elsewhere before it has fenced it. At shutdown the record stays
+                    // SUSPENDING, which the next start settles.
+                    if !self.until_fenced(&worker).await {
+                        return Err(shutting_down());
+                    }
                 }
                 let done = suspending.moved(ActorStatus::Suspended, None);
                 self.finish(op, Batch::put([done.clone()])).await?;

@@ -21,6 +21,31 @@ use crate::store::{ActorRow, Batch};
 /// tells the worker to stop all the same.
 const DRAIN_ROUNDS: usize = 4;
 
+/// A worker whose stream ended, for as long as it may still serve its actor.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Departure {
+    /// Tells this departure from a later one of the same worker.
+    id: u64,
+    /// Its app's address: a port that refuses connections means its process is gone.
+    app: SocketAddr,
+    /// When it has fenced its actor at the latest: its hosting lease after the last
+    /// renewal the plane heard from it.
+    fenced_by: tokio::time::Instant,
+}
+
+/// Whether nothing listens on `app` any more (its process is gone): the connection is
+/// refused within a second.
+async fn refuses(app: SocketAddr) -> bool {
+    matches!(
+        tokio::time::timeout(
+            std::time::Duration::from_secs(1),
+            tokio::net::TcpStream::connect(app)
+        )
+        .await,
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused
+    )
+}
+
 impl Plane {
     /// A worker attached (or re-attached). Returns whether it keeps the actor it
     /// reported; one it may not keep is evicted.
@@ -47,6 +72,8 @@ impl Plane {
         let (kept, stale, free) = {
             let mut st = self.lock();
             let previous = st.workers.remove(&id);
+            // Back: what it hosts is decided below, not by a lease running out.
+            st.departed.remove(&id);
             if let Some(old) = &previous {
                 old.link.close();
             }
@@ -296,16 +323,23 @@ impl Plane {
                 return;
             }
             let rec = st.workers.remove(worker).expect("checked above");
+            let now = tokio::time::Instant::now();
+            st.departed.retain(|_, d| d.fenced_by >= now);
+            let departure = Departure {
+                id: st.id(),
+                app: rec.app_addr,
+                fenced_by: rec.last_renewal + self.config().hosting_lease,
+            };
+            st.departed.insert(worker.to_owned(), departure);
             let left = st.pool_size(&rec.pool);
             let orphan = match &rec.slot {
                 Slot::Hosting(key) if !self.is_shutting_down() => st
                     .actors
                     .get(key)
                     .filter(|r| r.status == ActorStatus::Running)
-                    .map(|_| (key.clone(), rec.app_addr, rec.last_renewal)),
+                    .map(|_| key.clone()),
                 _ => None,
             };
-            let actor = orphan.as_ref().map(|(k, _, _)| k.to_string());
             if self.is_shutting_down() {
                 // Expected: the plane told it to detach.
                 tracing::info!(worker, pool = %rec.pool, workers_left = left, "worker left its pool");
@@ -314,53 +348,77 @@ impl Plane {
                     worker,
                     pool = %rec.pool,
                     workers_left = left,
-                    actor = ?actor,
+                    actor = ?orphan.as_ref().map(ToString::to_string),
                     "worker left its pool"
                 );
             }
-            orphan
+            orphan.map(|k| (k, departure))
         };
-        if let Some((key, app, last_renewal)) = orphan {
-            self.spawn_orphan_release(worker.to_owned(), key, app, last_renewal);
+        if let Some((key, departure)) = orphan {
+            self.spawn_orphan_release(worker.to_owned(), key, departure);
+        }
+    }
+
+    /// Waits until `worker` can no longer serve the actor the records place on it: it is
+    /// attached (the plane decides what it hosts), its process is gone (its app port
+    /// refuses connections), or its hosting lease has run out since the last renewal
+    /// the plane heard (for a worker not seen since a restart: since the start). False
+    /// when the plane shuts down first.
+    pub(super) async fn until_fenced(&self, worker: &str) -> bool {
+        let (app, deadline) = {
+            let st = self.lock();
+            if st.workers.contains_key(worker) {
+                return true;
+            }
+            match st.departed.get(worker) {
+                Some(d) => (Some(d.app), d.fenced_by),
+                None => (None, self.inner.workers_unknown_until),
+            }
+        };
+        if deadline <= tokio::time::Instant::now() {
+            return true;
+        }
+        if let Some(app) = app
+            && refuses(app).await
+        {
+            return true;
+        }
+        tracing::info!(
+            worker,
+            ?deadline,
+            "waiting out the hosting lease before the actor may run elsewhere"
+        );
+        tokio::select! {
+            () = tokio::time::sleep_until(deadline) => true,
+            () = self.inner.shutdown.cancelled() => false,
         }
     }
 
     /// Releases `key`, whose worker left, once the worker must have fenced it (see
-    /// [`Self::worker_left`]) — unless the worker re-attached with it meanwhile.
-    fn spawn_orphan_release(
-        &self,
-        worker: String,
-        key: ActorKey,
-        app: SocketAddr,
-        last_renewal: tokio::time::Instant,
-    ) {
+    /// [`Self::worker_left`]), unless the worker came back meanwhile: attached now, or
+    /// attached and left again (that later departure's release decides then).
+    fn spawn_orphan_release(&self, worker: String, key: ActorKey, departure: Departure) {
         let plane = self.clone();
-        let deadline = last_renewal + self.config().hosting_lease;
         self.inner.tasks.spawn(async move {
-            let gone = matches!(
-                tokio::time::timeout(
-                    std::time::Duration::from_secs(1),
-                    tokio::net::TcpStream::connect(app)
-                )
-                .await,
-                Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused
-            );
-            if !gone {
-                tracing::info!(actor = %key, %worker, ?deadline, "waiting out the hosting lease before the actor may run elsewhere");
-                tokio::select! {
-                    () = tokio::time::sleep_until(deadline) => {}
-                    () = plane.inner.shutdown.cancelled() => return,
-                }
+            if !plane.until_fenced(&worker).await {
+                return;
             }
             let released = {
                 let mut st = plane.lock();
                 let back = st.actors.get(&key).is_some_and(|r| {
-                    r.worker.as_ref().is_some_and(|w| st.workers.contains_key(w))
+                    r.worker
+                        .as_ref()
+                        .is_some_and(|w| st.workers.contains_key(w))
                 });
+                let superseded = st
+                    .departed
+                    .get(&worker)
+                    .is_some_and(|d| d.id != departure.id);
                 match st.actors.get(&key) {
                     Some(row)
                         if row.status == ActorStatus::Running
                             && !back
+                            && !superseded
                             && st.busy(&key).is_none() =>
                     {
                         let row = row.clone();
@@ -388,7 +446,7 @@ impl Plane {
     /// restart fences its actor at its own deadline, which came before (its last
     /// answered renewal was before the restart). Only actors recorded RUNNING at the
     /// start whose worker never re-attached are released here; a worker that attached
-    /// and left is [`Self::worker_left`]'s.
+    /// and left is [`Self::worker_left`]'s (its lease counts from its last renewal).
     pub(super) fn spawn_rejoin_deadline(&self, awaiting: Vec<ActorKey>) {
         let plane = self.clone();
         let grace = self.config().rejoin_grace.max(self.config().hosting_lease);
@@ -405,10 +463,9 @@ impl Plane {
                     .filter(|(k, r)| {
                         r.status == ActorStatus::Running
                             && st.busy(k).is_none()
-                            && !r
-                                .worker
-                                .as_ref()
-                                .is_some_and(|w| st.workers.contains_key(w))
+                            && !r.worker.as_ref().is_some_and(|w| {
+                                st.workers.contains_key(w) || st.departed.contains_key(w)
+                            })
                     })
                     .map(|(_, r)| r.clone())
                     .collect();

@@ -192,6 +192,9 @@ pub(crate) struct State {
     pub(crate) refused: HashMap<ActorKey, (String, tokio::time::Instant)>,
     /// Routers' watches and the route leases of every actor.
     pub(crate) leases: leases::LeaseBook,
+    /// Workers whose stream ended and that may still serve their actor, by id, until
+    /// they re-attach or their hosting lease has run out.
+    pub(crate) departed: HashMap<String, membership::Departure>,
 }
 
 impl State {
@@ -346,6 +349,10 @@ pub(crate) struct Inner {
     /// Until when leases granted before this start may still be held: nothing moves
     /// before then (the start itself on a fresh store: none can be).
     leases_unknown_until: tokio::time::Instant,
+    /// Until when a worker that has not attached since this start may still serve an
+    /// actor the records place on it (it fences at its hosting lease, counted from a
+    /// renewal before the start).
+    workers_unknown_until: tokio::time::Instant,
 }
 
 /// A failed write changed nothing: `Unavailable`, so that a router parks the request
@@ -382,10 +389,11 @@ impl Plane {
                 .or_insert(builtin);
         }
         let fresh = loaded.atespaces.is_empty() && loaded.actors.is_empty();
-        let leases_unknown_until = if fresh {
-            tokio::time::Instant::now()
+        let (leases_unknown_until, workers_unknown_until) = if fresh {
+            (tokio::time::Instant::now(), tokio::time::Instant::now())
         } else {
-            tokio::time::Instant::now() + config.route_lease
+            let now = tokio::time::Instant::now();
+            (now + config.route_lease, now + config.hosting_lease)
         };
         let mut recovered = Vec::new();
         let mut state = State {
@@ -423,6 +431,7 @@ impl Plane {
                 shutdown: CancellationToken::new(),
                 policy: tokio::sync::Notify::new(),
                 leases_unknown_until,
+                workers_unknown_until,
             }),
         };
         let awaiting: Vec<ActorKey> = plane
