@@ -197,7 +197,7 @@ async fn next_response(
         Some(In::RequestHeaders(headers)) => {
             let started = Instant::now();
             let (host, path) = host_and_path(&headers);
-            let deadline = started + s.router.config().decision_timeout();
+            let deadline = started + s.router.config().extproc_decision_timeout();
             // Decide, but notice a stream that ends meanwhile: the caller went away,
             // and dropping the decision frees its parking slot.
             let decide = s.router.decide(&host, deadline);

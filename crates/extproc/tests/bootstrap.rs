@@ -52,7 +52,8 @@ fn derived_values_for_flag_sets() {
     let cases: &[(&[&str], i64, &str)] = &[
         (&[], 2048, "10s"),
         (&["--parked-request-max", "100"], 1024, "10s"),
-        (&["--parked-request-max", "0"], 1024, "10s"),
+        // Parking disabled: a flight retries Aborted for 15 s.
+        (&["--parked-request-max", "0"], 1024, "20s"),
         (
             &[
                 "--parked-request-max",

@@ -427,3 +427,24 @@ async fn parked_streams_released_when_a_worker_frees() {
         20.0
     );
 }
+
+/// A decision that outlasts the budget (an attempt in progress is not cut short, and a
+/// restore may run long) is answered with the router's own 504 before Envoy's
+/// `message_timeout` (`budget + 5s`, counted from before the router saw the headers)
+/// would end the request with a reply of Envoy's.
+#[tokio::test(start_paused = true)]
+async fn a_slow_decision_gets_the_routers_504_before_envoy_gives_up() {
+    let (router, client, mut calls) = scripted(&["--parked-request-budget", "1s"]).await;
+    let message_timeout = router.config().decision_timeout();
+    let mut s = Stream::open(&client).await;
+    let sent = tokio::time::Instant::now();
+    s.headers(&host("a")).await;
+    // The control plane never answers this attempt.
+    let _held = calls.next().await;
+    check_immediate(s.next().await, 504, "actor demo/a request timed out", false);
+    let took = sent.elapsed();
+    assert!(
+        took < message_timeout && took >= router.config().extproc_decision_timeout(),
+        "answered after {took:?}; Envoy gives up at {message_timeout:?}"
+    );
+}

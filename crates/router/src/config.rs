@@ -31,6 +31,8 @@ pub const MIN_DERIVED_EXTPROC_MAX_REQUESTS: u32 = 1024;
 /// How much longer than the budget Envoy (and the built-in data plane) give a decision,
 /// and the derived `--drain-timeout` beyond the budget.
 pub const DECISION_MARGIN: Duration = Duration::from_secs(5);
+/// How much sooner than Envoy's `message_timeout` the ext_proc plane gives its 504.
+pub const EXTPROC_ANSWER_LEAD: Duration = Duration::from_millis(500);
 /// The budget of a flight when parking is disabled: only `Aborted` is retried.
 pub const DISABLED_ABORTED_BUDGET: Duration = Duration::from_secs(15);
 
@@ -332,7 +334,8 @@ pub struct ParkingArgs {
     pub drain_delay: Duration,
 
     /// How long requests already received may still wait during shutdown. 0 derives
-    /// budget + 5s; an explicit value must be >= the budget.
+    /// budget + 5s (20s with parking disabled, whose flights retry Aborted for 15s); an
+    /// explicit value must be >= the budget.
     #[arg(long, env = "VALET_DRAIN_TIMEOUT", default_value = "0s", value_parser = parse_duration, value_name = "DURATION")]
     pub drain_timeout: Duration,
 }
@@ -448,10 +451,19 @@ impl RouterConfig {
     pub fn drain_timeout(&self) -> Duration {
         self.drain_timeout
     }
-    /// How long a data plane may take to decide a request: budget + 5 s (Envoy's
-    /// `message_timeout` and the built-in data plane's decision deadline).
+    /// How long a data plane may take to decide a request: a flight's budget + 5 s
+    /// (Envoy's `message_timeout` and the built-in data plane's decision deadline). With
+    /// parking disabled a flight retries `Aborted` for 15 s, so this is 20 s.
     pub fn decision_timeout(&self) -> Duration {
-        self.parking.budget + DECISION_MARGIN
+        self.parking.flight_budget() + DECISION_MARGIN
+    }
+    /// How long the ext_proc plane may take to decide a request: [`Self::decision_timeout`]
+    /// less [`EXTPROC_ANSWER_LEAD`]. Envoy's `message_timeout` (the whole decision
+    /// timeout) starts when Envoy sends the headers, before the router sees them; the
+    /// router answers its own 504 first, so Envoy never abandons a request with a reply
+    /// of its own.
+    pub fn extproc_decision_timeout(&self) -> Duration {
+        self.decision_timeout().saturating_sub(EXTPROC_ANSWER_LEAD)
     }
 
     /// The effective flags as `(flag, value)` pairs, for logs and `/statusz`.
@@ -700,7 +712,7 @@ impl RouterArgs {
         };
 
         let drain_timeout = if p.drain_timeout.is_zero() {
-            parking.budget + DECISION_MARGIN
+            parking.flight_budget() + DECISION_MARGIN
         } else {
             if p.drain_timeout < parking.budget {
                 return Err(ConfigError::new(
@@ -1066,6 +1078,9 @@ mod tests {
         let c = resolve(&["--parked-request-max", "0"]).unwrap();
         assert!(!c.parking().enabled());
         assert_eq!(c.parking().flight_budget(), Duration::from_secs(15));
+        // Every data plane (and the drain) gives a flight its whole 15 s.
+        assert_eq!(c.decision_timeout(), Duration::from_secs(20));
+        assert_eq!(c.drain_timeout(), Duration::from_secs(20));
         assert_eq!(
             resolve(&[]).unwrap().parking().flight_budget(),
             Duration::from_secs(5)

@@ -133,7 +133,9 @@ async fn disabled_parking_retries_aborted_for_15s_without_parking() {
         "0",
     ]);
     let start = Instant::now();
-    let req = h.request("demo/p1");
+    // Under the data planes' own deadline, which must leave the flight its 15 s.
+    let decision_timeout = h.router.config().decision_timeout();
+    let req = h.request_with_deadline("demo/p1", decision_timeout);
     let router = h.router.clone();
     let (d, times) = answer_until_done(&mut h.calls, req, |call| {
         assert_eq!(call.request.wait_for_capacity, None, "never asks to wait");
