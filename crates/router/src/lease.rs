@@ -263,6 +263,9 @@ fn renewal_margin(lease: Duration) -> Duration {
 
 /// How often due renewals are looked for.
 const RENEWAL_TICK: Duration = Duration::from_millis(100);
+/// How long a stopping router waits for the control plane to take its release of
+/// every lease.
+const RELEASE_WAIT: Duration = Duration::from_secs(1);
 
 /// The router's side of the lease protocol: its id, the watch, the renewals.
 #[derive(Debug)]
@@ -411,6 +414,14 @@ impl LeaseClient {
                         message: Some(pb::router_message::Message::ReleaseAll(pb::ReleaseAll {})),
                     };
                     let _ = tx.send(release).await;
+                    // Half-close, and wait (bounded) for the plane to end the watch: the
+                    // release has then reached it, rather than being cut off with the
+                    // stream as the process exits (the plane would wait the leases out).
+                    drop(tx);
+                    let _ = tokio::time::timeout(RELEASE_WAIT, async {
+                        while let Ok(Some(_)) = inbound.message().await {}
+                    })
+                    .await;
                     return Watched::Stopped;
                 }
             };
@@ -489,9 +500,15 @@ impl LeaseClient {
                     timeout,
                     lease_holder: Some(holder),
                 };
+                let stop = self.stop.clone();
                 renewals.spawn(async move {
                     let sent_at = Instant::now();
-                    let answer = cp.resume_actor(request).await;
+                    // A renewal is worth nothing once the router stops: its shutdown
+                    // does not wait for the answer (up to the attempt timeout).
+                    let answer = tokio::select! {
+                        a = cp.resume_actor(request) => a,
+                        () = stop.cancelled() => return,
+                    };
                     cache.answered(
                         !matches!(&answer, Err(e) if e.code() == tonic::Code::Unavailable),
                     );

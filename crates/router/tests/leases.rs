@@ -167,3 +167,22 @@ async fn stale_leases_only_for_the_built_in_plane_while_unreachable() {
     elapse(Duration::from_secs(10)).await;
     assert!(cache.route(&actor("demo/p1"), true).is_none());
 }
+
+/// Stopping the lease client does not wait for a renewal the control plane has not
+/// answered (it could take the whole attempt timeout, 30 s, past the drain).
+#[tokio::test(start_paused = true)]
+async fn a_stop_does_not_wait_for_a_pending_renewal() {
+    let mut h = harness(&[]);
+    watching(&h);
+    let renewals = h.router.start_renewals_only();
+    let r = h.request("demo/busy");
+    h.calls.next().await.running_leased(9001, LEASE, 1);
+    assert_eq!(status(&r.await.unwrap()), 200);
+    assert_eq!(status(&h.request("demo/busy").await.unwrap()), 200);
+    let _pending = h.calls.next().await;
+    let stopping = Instant::now();
+    tokio::time::timeout(Duration::from_secs(60), renewals.shutdown())
+        .await
+        .expect("the lease client stopped");
+    assert_eq!(stopping.elapsed(), Duration::ZERO, "no wait for the answer");
+}

@@ -80,3 +80,83 @@ async fn a_refused_watch_is_not_an_unreachable_control_plane() {
     leases.shutdown().await;
     server.abort();
 }
+
+/// Records whether a watch released every lease before it ended; ends the watch when
+/// the router half-closes it, as the control plane does.
+#[derive(Clone, Default)]
+struct Releasing {
+    released: Arc<std::sync::atomic::AtomicBool>,
+    welcomed: Arc<Notify>,
+}
+
+#[tonic::async_trait]
+impl leases_server::Leases for Releasing {
+    type WatchStream = Out;
+
+    async fn watch(
+        &self,
+        request: Request<Streaming<pb::RouterMessage>>,
+    ) -> Result<Response<Out>, Status> {
+        let mut inbound = request.into_inner();
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let welcome = pb::PlaneMessage {
+            message: Some(pb::plane_message::Message::Welcome(pb::Welcome {
+                route_lease: Duration::from_secs(5).try_into().ok(),
+            })),
+        };
+        tx.send(Ok(welcome)).await.unwrap();
+        self.welcomed.notify_one();
+        let released = Arc::clone(&self.released);
+        tokio::spawn(async move {
+            // A busy control plane: it reads the router's messages a while later.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            while let Ok(Some(m)) = inbound.message().await {
+                if matches!(m.message, Some(pb::router_message::Message::ReleaseAll(_))) {
+                    released.store(true, Ordering::SeqCst);
+                }
+            }
+            drop(tx);
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+}
+
+/// A stopping router's release of its leases has reached the control plane by the time
+/// its lease client has stopped, so the plane need not wait the leases out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_router_releases_its_leases_before_it_stops() {
+    let script = Releasing::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(leases_server::LeasesServer::new(script.clone()))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let config = RouterArgs::try_parse_flags_only(["--control-plane", &url])
+        .unwrap()
+        .resolve()
+        .unwrap();
+    let cp = GrpcControlPlane::connect_lazy(&url, config.credentials()).unwrap();
+    let channel = cp.channel();
+    let router = Router::new(Arc::new(config), Arc::new(cp), Arc::new(Metrics::new()));
+    let _leases = router.start_leases(channel);
+    tokio::time::timeout(Duration::from_secs(10), script.welcomed.notified())
+        .await
+        .expect("the router watches");
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while router.route_cache().holder_for_test().is_none() {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the router takes the welcome");
+    router.stop_leases().await;
+    assert!(
+        script.released.load(Ordering::SeqCst),
+        "the release reached the control plane before the router stopped"
+    );
+    server.abort();
+}
