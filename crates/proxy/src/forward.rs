@@ -120,14 +120,17 @@ pub(crate) enum Sent {
 impl Outgoing {
     /// Prepares `req` (from `host`, client `peer`): hop-by-hop headers stripped, the
     /// upgrade taken, `x-forwarded-for` extended; a small body is read whole so the
-    /// request can be replayed.
+    /// request can be replayed, by `deadline` (the request's decision deadline: a
+    /// client that stalls mid-body gets the 504 verdict, and holds neither the request
+    /// nor a drain past it).
     pub(crate) async fn new(
         req: Request<RequestBody>,
         failure: Failure,
         route: &Route,
         host: &str,
         peer: SocketAddr,
-    ) -> Result<Self, Response<Body>> {
+        deadline: tokio::time::Instant,
+    ) -> Result<Self, (Response<Body>, &'static str)> {
         let (mut parts, body) = req.into_parts();
         let upgrade = (parts.version == Version::HTTP_11 && is_upgrade(&parts.headers))
             .then(|| parts.headers.get(header::UPGRADE).cloned())
@@ -159,7 +162,11 @@ impl Outgoing {
         let body = if body.is_end_stream() {
             OutgoingBody::Held(Bytes::new())
         } else if small {
-            match body.collect().await {
+            let Ok(collected) = tokio::time::timeout_at(deadline, body.collect()).await else {
+                let late = Verdict::of(&Denial::CallerDeadline(route.actor.clone()));
+                return Err((render(&late), late.reason()));
+            };
+            match collected {
                 Ok(all) => OutgoingBody::Held(all.to_bytes()),
                 Err(_) => {
                     let end = failure.lock().unwrap_or_else(|e| e.into_inner()).take();
@@ -168,7 +175,8 @@ impl Outgoing {
                         Some(CallerEnd::MalformedBody(why)) => Denial::MalformedBody(actor, why),
                         Some(CallerEnd::Gone) | None => Denial::CallerGone(actor),
                     };
-                    return Err(render(&Verdict::of(&denial)));
+                    let v = Verdict::of(&denial);
+                    return Err((render(&v), v.reason()));
                 }
             }
         } else {

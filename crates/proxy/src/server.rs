@@ -714,9 +714,9 @@ async fn handle(
             Box::pin(async {
                 let (body, failure) = held.into_body();
                 let req = Request::from_parts(parts, body);
-                match Outgoing::new(req, failure, route, &host, peer).await {
+                match Outgoing::new(req, failure, route, &host, peer, deadline).await {
                     Ok(mut out) => send(shared, &mut out, route, &host, deadline).await,
-                    Err(resp) => (resp, Some(route.addr), "routed"),
+                    Err((resp, verdict)) => (resp, Some(route.addr), verdict),
                 }
             })
             .await

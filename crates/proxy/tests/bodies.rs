@@ -366,3 +366,35 @@ async fn a_moved_actor_is_resolved_again() {
         "a streamed body is never replayed"
     );
 }
+
+/// A client that stalls in the middle of a small body (read whole before it is sent,
+/// so that a 421 can replay it) gets the 504 verdict at the request's decision
+/// deadline, instead of holding the request (and a drain) for as long as it likes.
+#[tokio::test]
+async fn a_client_stalled_mid_body_gets_504_at_its_deadline() {
+    let upstream = collecting_upstream().await;
+    let (router, server) = serve(
+        Arc::new(AlwaysRunning { port: upstream }),
+        &["--parked-request-budget", "100ms"],
+    )
+    .await;
+    let mut s = TcpStream::connect(server.local_addr()).await.unwrap();
+    s.write_all(
+        format!(
+            "POST / HTTP/1.1\r\nHost: {}\r\nContent-Length: 100\r\nConnection: close\r\n\r\nonly ten b",
+            host("p1")
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let deadline = router.config().decision_timeout();
+    let mut out = Vec::new();
+    tokio::time::timeout(deadline + WAIT, s.read_to_end(&mut out))
+        .await
+        .expect("answered")
+        .unwrap();
+    let text = String::from_utf8_lossy(&out);
+    assert!(text.starts_with("HTTP/1.1 504 "), "{text}");
+    assert!(text.ends_with("actor demo/p1 request timed out"), "{text}");
+}

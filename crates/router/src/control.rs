@@ -224,9 +224,11 @@ impl GrpcControlPlane {
 
     /// A client of several replicas: attempts go to the replica that last answered;
     /// one that cannot be reached (a transport failure, or no answer in time) is
-    /// passed over for [`FAILOVER_HOLD`] and the next one is tried. The failed attempt
-    /// counts as `Unavailable` (or `DeadlineExceeded`), so a parked request's next
-    /// attempt goes to the next replica. (With one active replica and standbys, as
+    /// passed over for [`FAILOVER_HOLD`] and the next one is tried. A failed attempt
+    /// counts as `Unavailable`, so a parked request's next attempt goes to the next
+    /// replica; one with no answer within `--resume-attempt-timeout` counts as
+    /// `DeadlineExceeded`, which ends the flight (the spec's verdict table), and the
+    /// replica is passed over by the flights after it. (With one active replica and standbys, as
     /// today, spreading calls would only pay a refused connection on the standbys.)
     ///
     /// # Errors
