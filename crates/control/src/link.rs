@@ -22,9 +22,13 @@ pub(crate) enum LinkError {
     /// The worker answered that the command failed.
     #[error("{0}")]
     Failed(String),
-    /// A policy's checkpoint found the actor busy (not idle since the mark it named).
+    /// A checkpoint found the actor busy: not idle since a policy's mark, or its
+    /// requests in flight did not end within the idle wait.
     #[error("the actor is busy")]
     Busy,
+    /// A checkpoint of an actor the worker does not host (it was told to drop it).
+    #[error("{0}")]
+    NotHosting(String),
 }
 
 /// What the control plane sends on a worker's stream.
@@ -99,6 +103,7 @@ impl WorkerLink {
         match tokio::time::timeout(timeout, reply_rx).await {
             Ok(Ok(reply)) if reply.ok => Ok(()),
             Ok(Ok(reply)) if reply.busy => Err(LinkError::Busy),
+            Ok(Ok(reply)) if reply.not_hosting => Err(LinkError::NotHosting(reply.error)),
             Ok(Ok(reply)) => Err(LinkError::Failed(reply.error)),
             Ok(Err(_)) => Err(LinkError::Gone),
             Err(_) => {

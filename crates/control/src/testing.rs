@@ -281,6 +281,7 @@ impl FakeWorker {
             ok: result.is_ok(),
             error: result.err().unwrap_or_default().to_owned(),
             busy: false,
+            not_hosting: false,
         });
     }
 
@@ -291,6 +292,18 @@ impl FakeWorker {
             ok: false,
             error: "the actor is busy".into(),
             busy: true,
+            not_hosting: false,
+        });
+    }
+
+    /// Answers a checkpoint `id`: this worker does not host the actor (it dropped it).
+    pub fn answer_not_hosting(&self, id: u64) {
+        self.link.deliver(wk::Reply {
+            id,
+            ok: false,
+            error: "worker does not host the actor".into(),
+            busy: false,
+            not_hosting: true,
         });
     }
 

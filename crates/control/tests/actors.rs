@@ -446,3 +446,88 @@ async fn reflection_lists_the_control_service() {
     assert!(names.contains(&"ateapi.Control"), "{names:?}");
     sys.shutdown().await;
 }
+
+/// A suspend of an actor whose request stays in flight, with real workers: the worker
+/// waits for it at most half the checkpoint timeout, then answers busy; the actor
+/// keeps running (nothing CRASHED), and the worker keeps renewing its hosting
+/// meanwhile (the wait is longer than its hosting lease, and it never re-attaches). A
+/// resume waiting for that worker gets it once the request has ended and a suspend
+/// succeeds.
+#[tokio::test]
+async fn a_suspend_of_a_busy_actor_leaves_it_running_with_real_workers() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let config = PlaneConfig {
+        checkpoint_timeout: Duration::from_secs(6),
+        hosting_lease: Duration::from_secs(2),
+        templates: vec![Template::echo()],
+        ..PlaneConfig::default()
+    };
+    let mut sys = system(0, config).await;
+    sys.add_worker("echo", Duration::ZERO).await;
+    assert!(
+        sys.plane
+            .wait_until(WAIT, |p| p.pool("echo") == (1, 1))
+            .await
+    );
+    sys.atespace("demo").await;
+    sys.create_from("demo/busy", "echo").await.unwrap();
+    sys.create_from("demo/next", "echo").await.unwrap();
+    let (a, _) = sys.resume("demo/busy").await.unwrap();
+
+    // A request in flight: a chunked upload that does not end.
+    let mut held = tokio::net::TcpStream::connect(addr_of(&a)).await.unwrap();
+    held.write_all(
+        b"POST /upload HTTP/1.1\r\nHost: a\r\nx-actor-ref: demo/busy\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n",
+    )
+    .await
+    .unwrap();
+    let key = valet_control::ActorKey::new("demo", "busy").unwrap();
+    assert!(
+        sys.plane
+            .wait_until(WAIT, |p| p.get_actor(&key).is_ok_and(|a| a.busy))
+            .await,
+        "the worker reports the request in flight"
+    );
+    let next = {
+        let client = sys.client.clone();
+        tokio::spawn(async move {
+            client
+                .clone()
+                .resume_actor(ateapi::ResumeActorRequest {
+                    actor_ref: Some(aref("demo/next")),
+                    wait_for_capacity: Some(Duration::from_secs(30).try_into().unwrap()),
+                    ..Default::default()
+                })
+                .await
+        })
+    };
+    assert!(sys.plane.wait_until(WAIT, |p| p.waiters("echo") == 1).await);
+
+    let e = sys.suspend("demo/busy").await.unwrap_err();
+    assert_eq!(
+        (e.code(), e.message()),
+        (
+            Code::Aborted,
+            "actor demo/busy is busy: its requests in flight did not end within 3s; it keeps running"
+        )
+    );
+    assert_eq!(status(&sys.get("demo/busy").await.unwrap()), S::Running);
+    assert_eq!(
+        sys.plane.stats().attachments,
+        1,
+        "the worker renewed its hosting during the wait: it never re-attached"
+    );
+
+    // The request ends and is answered in full.
+    held.write_all(b"0\r\n\r\n").await.unwrap();
+    let mut answer = String::new();
+    held.read_to_string(&mut answer).await.unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.ends_with("5\r\nhello\r\n0\r\n\r\n"), "{answer}");
+
+    sys.suspend("demo/busy").await.unwrap();
+    let r = next.await.unwrap().unwrap().into_inner();
+    assert_eq!(status(&r.actor.unwrap()), S::Running);
+    assert_eq!(status(&sys.get("demo/busy").await.unwrap()), S::Suspended);
+    sys.shutdown().await;
+}

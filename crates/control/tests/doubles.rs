@@ -423,3 +423,80 @@ async fn a_worker_rejoining_empty_is_free_only_once_its_old_actor_is_released() 
     resume.await.unwrap().expect("served, not a failed write");
     assert_eq!(plane.status_of("demo", "new"), Some(S::Running));
 }
+
+/// After a restart, a suspend waits out the previous run's route leases; a worker that
+/// re-attaches meanwhile reporting the actor is told to drop it (an operation is in
+/// progress on it). The checkpoint then finds the actor gone from the worker: it goes
+/// back to its last snapshot, SUSPENDED, not CRASHED.
+#[tokio::test(start_paused = true)]
+async fn a_checkpoint_of_an_actor_its_worker_dropped_suspends_it() {
+    let store = MemoryStore::default();
+    store
+        .write(Batch {
+            put_atespaces: vec!["demo".into()],
+            put_actors: vec![running_on("a", "w1")],
+            ..Batch::default()
+        })
+        .await
+        .unwrap();
+    let plane = Plane::open(Arc::new(store.clone()), config())
+        .await
+        .unwrap();
+    let suspend = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.suspend_actor(key("a")).await })
+    };
+    tokio::task::yield_now().await;
+    let (mut w, kept) =
+        FakeWorker::attach(&plane, "w1", "counter", app(), Some(&key("a"))).unwrap();
+    assert!(!kept, "an operation is in progress on it");
+    expect(&mut w, "evict").await;
+    let c = expect(&mut w, "checkpoint").await;
+    w.answer_not_hosting(c.id);
+    let suspended = suspend.await.unwrap().unwrap();
+    assert_eq!(suspended.status, S::Suspended as i32);
+    assert_eq!(
+        store.actor(&key("a")).unwrap().status,
+        ActorStatus::Suspended
+    );
+    assert_eq!(plane.pool("counter"), (1, 1), "its worker is free");
+}
+
+/// An explicit suspend's checkpoint tells the worker to wait for requests in flight at
+/// most half the checkpoint timeout; a worker that answers busy leaves the actor
+/// RUNNING, and the suspend answers Aborted saying so.
+#[tokio::test(start_paused = true)]
+async fn a_busy_actor_is_left_running_by_a_suspend() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a"]).await;
+    let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    let resume = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
+    };
+    let r = expect(&mut w, "restore").await;
+    w.answer(r.id, Ok(()));
+    resume.await.unwrap().unwrap();
+    let suspend = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.suspend_actor(key("a")).await })
+    };
+    let c = expect(&mut w, "checkpoint").await;
+    let Command::Checkpoint(cmd) = &c.command else {
+        unreachable!()
+    };
+    assert_eq!(
+        cmd.idle_wait.and_then(|d| Duration::try_from(d).ok()),
+        Some(Duration::from_millis(3500)),
+        "half the 7 s checkpoint timeout"
+    );
+    w.answer_busy(c.id);
+    let err = suspend.await.unwrap().unwrap_err();
+    assert_eq!(err.code(), Code::Aborted);
+    assert_eq!(
+        err.message(),
+        "actor demo/a is busy: its requests in flight did not end within 3.5s; it keeps running"
+    );
+    assert_eq!(plane.status_of("demo", "a"), Some(S::Running));
+    assert_eq!(plane.pool("counter"), (1, 0));
+}

@@ -42,9 +42,67 @@ use traffic::Fence;
 enum Refusal {
     /// It failed, for this reason.
     Failed(String),
-    /// A policy's checkpoint found the actor busy.
+    /// A checkpoint found the actor busy: not idle since a policy's mark, or its
+    /// requests in flight did not end within the idle wait.
     Busy,
+    /// A checkpoint of an actor this worker does not host.
+    NotHosting(String),
 }
+
+/// A raised fence, lowered when dropped unless kept: a checkpoint given up before its
+/// snapshot (it failed, or its future was dropped) lets the actor serve again.
+struct FenceHeld<'a>(Option<&'a traffic::Traffic>);
+
+impl FenceHeld<'_> {
+    /// The snapshot is taken: the actor leaves this worker fenced.
+    fn keep(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for FenceHeld<'_> {
+    fn drop(&mut self) {
+        if let Some(t) = self.0 {
+            t.unfence();
+        }
+    }
+}
+
+/// The answer to command `id`.
+fn reply(id: u64, result: Result<(), Refusal>) -> wk::Reply {
+    match result {
+        Ok(()) => wk::Reply {
+            id,
+            ok: true,
+            ..Default::default()
+        },
+        Err(Refusal::Failed(error)) => wk::Reply {
+            id,
+            error,
+            ..Default::default()
+        },
+        Err(Refusal::Busy) => wk::Reply {
+            id,
+            busy: true,
+            error: "the actor is busy".into(),
+            ..Default::default()
+        },
+        Err(Refusal::NotHosting(error)) => wk::Reply {
+            id,
+            not_hosting: true,
+            error,
+            ..Default::default()
+        },
+    }
+}
+
+/// A checkpoint in progress beside the command loop: its command's id, its actor, and
+/// the checkpoint itself.
+type Checkpointing<'a> = (
+    u64,
+    String,
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Refusal>> + Send + 'a>>,
+);
 
 /// How a worker runs.
 #[derive(Debug, Clone)]
@@ -470,9 +528,24 @@ impl Agent {
         let mut sent_token: Option<String> = None;
         // A lease that ran out before this attachment is renewed by its Welcome.
         let mut watch_lease = !self.lease.is_cut_off();
+        // A checkpoint waits for the actor's requests in flight to end: meanwhile the
+        // loop goes on renewing, and takes an eviction or the end of a drain.
+        let mut checkpointing: Option<Checkpointing<'_>> = None;
         loop {
             let cmd = tokio::select! {
                 () = stop.cancelled() => return Ok(()),
+                done = async {
+                    match checkpointing.as_mut() {
+                        Some((_, _, c)) => c.as_mut().await,
+                        None => std::future::pending().await,
+                    }
+                }, if checkpointing.is_some() => {
+                    let (id, _, _) = checkpointing.take().expect("polled above");
+                    if tx.send(wk::WorkerEvent { event: Some(Event::Reply(reply(id, done))) }).await.is_err() {
+                        return Err(tonic::Status::unavailable("control plane stream closed"));
+                    }
+                    continue;
+                }
                 m = inbound.message() => m?,
                 () = &mut reporter => {
                     return Err(tonic::Status::unavailable("control plane stream closed"));
@@ -533,8 +606,41 @@ impl Agent {
                     continue;
                 }
                 Command::Restore(r) => self.restore(r).await.map_err(Refusal::Failed),
-                Command::Checkpoint(c) => self.checkpoint(c).await,
+                Command::Checkpoint(c) if checkpointing.is_none() => {
+                    let actor = c
+                        .actor
+                        .as_ref()
+                        .map(|a| format!("{}/{}", a.atespace, a.name))
+                        .unwrap_or_default();
+                    checkpointing = Some((cmd.id, actor, Box::pin(self.checkpoint(c))));
+                    continue;
+                }
+                Command::Checkpoint(_) => Err(Refusal::Failed(
+                    "a checkpoint is in progress on this worker".into(),
+                )),
                 Command::Evict(e) => {
+                    // A checkpoint of the evicted actor is dropped (its fence with it):
+                    // the actor is not here any more.
+                    let evicted = e
+                        .actor
+                        .as_ref()
+                        .map(|a| format!("{}/{}", a.atespace, a.name));
+                    if let Some((id, actor, _)) =
+                        checkpointing.take_if(|(_, actor, _)| evicted.as_ref() == Some(actor))
+                    {
+                        let gone = Refusal::NotHosting(format!(
+                            "{actor} was evicted during its checkpoint"
+                        ));
+                        if tx
+                            .send(wk::WorkerEvent {
+                                event: Some(Event::Reply(reply(id, Err(gone)))),
+                            })
+                            .await
+                            .is_err()
+                        {
+                            return Err(tonic::Status::unavailable("control plane stream closed"));
+                        }
+                    }
                     self.evict(e);
                     continue;
                 }
@@ -552,24 +658,7 @@ impl Agent {
                     return Ok(());
                 }
             };
-            let reply = match result {
-                Ok(()) => wk::Reply {
-                    id: cmd.id,
-                    ok: true,
-                    ..Default::default()
-                },
-                Err(Refusal::Failed(error)) => wk::Reply {
-                    id: cmd.id,
-                    error,
-                    ..Default::default()
-                },
-                Err(Refusal::Busy) => wk::Reply {
-                    id: cmd.id,
-                    busy: true,
-                    error: "the actor is busy".into(),
-                    ..Default::default()
-                },
-            };
+            let reply = reply(cmd.id, result);
             if tx
                 .send(wk::WorkerEvent {
                     event: Some(Event::Reply(reply)),
@@ -639,17 +728,28 @@ impl Agent {
         let actor = format!("{}/{}", slot.atespace, slot.name);
         let hosted = self.slot.borrow().clone();
         let Some(hosted) = hosted.filter(|h| h.actor == actor) else {
-            return Err(Refusal::Failed(format!("worker does not host {actor}")));
+            return Err(Refusal::NotHosting(format!("worker does not host {actor}")));
         };
         let dir = self.actor_dir(&slot).map_err(Refusal::Failed)?;
         let fence = match c.fence {
             Some(wk::checkpoint::Fence::IdleSince(mark)) => Fence::IdleSince(mark),
             Some(wk::checkpoint::Fence::WaitIdle(_)) | None => Fence::WaitIdle,
         };
-        if hosted.traffic.fence(fence).await.is_err() {
+        let idle_wait = c
+            .idle_wait
+            .and_then(|d| Duration::try_from(d).ok())
+            .unwrap_or(Duration::MAX);
+        let fenced = match tokio::time::timeout(idle_wait, hosted.traffic.fence(fence)).await {
+            Ok(fenced) => fenced.is_ok(),
+            Err(_) => false,
+        };
+        if !fenced {
             tracing::debug!(worker = %self.id, %actor, "checkpoint refused: the actor is busy");
             return Err(Refusal::Busy);
         }
+        // Dropped before the snapshot is taken (the checkpoint was given up): the
+        // actor serves again.
+        let fence_held = FenceHeld(Some(&hosted.traffic));
         let memory = hosted.memory();
         let full = c.full;
         let taken = tokio::task::spawn_blocking(move || take_snapshot(&dir, full, memory))
@@ -657,9 +757,10 @@ impl Agent {
             .map_err(|e| e.to_string())
             .and_then(|r| r.map_err(|e| format!("checkpoint of {actor} failed: {e}")));
         if let Err(e) = taken {
-            hosted.traffic.unfence();
+            drop(fence_held);
             return Err(Refusal::Failed(e));
         }
+        fence_held.keep();
         self.slot.send_if_modified(|h| {
             let ours = h.as_ref().is_some_and(|h| h.actor == actor);
             if ours {

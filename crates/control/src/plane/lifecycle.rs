@@ -376,7 +376,11 @@ impl Plane {
             match ended {
                 Checkpointed::Suspended(actor) => Ok(*actor),
                 Checkpointed::Failed(e) => Err(e),
-                Checkpointed::Busy => Err(aborted()),
+                // Aborted: the caller may try again (a drain does, in its next round).
+                Checkpointed::Busy => Err(Status::aborted(format!(
+                    "actor {key} is busy: its requests in flight did not end within {}s; it keeps running",
+                    plane.idle_wait().as_secs_f64()
+                ))),
             }
         })
         .await
@@ -414,6 +418,13 @@ impl Plane {
         }
     }
 
+    /// How long an explicit suspend's checkpoint waits for the actor's requests in
+    /// flight to end before the worker answers busy: half `--checkpoint-timeout`, so
+    /// that the answer comes well within it.
+    pub(super) fn idle_wait(&self) -> Duration {
+        self.config().checkpoint_timeout / 2
+    }
+
     async fn checkpoint(
         &self,
         key: &ActorKey,
@@ -432,14 +443,18 @@ impl Plane {
         let full = self
             .template(&row.template)
             .is_some_and(Template::full_snapshot);
-        let fence = match fence {
-            Fence::WaitIdle => wk::checkpoint::Fence::WaitIdle(true),
-            Fence::IdleSince(mark) => wk::checkpoint::Fence::IdleSince(mark),
+        let (fence, idle_wait) = match fence {
+            Fence::WaitIdle => (
+                wk::checkpoint::Fence::WaitIdle(true),
+                self.idle_wait().try_into().ok(),
+            ),
+            Fence::IdleSince(mark) => (wk::checkpoint::Fence::IdleSince(mark), None),
         };
         let cmd = Command::Checkpoint(wk::Checkpoint {
             actor: Some(slot_of(key, row)),
             full,
             fence: Some(fence),
+            idle_wait,
         });
         link.call(cmd, self.config().checkpoint_timeout).await
     }
@@ -453,6 +468,15 @@ impl Plane {
     ) -> Result<ateapi::Actor, Status> {
         let worker = suspending.worker.clone().unwrap_or_default();
         match result {
+            // The worker no longer hosts it (it was told to drop it, as when it
+            // re-attached during this operation): nothing of it runs there, and it
+            // goes back to its last snapshot.
+            Err(LinkError::NotHosting(why)) => {
+                tracing::warn!(actor = %key, worker, %why, "the worker no longer hosts the actor; back to its last snapshot");
+                let done = suspending.moved(ActorStatus::Suspended, None);
+                self.finish(op, Batch::put([done.clone()])).await?;
+                Ok(self.lock().to_proto(&done))
+            }
             Ok(()) | Err(LinkError::Gone) => {
                 if result.is_err() {
                     tracing::warn!(actor = %key, worker, "worker went away during checkpoint; actor back to its last snapshot");
