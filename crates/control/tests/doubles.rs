@@ -500,3 +500,87 @@ async fn a_busy_actor_is_left_running_by_a_suspend() {
     assert_eq!(plane.status_of("demo", "a"), Some(S::Running));
     assert_eq!(plane.pool("counter"), (1, 0));
 }
+
+/// Runs `name` on a fresh worker `id` whose app port refuses connections (its process
+/// is gone as soon as its stream ends).
+async fn running_on_a_dead_port(plane: &Plane, id: &str, name: &'static str) -> FakeWorker {
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let (mut w, _) = FakeWorker::attach(plane, id, "counter", dead, None).unwrap();
+    let resume = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key(name), None).await })
+    };
+    let r = expect(&mut w, "restore").await;
+    w.answer(r.id, Ok(()));
+    resume.await.unwrap().unwrap();
+    w
+}
+
+/// The release of a gone worker's actor whose write fails is tried again until it
+/// lands; meanwhile a resume of the actor is told to retry (Aborted).
+#[tokio::test(start_paused = true)]
+async fn a_release_whose_write_fails_is_tried_again() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a"]).await;
+    let w = running_on_a_dead_port(&plane, "w1", "a").await;
+    store.gate.fail(true);
+    w.leave();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(plane.status_of("demo", "a"), Some(S::Running));
+    let e = plane.resume_actor(key("a"), None).await.unwrap_err();
+    assert_eq!(e.code(), Code::Aborted, "{e:?}");
+    store.gate.fail(false);
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(10), |p| p.status_of("demo", "a")
+                == Some(S::Suspended))
+            .await
+    );
+    assert_eq!(
+        store.actor(&key("a")).unwrap().status,
+        ActorStatus::Suspended
+    );
+}
+
+/// A suspend whose last write fails leaves the actor SUSPENDING and its worker taken;
+/// once writes succeed again the plane settles it by itself: SUSPENDED, worker free.
+#[tokio::test(start_paused = true)]
+async fn an_actor_left_half_way_by_a_failed_write_is_settled() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a"]).await;
+    let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    let resume = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
+    };
+    let r = expect(&mut w, "restore").await;
+    w.answer(r.id, Ok(()));
+    resume.await.unwrap().unwrap();
+    let suspend = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.suspend_actor(key("a")).await })
+    };
+    let c = expect(&mut w, "checkpoint").await;
+    store.gate.fail(true);
+    w.answer(c.id, Ok(()));
+    let e = suspend.await.unwrap().unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable);
+    assert_eq!(plane.status_of("demo", "a"), Some(S::Suspending));
+    assert_eq!(plane.pool("counter"), (1, 0), "its worker is still taken");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    store.gate.fail(false);
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(10), |p| p.status_of("demo", "a")
+                == Some(S::Suspended)
+                && p.pool("counter") == (1, 1))
+            .await
+    );
+    assert_eq!(
+        store.actor(&key("a")).unwrap().status,
+        ActorStatus::Suspended
+    );
+}

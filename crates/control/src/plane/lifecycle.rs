@@ -321,6 +321,36 @@ impl Plane {
         }
     }
 
+    /// Settles every actor left RESUMING or SUSPENDING with no operation on it (a
+    /// failed write ended its operation); whether all are settled now.
+    pub(super) async fn settle_half_way(&self) -> bool {
+        let left: Vec<(Op, ActorRow)> = {
+            let mut st = self.lock();
+            let rows: Vec<ActorRow> = st
+                .actors
+                .values()
+                .filter(|r| r.status.is_transitional() && st.busy(&r.key()).is_none())
+                .cloned()
+                .collect();
+            rows.into_iter()
+                .map(|r| {
+                    let op = Op::take(
+                        self,
+                        &mut st,
+                        OpTarget::Actor(r.key()),
+                        OpKind::Busy("settling"),
+                    );
+                    (op, r)
+                })
+                .collect()
+        };
+        let mut settled = true;
+        for (op, row) in left {
+            settled &= self.settle(&op, row).await.is_ok();
+        }
+        settled
+    }
+
     /// An actor an earlier operation left half-way (RESUMING or SUSPENDING with no
     /// operation on it: a write failed after the worker acted) goes back to SUSPENDED
     /// from its last snapshot, as a restart would do, freeing its worker.

@@ -189,10 +189,25 @@ impl Plane {
                 plane.revoke_leases(&row.key()).await;
             }
             let keys: Vec<String> = rows.iter().map(|r| r.key().to_string()).collect();
-            if plane.finish_all(ops, Batch::put(rows)).await.is_ok() {
-                for actor in keys {
-                    tracing::warn!(%actor, why, "actor back to SUSPENDED from its last snapshot");
+            // A failed write changed nothing: the actors would stay RUNNING on a worker
+            // that is gone. Try again (under the same operation locks, so resumes of
+            // them answer Aborted and are retried) until it lands or the plane stops
+            // (the next start releases them).
+            let mut backoff = std::time::Duration::from_millis(500);
+            let freed = loop {
+                match plane.write_and_apply(Batch::put(rows.clone())).await {
+                    Ok(freed) => break freed,
+                    Err(_) => tokio::select! {
+                        () = tokio::time::sleep(backoff) => {}
+                        () = plane.inner.shutdown.cancelled() => return,
+                    },
                 }
+                backoff = (backoff * 2).min(std::time::Duration::from_secs(5));
+            };
+            drop(ops);
+            plane.hand_off_all(freed);
+            for actor in keys {
+                tracing::warn!(%actor, why, "actor back to SUSPENDED from its last snapshot");
             }
         });
     }

@@ -346,6 +346,9 @@ pub(crate) struct Inner {
     shutdown: CancellationToken,
     /// Wakes the policies (idle suspension, eviction) when their inputs change.
     policy: tokio::sync::Notify,
+    /// Woken by a failed write: an operation may have left an actor half-way (see
+    /// [`Plane::spawn_settler`]).
+    unsettled: tokio::sync::Notify,
     /// Until when leases granted before this start may still be held: nothing moves
     /// before then (the start itself on a fresh store: none can be).
     leases_unknown_until: tokio::time::Instant,
@@ -430,6 +433,7 @@ impl Plane {
                 links: TaskTracker::new(),
                 shutdown: CancellationToken::new(),
                 policy: tokio::sync::Notify::new(),
+                unsettled: tokio::sync::Notify::new(),
                 leases_unknown_until,
                 workers_unknown_until,
             }),
@@ -442,6 +446,7 @@ impl Plane {
             .map(|(k, _)| k.clone())
             .collect();
         plane.spawn_rejoin_deadline(awaiting);
+        plane.spawn_settler();
         plane.spawn_policies();
         Ok(plane)
     }
@@ -557,12 +562,41 @@ impl Plane {
     }
 
     async fn write_and_apply(&self, batch: Batch) -> Result<Vec<String>, Status> {
-        self.inner
-            .store
-            .write(batch.clone())
-            .await
-            .map_err(|e| db_error(&e))?;
+        if let Err(e) = self.inner.store.write(batch.clone()).await {
+            self.inner.unsettled.notify_one();
+            return Err(db_error(&e));
+        }
         Ok(self.lock().apply(&batch))
+    }
+
+    /// Settles what failed writes leave half-way: an operation whose last write failed
+    /// ends with its actor RESUMING or SUSPENDING and no operation on it (its worker's
+    /// slot still taken). After each failed write, and again with a back-off (0.5 s
+    /// doubling to 5 s) until every such actor is settled, each goes back to SUSPENDED
+    /// from its last snapshot as a resume of it would do. Cancelled by shutdown (the
+    /// next start settles them).
+    fn spawn_settler(&self) {
+        let plane = self.clone();
+        self.inner.chores.spawn(async move {
+            const FIRST: Duration = Duration::from_millis(500);
+            loop {
+                tokio::select! {
+                    () = plane.inner.unsettled.notified() => {}
+                    () = plane.inner.shutdown.cancelled() => return,
+                }
+                let mut backoff = FIRST;
+                loop {
+                    tokio::select! {
+                        () = tokio::time::sleep(backoff) => {}
+                        () = plane.inner.shutdown.cancelled() => return,
+                    }
+                    if plane.settle_half_way().await {
+                        break;
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        });
     }
 
     fn hand_off_all(&self, freed: Vec<String>) {
