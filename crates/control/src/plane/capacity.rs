@@ -111,8 +111,19 @@ impl Drop for Reservation {
 }
 
 impl State {
-    /// A free worker of `pool`, if any.
+    /// A free worker of `pool` for a resume that has not queued, if any. None while a
+    /// resume waits in the pool's queue: a worker that frees is handed to the oldest
+    /// waiter in a step of its own, after the change that freed it (see
+    /// [`Plane::hand_off`]), and a resume arriving in between queues behind the
+    /// waiters instead of taking it.
     pub(crate) fn free_worker(&self, pool: &str) -> Option<String> {
+        if self
+            .queues
+            .get(pool)
+            .is_some_and(|q| q.iter().any(Waiter::is_live))
+        {
+            return None;
+        }
         self.workers
             .iter()
             .find(|(_, w)| w.pool == pool && w.slot == Slot::Free)
@@ -193,5 +204,48 @@ impl Plane {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::link::WorkerLink;
+    use crate::plane::WorkerRec;
+
+    fn worker(pool: &str) -> WorkerRec {
+        WorkerRec {
+            pool: pool.into(),
+            app_addr: "127.0.0.1:1".parse().unwrap(),
+            slot: Slot::Free,
+            link: Arc::new(WorkerLink::new(tokio::sync::mpsc::channel(1).0)),
+            last_renewal: tokio::time::Instant::now(),
+            leaving: false,
+        }
+    }
+
+    /// A worker that freed is not taken by a new resume while an older one waits for
+    /// it (between the change that freed it and its hand-off to the oldest waiter).
+    #[tokio::test]
+    async fn a_free_worker_goes_to_waiters_first() {
+        let mut st = State::default();
+        st.workers.insert("w1".into(), worker("p"));
+        assert_eq!(st.free_worker("p").as_deref(), Some("w1"));
+        let (tx, rx) = oneshot::channel();
+        st.queues.entry("p".into()).or_default().push_back(Waiter {
+            id: 1,
+            actor: ActorKey::new("demo", "a").unwrap(),
+            tx,
+        });
+        assert_eq!(st.free_worker("p"), None, "the waiter comes first");
+        assert_eq!(st.free_worker("q"), None, "no worker in that pool");
+        drop(rx);
+        assert_eq!(
+            st.free_worker("p").as_deref(),
+            Some("w1"),
+            "a waiter that left does not count"
+        );
     }
 }
