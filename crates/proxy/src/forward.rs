@@ -195,6 +195,14 @@ impl Outgoing {
         matches!(self.body, OutgoingBody::Held(_))
     }
 
+    /// The bytes of the body it holds to send again.
+    pub(crate) fn held_bytes(&self) -> u64 {
+        match &self.body {
+            OutgoingBody::Held(b) => b.len() as u64,
+            OutgoingBody::Streamed(_) | OutgoingBody::Spent => 0,
+        }
+    }
+
     /// Sends it to `route`'s worker. A protocol upgrade the worker accepts (101) is
     /// spliced through in both directions. A send that fails because the client's body
     /// did is the client's 400, otherwise the worker's 502. The held body is let go

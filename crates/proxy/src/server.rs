@@ -754,7 +754,17 @@ async fn send(
         return (render(&moved), Some(route.addr), moved.reason());
     }
     shared.router.metrics().replayed();
-    match shared.router.decide(host, deadline).await {
+    // Should the replay park, the body it holds is charged to the lot's bytes
+    // (--parked-bytes-max) like any parked request's, until it is decided.
+    let held = out.held_bytes();
+    let mut charge = shared.router.lot().bytes().charge();
+    let holding = async {
+        charge.charge(held).await;
+        std::future::pending::<valet_router::CallerEnd>().await
+    };
+    let decided = shared.router.decide_holding(host, deadline, holding).await;
+    drop(charge);
+    match decided {
         Decision::Route(again) => match out.send(&shared.client, &shared.tunnels, &again).await {
             Sent::Answer(resp) => (resp, Some(again.addr), "routed"),
             Sent::Moved => {

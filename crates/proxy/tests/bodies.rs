@@ -398,3 +398,23 @@ async fn a_client_stalled_mid_body_gets_504_at_its_deadline() {
     assert!(text.starts_with("HTTP/1.1 504 "), "{text}");
     assert!(text.ends_with("actor demo/p1 request timed out"), "{text}");
 }
+
+/// A request sent again after a 421 holds its body while it waits: should it park, the
+/// body counts against the lot's bytes (`--parked-bytes-max`) like any parked body, and
+/// is given back once it is decided.
+#[tokio::test]
+async fn a_replay_that_parks_charges_its_body_to_the_lot() {
+    let upstream = moving_upstream(1).await;
+    let (cp, mut calls) = Scripted::new();
+    let (router, server) = serve(cp, &[]).await;
+    let body = pattern(1000, 5);
+    let req = tokio::spawn(post(server.local_addr(), "p1", body.clone()));
+    calls.next().await.running(upstream);
+    // The replay finds no room and parks.
+    calls.next().await.no_room();
+    held_at_least(&router, 1000).await;
+    calls.next().await.running(upstream);
+    let (status, echoed) = req.await.unwrap();
+    assert_eq!((status, echoed == body), (200, true));
+    assert_eq!(router.lot().bytes().held(), 0, "given back");
+}
