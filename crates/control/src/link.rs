@@ -137,6 +137,11 @@ impl WorkerLink {
         self.lock().take();
     }
 
+    /// Whether the stream has ended (or the plane ended it).
+    pub(crate) fn is_closed(&self) -> bool {
+        self.lock().is_none()
+    }
+
     fn forget(&self, id: u64) {
         if let Some(p) = self.lock().as_mut() {
             p.remove(&id);

@@ -584,3 +584,99 @@ async fn an_actor_left_half_way_by_a_failed_write_is_settled() {
         ActorStatus::Suspended
     );
 }
+
+/// A checkpoint still running when the shutdown timeout ends is cut as the plane tells
+/// its worker to detach (the worker keeps its actor): the actor stays SUSPENDING on
+/// record for the next start, never SUSPENDED while the worker may still serve it.
+#[tokio::test(start_paused = true)]
+async fn a_checkpoint_cut_by_shutdown_is_left_for_the_next_start() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a"]).await;
+    let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    let resume = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
+    };
+    let r = expect(&mut w, "restore").await;
+    w.answer(r.id, Ok(()));
+    resume.await.unwrap().unwrap();
+    let suspend = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.suspend_actor(key("a")).await })
+    };
+    expect(&mut w, "checkpoint").await;
+    plane.shutdown(Duration::from_secs(1)).await;
+    let e = suspend.await.unwrap().unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    expect(&mut w, "detach").await;
+    assert_eq!(
+        store.actor(&key("a")).unwrap().status,
+        ActorStatus::Suspending
+    );
+}
+
+/// A worker whose stream ends while its actor's checkpoint is refused as busy keeps
+/// the actor RUNNING on record; the release its departure scheduled still happens.
+#[tokio::test(start_paused = true)]
+async fn an_actor_left_running_on_a_worker_that_left_is_released() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a"]).await;
+    let mut w = running_on_a_dead_port(&plane, "w1", "a").await;
+    let suspend = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.suspend_actor(key("a")).await })
+    };
+    let c = expect(&mut w, "checkpoint").await;
+    w.answer_busy(c.id);
+    w.leave();
+    let e = suspend.await.unwrap().unwrap_err();
+    assert_eq!(e.code(), Code::Aborted, "{e:?}");
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(30), |p| p.status_of("demo", "a")
+                == Some(S::Suspended))
+            .await,
+        "released: its worker is gone"
+    );
+}
+
+/// An actor left half-way whose worker's stream then ends is settled only once that
+/// worker must have fenced it: its hosting lease after its last renewal.
+#[tokio::test(start_paused = true)]
+async fn settling_waits_for_a_cut_off_worker_to_fence() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a"]).await;
+    let app = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (mut w, _) =
+        FakeWorker::attach(&plane, "w1", "counter", app.local_addr().unwrap(), None).unwrap();
+    let resume = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
+    };
+    let r = expect(&mut w, "restore").await;
+    w.answer(r.id, Ok(()));
+    resume.await.unwrap().unwrap();
+    let suspend = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.suspend_actor(key("a")).await })
+    };
+    let c = expect(&mut w, "checkpoint").await;
+    store.gate.fail(true);
+    w.answer(c.id, Ok(()));
+    suspend.await.unwrap().unwrap_err();
+    w.renew();
+    let renewed = Instant::now();
+    w.leave();
+    store.gate.fail(false);
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(30), |p| p.status_of("demo", "a")
+                == Some(S::Suspended))
+            .await
+    );
+    assert_eq!(
+        renewed.elapsed(),
+        Duration::from_secs(8),
+        "the hosting lease"
+    );
+}

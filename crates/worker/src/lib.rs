@@ -531,6 +531,7 @@ impl Agent {
         // A checkpoint waits for the actor's requests in flight to end: meanwhile the
         // loop goes on renewing, and takes an eviction or the end of a drain.
         let mut checkpointing: Option<Checkpointing<'_>> = None;
+        let ended: Result<(), tonic::Status> = async {
         loop {
             let cmd = tokio::select! {
                 () = stop.cancelled() => return Ok(()),
@@ -669,6 +670,17 @@ impl Agent {
                 return Err(tonic::Status::unavailable("control plane stream closed"));
             }
         }
+        }
+        .await;
+        // Leaving the stream (cut, detached, drained, stopping) during a checkpoint:
+        // it runs to its end first, as it would have had it been the only command, so
+        // the actor is not left half-fenced and its snapshot not half-written while
+        // the control plane moves on (it waits for this worker to fence the actor).
+        if let Some((_, actor, checkpoint)) = checkpointing.take() {
+            tracing::info!(worker = %self.id, %actor, "finishing the checkpoint in progress before leaving the stream");
+            let _ = checkpoint.await;
+        }
+        ended
     }
 
     fn hosting(&self) -> Option<String> {

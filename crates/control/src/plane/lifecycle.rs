@@ -324,29 +324,39 @@ impl Plane {
     /// Settles every actor left RESUMING or SUSPENDING with no operation on it (a
     /// failed write ended its operation); whether all are settled now.
     pub(super) async fn settle_half_way(&self) -> bool {
-        let left: Vec<(Op, ActorRow)> = {
-            let mut st = self.lock();
-            let rows: Vec<ActorRow> = st
-                .actors
-                .values()
-                .filter(|r| r.status.is_transitional() && st.busy(&r.key()).is_none())
-                .cloned()
-                .collect();
-            rows.into_iter()
-                .map(|r| {
-                    let op = Op::take(
-                        self,
-                        &mut st,
-                        OpTarget::Actor(r.key()),
-                        OpKind::Busy("settling"),
-                    );
-                    (op, r)
-                })
-                .collect()
-        };
+        let left: Vec<ActorKey> = self
+            .lock()
+            .actors
+            .values()
+            .filter(|r| r.status.is_transitional())
+            .map(ActorRow::key)
+            .collect();
         let mut settled = true;
-        for (op, row) in left {
-            settled &= self.settle(&op, row).await.is_ok();
+        // One at a time, each under its own operation lock, taken only if no operation
+        // holds the actor now.
+        for key in left {
+            let taken = {
+                let mut st = self.lock();
+                match st.actors.get(&key) {
+                    Some(r) if r.status.is_transitional() && st.busy(&key).is_none() => {
+                        let row = r.clone();
+                        let op = Op::take(
+                            self,
+                            &mut st,
+                            OpTarget::Actor(key.clone()),
+                            OpKind::Busy("settling"),
+                        );
+                        Some((op, row))
+                    }
+                    _ => None,
+                }
+            };
+            let Some((op, row)) = taken else { continue };
+            let done = tokio::select! {
+                r = self.settle(&op, row) => r.is_ok(),
+                () = self.inner.shutdown.cancelled() => return false,
+            };
+            settled &= done;
         }
         settled
     }
@@ -359,6 +369,11 @@ impl Plane {
         self.revoke_leases(&key).await;
         if let Some(worker) = &row.worker {
             self.evict(worker, &key, &row);
+            // A worker that is not attached is not told: not elsewhere before it has
+            // fenced the actor.
+            if !self.until_fenced(worker).await {
+                return Err(shutting_down());
+            }
         }
         let back = row.moved(ActorStatus::Suspended, None);
         self.step(op, Batch::put([back.clone()])).await?;

@@ -347,11 +347,14 @@ impl Plane {
             };
             st.departed.insert(worker.to_owned(), departure);
             let left = st.pool_size(&rec.pool);
+            // Scheduled for an actor in the middle of an operation too: should the
+            // operation end with it RUNNING here (a checkpoint the actor was too busy
+            // for), the release finds it so.
             let orphan = match &rec.slot {
                 Slot::Hosting(key) if !self.is_shutting_down() => st
                     .actors
                     .get(key)
-                    .filter(|r| r.status == ActorStatus::Running)
+                    .filter(|r| r.status != ActorStatus::Suspended)
                     .map(|_| key.clone()),
                 _ => None,
             };
@@ -380,14 +383,20 @@ impl Plane {
     /// the plane heard (for a worker not seen since a restart: since the start). False
     /// when the plane shuts down first.
     pub(super) async fn until_fenced(&self, worker: &str) -> bool {
+        if self.is_shutting_down() {
+            return false;
+        }
         let (app, deadline) = {
             let st = self.lock();
-            if st.workers.contains_key(worker) {
-                return true;
-            }
-            match st.departed.get(worker) {
-                Some(d) => (Some(d.app), d.fenced_by),
-                None => (None, self.inner.workers_unknown_until),
+            match (st.workers.get(worker), st.departed.get(worker)) {
+                (Some(w), _) if !w.link.is_closed() => return true,
+                // Its stream just ended (the plane has not heard of it yet).
+                (Some(w), _) => (
+                    Some(w.app_addr),
+                    w.last_renewal + self.config().hosting_lease,
+                ),
+                (None, Some(d)) => (Some(d.app), d.fenced_by),
+                (None, None) => (None, self.inner.workers_unknown_until),
             }
         };
         if deadline <= tokio::time::Instant::now() {
