@@ -49,6 +49,30 @@ const LOG_LEVELS: [&str; 6] = ["error", "warn", "info", "debug", "trace", "off"]
 
 /// A level, or directives `[target=]level` separated by commas; every level one of
 /// [`LOG_LEVELS`] (a bare word that is not a level would silently name a target).
+/// A running router's HTTP address: `http://host:port` (a trailing `/` allowed) or
+/// `host:port`, resolved now.
+pub(crate) fn parse_router_url(s: &str) -> Result<std::net::SocketAddr, String> {
+    use std::net::ToSocketAddrs as _;
+    if s.starts_with("https://") {
+        return Err("the load client speaks plain HTTP: give http://host:port".into());
+    }
+    let authority = s.strip_prefix("http://").unwrap_or(s);
+    let authority = authority.strip_suffix('/').unwrap_or(authority);
+    if authority.is_empty() || authority.contains('/') {
+        return Err("must be http://<host>:<port>".into());
+    }
+    authority
+        .to_socket_addrs()
+        .map_err(|e| format!("must be http://<host>:<port> ({e})"))?
+        .next()
+        .ok_or_else(|| format!("{authority} resolves to no address"))
+}
+
+/// A control plane's URL, checked as the router checks its `--control-plane`.
+pub(crate) fn parse_target_control_plane(s: &str) -> Result<String, String> {
+    valet_router::config::parse_control_plane(s).map_err(|e| e.rule.to_string())
+}
+
 pub(crate) fn parse_log_level(s: &str) -> Result<String, String> {
     let is_level = |l: &str| LOG_LEVELS.contains(&l.to_ascii_lowercase().as_str());
     for d in s.split(',').map(str::trim) {
@@ -115,13 +139,14 @@ pub(crate) struct DemoArgs {
 /// Where scenarios run: embedded parts by default, or a running system.
 #[derive(Debug, Clone, Args)]
 pub(crate) struct TargetArgs {
-    /// A running router's HTTP address (ip:port); with --control-plane. Embedded parts
-    /// when unset.
+    /// A running router's built-in HTTP data plane (http://host:port, or host:port);
+    /// with --control-plane. Embedded parts when unset.
     #[arg(
         long,
         env = "VALET_TARGET_ROUTER",
-        value_name = "ADDR",
-        requires = "control_plane"
+        value_name = "URL",
+        requires = "control_plane",
+        value_parser = parse_router_url
     )]
     pub(crate) router: Option<std::net::SocketAddr>,
     /// The running system's control plane (http://host:port).
@@ -129,7 +154,8 @@ pub(crate) struct TargetArgs {
         long,
         env = "VALET_TARGET_CONTROL_PLANE",
         value_name = "URL",
-        requires = "router"
+        requires = "router",
+        value_parser = parse_target_control_plane
     )]
     pub(crate) control_plane: Option<String>,
     /// Run against a cluster of processes this command starts: two control-plane
@@ -389,11 +415,30 @@ impl IngressArgs {
     ) -> Result<Option<(std::net::SocketAddr, valet_proxy::tls::IngressTls)>, String> {
         use valet_proxy::tls::{IngressCert, IngressTls, SpiffeAllowlist};
         if self.listen_https.is_empty() {
-            if self.ingress_tls_cert_file.is_some()
-                || self.ingress_client_ca_file.is_some()
-                || self.ingress_allowed_spiffe_ids.is_some()
-            {
-                return Err("invalid configuration: --listen-https=: the ingress TLS flags need an HTTPS listener".into());
+            let given = [
+                (
+                    "--ingress-tls-cert-file",
+                    self.ingress_tls_cert_file
+                        .as_ref()
+                        .map(|p| p.display().to_string()),
+                ),
+                (
+                    "--ingress-client-ca-file",
+                    self.ingress_client_ca_file
+                        .as_ref()
+                        .map(|p| p.display().to_string()),
+                ),
+                (
+                    "--ingress-allowed-spiffe-ids",
+                    self.ingress_allowed_spiffe_ids.clone(),
+                ),
+            ]
+            .into_iter()
+            .find_map(|(flag, value)| value.map(|v| (flag, v)));
+            if let Some((flag, value)) = given {
+                return Err(format!(
+                    "invalid configuration: {flag}={value}: needs an HTTPS listener (--listen-https is empty)"
+                ));
             }
             return Ok(None);
         }
@@ -426,8 +471,8 @@ impl IngressArgs {
 
 #[derive(Debug, Clone, Args)]
 pub(crate) struct UpArgs {
-    /// Every router flag; the router's --control-plane is the embedded one. Listeners
-    /// left at their defaults bind 127.0.0.1 instead of 0.0.0.0.
+    /// Every router flag (`main::command` sets its listeners' loopback defaults and
+    /// takes its --control-plane away: the router uses the embedded one).
     #[command(flatten)]
     pub(crate) router: RouterArgs,
 

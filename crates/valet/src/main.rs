@@ -26,8 +26,20 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// Exit status of an invalid configuration (`EX_USAGE`).
 const EXIT_CONFIG: u8 = 64;
 
+/// The command line. `valet up` takes the router's flags with two differences its
+/// `--help` shows: its listeners default to loopback, and it has no `--control-plane`
+/// (its router uses the embedded control plane; `VALET_CONTROL_PLANE`, there for
+/// `valet router` and `valet ctl`, is not read).
+fn command() -> clap::Command {
+    Cli::command().mut_subcommand("up", |up| {
+        up.mut_arg("listen", |a| a.default_value("127.0.0.1:8080"))
+            .mut_arg("extproc_listen", |a| a.default_value("127.0.0.1:50051"))
+            .mut_arg("control_plane", |a| a.hide(true).env(None::<&'static str>))
+    })
+}
+
 fn main() -> ExitCode {
-    let matches = match Cli::command().try_get_matches() {
+    let matches = match command().try_get_matches() {
         Ok(m) => m,
         Err(e) => return cli::parse_error_exit(&e),
     };
@@ -35,17 +47,13 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return cli::parse_error_exit(&e),
     };
-    // `valet up` runs on loopback: listeners left at their 0.0.0.0 defaults bind
-    // 127.0.0.1.
-    if let (Command::Up(up), Some(m)) = (&mut cli.command, matches.subcommand_matches("up")) {
-        for (id, value) in [
-            ("listen", &mut up.router.listen),
-            ("extproc_listen", &mut up.router.extproc_listen),
-        ] {
-            if m.value_source(id) == Some(ValueSource::DefaultValue) {
-                *value = value.replace("0.0.0.0", "127.0.0.1");
-            }
-        }
+    if let Some(m) = matches.subcommand_matches("up")
+        && m.value_source("control_plane") == Some(ValueSource::CommandLine)
+    {
+        eprintln!(
+            "valet up: invalid configuration: --control-plane: valet up runs its own control plane (see --control-plane-listen)"
+        );
+        return ExitCode::from(EXIT_CONFIG);
     }
     // With --database, route leases default to off (they are not shared across
     // replicas yet); one given explicitly is checked by the command.

@@ -344,3 +344,55 @@ fn ctl_takes_its_control_plane_flags_after_the_subcommand() {
         "{lines:?}"
     );
 }
+
+/// `valet up`'s help shows the defaults it uses (its listeners on loopback) and no
+/// `--control-plane` (it runs its own): one given is refused, and a
+/// `VALET_CONTROL_PLANE` meant for `valet ctl` is not read.
+#[test]
+fn up_shows_its_own_defaults_and_takes_no_control_plane() {
+    let o = valet(&["up", "--help"], &[("VALET_CONTROL_PLANE", "http://x:1")]);
+    assert_eq!(o.status.code(), Some(0));
+    let help = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(flag_block(&help, "--listen").contains("[default: 127.0.0.1:8080]"));
+    assert!(flag_block(&help, "--extproc-listen").contains("[default: 127.0.0.1:50051]"));
+    assert!(!help.contains("--control-plane <"), "{help}");
+    let o = valet(&["up", "--control-plane", "http://127.0.0.1:1"], &[]);
+    assert_eq!(o.status.code(), Some(64));
+    assert_eq!(
+        stderr_lines(&o),
+        vec![
+            "valet up: invalid configuration: --control-plane: valet up runs its own control plane (see --control-plane-listen)"
+        ]
+    );
+}
+
+/// A load scenario's target takes URLs, checked before anything starts.
+#[test]
+fn load_targets_are_urls_checked_at_start() {
+    for (args, line) in [
+        (
+            [
+                "--router",
+                "https://127.0.0.1:1",
+                "--control-plane",
+                "http://127.0.0.1:1",
+            ],
+            "error: invalid value 'https://127.0.0.1:1' for '--router <URL>': the load client speaks plain HTTP: give http://host:port",
+        ),
+        (
+            [
+                "--router",
+                "http://127.0.0.1:1",
+                "--control-plane",
+                "127.0.0.1:1",
+            ],
+            "error: invalid value '127.0.0.1:1' for '--control-plane <URL>': must be http://<host>:<port> (h2c) or https://<host>:<port> (TLS)",
+        ),
+    ] {
+        let mut all = vec!["load", "scenario", "steady"];
+        all.extend(args);
+        let o = valet(&all, &[]);
+        assert_eq!(o.status.code(), Some(64), "{all:?}");
+        assert_eq!(stderr_lines(&o).first().map(String::as_str), Some(line));
+    }
+}
