@@ -349,6 +349,11 @@ async fn a_data_dir_takes_one_control_plane_and_outlives_its_sigkill() {
             data.display()
         )
     );
+    assert_eq!(
+        String::from_utf8_lossy(&second.stdout),
+        "",
+        "it says it took no port"
+    );
     get(&c, "demo/a").await.expect("the first still serves");
 
     cp.kill().await;

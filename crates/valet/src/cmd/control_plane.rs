@@ -103,6 +103,18 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     }
+    // The embedded database first: a data dir another control plane holds is refused
+    // before this one says it took a port.
+    let mut sqlite = match &args.database {
+        None => match SqliteStore::open(&args.data_dir) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                eprintln!("valet control-plane: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+        Some(_) => None,
+    };
     // Probes first: a standby waiting for the database is alive, not ready.
     let slot = valet_control::admin::PlaneSlot::default();
     let stop_metrics = CancellationToken::new();
@@ -176,7 +188,10 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         // Losing the database's active lock: another replica may take over, so stop
         // serving (and wait as a standby again).
         let (store, lost): (Arc<dyn Store>, CancellationToken) = match &args.database {
-            None => match SqliteStore::open(&args.data_dir) {
+            None => match sqlite
+                .take()
+                .map_or_else(|| SqliteStore::open(&args.data_dir), Ok)
+            {
                 Ok(s) => (Arc::new(s), CancellationToken::new()),
                 Err(e) => {
                     eprintln!("valet control-plane: {e}");
