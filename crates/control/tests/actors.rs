@@ -531,3 +531,28 @@ async fn a_suspend_of_a_busy_actor_leaves_it_running_with_real_workers() {
     assert_eq!(status(&sys.get("demo/busy").await.unwrap()), S::Suspended);
     sys.shutdown().await;
 }
+
+/// A restore longer than the hosting lease, with real workers: the worker goes on
+/// renewing its hosting while it restores, so it keeps its one attachment (before, its
+/// lease ran out during the restore and it attached anew).
+#[tokio::test]
+async fn a_worker_renews_its_hosting_during_a_long_restore() {
+    let config = PlaneConfig {
+        hosting_lease: Duration::from_secs(2),
+        ..PlaneConfig::default()
+    };
+    let sys = system_with(1, config, Duration::from_secs(3)).await;
+    sys.atespace("demo").await;
+    sys.create("demo/p1").await.unwrap();
+    let (a, resumed) = sys.resume("demo/p1").await.unwrap();
+    assert!(resumed);
+    assert_eq!(status(&a), S::Running);
+    assert_eq!(
+        sys.plane.stats().attachments,
+        1,
+        "the worker never lost its hosting lease"
+    );
+    let (code, _) = http_get(addr_of(&a), "/", &[("x-actor-ref", "demo/p1")]).await;
+    assert_eq!(code, 200);
+    sys.shutdown().await;
+}

@@ -68,6 +68,12 @@ impl Drop for FenceHeld<'_> {
     }
 }
 
+/// `atespace/name` of a command's actor (empty without one).
+fn actor_name(slot: Option<&wk::ActorSlot>) -> String {
+    slot.map(|a| format!("{}/{}", a.atespace, a.name))
+        .unwrap_or_default()
+}
+
 /// The answer to command `id`.
 fn reply(id: u64, result: Result<(), Refusal>) -> wk::Reply {
     match result {
@@ -96,9 +102,9 @@ fn reply(id: u64, result: Result<(), Refusal>) -> wk::Reply {
     }
 }
 
-/// A checkpoint in progress beside the command loop: its command's id, its actor, and
-/// the checkpoint itself.
-type Checkpointing<'a> = (
+/// A restore or checkpoint in progress beside the command loop: its command's id, its
+/// actor, and the work itself.
+type Working<'a> = (
     u64,
     String,
     std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Refusal>> + Send + 'a>>,
@@ -528,20 +534,21 @@ impl Agent {
         let mut sent_token: Option<String> = None;
         // A lease that ran out before this attachment is renewed by its Welcome.
         let mut watch_lease = !self.lease.is_cut_off();
-        // A checkpoint waits for the actor's requests in flight to end: meanwhile the
-        // loop goes on renewing, and takes an eviction or the end of a drain.
-        let mut checkpointing: Option<Checkpointing<'_>> = None;
+        // A restore or a checkpoint (which waits for the actor's requests in flight to
+        // end) runs beside the loop: meanwhile it goes on renewing, and takes an
+        // eviction or the end of a drain. One at a time: the worker has one slot.
+        let mut working: Option<Working<'_>> = None;
         let ended: Result<(), tonic::Status> = async {
         loop {
             let cmd = tokio::select! {
                 () = stop.cancelled() => return Ok(()),
                 done = async {
-                    match checkpointing.as_mut() {
-                        Some((_, _, c)) => c.as_mut().await,
+                    match working.as_mut() {
+                        Some((_, _, w)) => w.as_mut().await,
                         None => std::future::pending().await,
                     }
-                }, if checkpointing.is_some() => {
-                    let (id, _, _) = checkpointing.take().expect("polled above");
+                }, if working.is_some() => {
+                    let (id, _, _) = working.take().expect("polled above");
                     if tx.send(wk::WorkerEvent { event: Some(Event::Reply(reply(id, done))) }).await.is_err() {
                         return Err(tonic::Status::unavailable("control plane stream closed"));
                     }
@@ -606,31 +613,29 @@ impl Agent {
                     }
                     continue;
                 }
-                Command::Restore(r) => self.restore(r).await.map_err(Refusal::Failed),
-                Command::Checkpoint(c) if checkpointing.is_none() => {
-                    let actor = c
-                        .actor
-                        .as_ref()
-                        .map(|a| format!("{}/{}", a.atespace, a.name))
-                        .unwrap_or_default();
-                    checkpointing = Some((cmd.id, actor, Box::pin(self.checkpoint(c))));
+                Command::Restore(_) | Command::Checkpoint(_) if working.is_some() => Err(
+                    Refusal::Failed("a restore or checkpoint is in progress on this worker".into()),
+                ),
+                Command::Restore(r) => {
+                    let actor = actor_name(r.actor.as_ref());
+                    let restore = async move { self.restore(r).await.map_err(Refusal::Failed) };
+                    working = Some((cmd.id, actor, Box::pin(restore)));
                     continue;
                 }
-                Command::Checkpoint(_) => Err(Refusal::Failed(
-                    "a checkpoint is in progress on this worker".into(),
-                )),
+                Command::Checkpoint(c) => {
+                    let actor = actor_name(c.actor.as_ref());
+                    working = Some((cmd.id, actor, Box::pin(self.checkpoint(c))));
+                    continue;
+                }
                 Command::Evict(e) => {
-                    // A checkpoint of the evicted actor is dropped (its fence with it):
-                    // the actor is not here any more.
-                    let evicted = e
-                        .actor
-                        .as_ref()
-                        .map(|a| format!("{}/{}", a.atespace, a.name));
+                    // A restore or checkpoint of the evicted actor is dropped (a
+                    // checkpoint's fence with it): the actor is not here any more.
+                    let evicted = actor_name(e.actor.as_ref());
                     if let Some((id, actor, _)) =
-                        checkpointing.take_if(|(_, actor, _)| evicted.as_ref() == Some(actor))
+                        working.take_if(|(_, actor, _)| *actor == evicted)
                     {
                         let gone = Refusal::NotHosting(format!(
-                            "{actor} was evicted during its checkpoint"
+                            "{actor} was evicted during its restore or checkpoint"
                         ));
                         if tx
                             .send(wk::WorkerEvent {
@@ -672,13 +677,14 @@ impl Agent {
         }
         }
         .await;
-        // Leaving the stream (cut, detached, drained, stopping) during a checkpoint:
-        // it runs to its end first, as it would have had it been the only command, so
-        // the actor is not left half-fenced and its snapshot not half-written while
-        // the control plane moves on (it waits for this worker to fence the actor).
-        if let Some((_, actor, checkpoint)) = checkpointing.take() {
-            tracing::info!(worker = %self.id, %actor, "finishing the checkpoint in progress before leaving the stream");
-            let _ = checkpoint.await;
+        // Leaving the stream (cut, detached, drained, stopping) during a restore or a
+        // checkpoint: it runs to its end first, as it would have had it been the only
+        // command, so the actor is not left half-fenced, half-restored or its snapshot
+        // half-written while the control plane moves on (it waits for this worker to
+        // fence the actor, and sees what it hosts when it attaches again).
+        if let Some((_, actor, work)) = working.take() {
+            tracing::info!(worker = %self.id, %actor, "finishing the restore or checkpoint in progress before leaving the stream");
+            let _ = work.await;
         }
         ended
     }
