@@ -219,6 +219,14 @@ impl Outgoing {
             .path_and_query()
             .map_or("/", |p| p.as_str())
             .to_owned();
+        // Only an origin-form path goes after the worker's address (an asterisk-form
+        // target is answered before it gets here; anything else would be read as part
+        // of the authority, and sent elsewhere).
+        let path = if path.starts_with('/') {
+            path
+        } else {
+            format!("/{path}")
+        };
         let uri: Uri = format!("http://{}{}", route.addr, path)
             .parse()
             .expect("a socket address and a parsed request path make a valid URI");

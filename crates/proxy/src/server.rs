@@ -630,6 +630,23 @@ fn own_head<B>(req: Request<B>) -> Request<B> {
     Request::from_parts(parts, body)
 }
 
+/// `OPTIONS *` (the only request with an asterisk-form target) asks about the server
+/// in general, not about a resource (RFC 9110, 9.3.7): the router answers it itself,
+/// with no actor resumed and nothing forwarded.
+fn options_asterisk() -> Response<Body> {
+    let mut resp = full(
+        http::StatusCode::NO_CONTENT,
+        "text/plain; charset=utf-8",
+        String::new(),
+    );
+    resp.headers_mut().remove(header::CONTENT_TYPE);
+    resp.headers_mut().insert(
+        header::ALLOW,
+        http::HeaderValue::from_static("GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"),
+    );
+    resp
+}
+
 async fn handle(
     shared: &Shared,
     req: Request<Incoming>,
@@ -638,6 +655,9 @@ async fn handle(
 ) -> Response<Body> {
     let mut started = Instant::now();
     let limits = shared.limits;
+    if req.uri() == "*" {
+        return options_asterisk();
+    }
     let headers = req.headers();
     if headers.len() > limits.max_headers {
         return render(&Verdict::of(&Denial::TooManyHeaders {

@@ -103,3 +103,30 @@ async fn unreachable_worker_answers_502() {
     .await;
     assert_eq!((status, body.as_str()), (502, "actor demo/p1 unreachable"));
 }
+
+/// `OPTIONS *` is about the server, not an actor: the router answers it itself (before,
+/// the asterisk was glued to the worker's address and the request went to port 80).
+#[tokio::test]
+async fn options_asterisk_is_answered_by_the_router() {
+    let (cp, calls) = valet_router::testing::Scripted::new();
+    let addr = serve(cp, &[], Limits::default()).await;
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(
+        &mut s,
+        b"OPTIONS * HTTP/1.1\r\nHost: p1.demo.actors.resources.substrate.ate.dev\r\nConnection: close\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut out = String::new();
+    tokio::io::AsyncReadExt::read_to_string(&mut s, &mut out)
+        .await
+        .unwrap();
+    assert!(out.starts_with("HTTP/1.1 204 "), "{out}");
+    assert!(
+        out.to_ascii_lowercase()
+            .contains("allow: get, head, post, put, patch, delete, options"),
+        "{out}"
+    );
+    let mut calls = calls;
+    assert!(calls.try_next().is_none(), "no actor resumed");
+}
