@@ -94,6 +94,40 @@ impl Held {
         }
     }
 
+    /// The request was answered without being forwarded (a verdict): the held frames
+    /// go back to the lot, and the rest of the body is read and thrown away, up to
+    /// `max` bytes within `within`, so that the answer is not lost to a reset (a
+    /// socket closed with unread data resets; a client still sending never reads the
+    /// answer). Whether the body was read to its end.
+    pub(crate) async fn discard_rest(&mut self, within: std::time::Duration, max: u64) -> bool {
+        self.frames.clear();
+        self.held = 0;
+        self.charged = 0;
+        self.charge.release(u64::MAX);
+        let Some(rest) = self.rest.as_mut() else {
+            return true;
+        };
+        let mut read = 0u64;
+        let ended = tokio::time::timeout(within, async {
+            while read <= max {
+                match rest.frame().await {
+                    None => return true,
+                    Some(Ok(frame)) => {
+                        read += frame.data_ref().map_or(0, |d| d.len() as u64);
+                    }
+                    Some(Err(_)) => return false,
+                }
+            }
+            false
+        })
+        .await
+        .unwrap_or(false);
+        if ended {
+            self.rest = None;
+        }
+        ended
+    }
+
     /// The body to forward: the held frames, then the rest; and where a failure of the
     /// client's side of it is recorded.
     pub(crate) fn into_body(self) -> (RequestBody, Failure) {

@@ -630,6 +630,11 @@ fn own_head<B>(req: Request<B>) -> Request<B> {
     Request::from_parts(parts, body)
 }
 
+/// How long, and how many bytes of, the rest of a request body answered with a verdict
+/// is read and thrown away before the answer is written (see [`Held::discard_rest`]).
+const DISCARD_WITHIN: Duration = Duration::from_secs(5);
+const DISCARD_MAX: u64 = 64 * 1024 * 1024;
+
 /// `OPTIONS *` (the only request with an asterisk-form target) asks about the server
 /// in general, not about a resource (RFC 9110, 9.3.7): the router answers it itself,
 /// with no actor resumed and nothing forwarded.
@@ -741,7 +746,18 @@ async fn handle(
             })
             .await
         }
-        Decision::Deny(_, v) => (render(v), None, v.reason()),
+        Decision::Deny(_, v) => {
+            let mut resp = render(v);
+            // HTTP/1: a verdict to a request whose body is still coming (a parked
+            // upload past its limit is read no further) is not lost to a reset.
+            if parts.version <= http::Version::HTTP_11
+                && !held.discard_rest(DISCARD_WITHIN, DISCARD_MAX).await
+            {
+                resp.headers_mut()
+                    .insert(header::CONNECTION, http::HeaderValue::from_static("close"));
+            }
+            (resp, None, v.reason())
+        }
     };
     router.record(RouteRecord::new(
         "http",

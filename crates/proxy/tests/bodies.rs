@@ -418,3 +418,42 @@ async fn a_replay_that_parks_charges_its_body_to_the_lot() {
     assert_eq!((status, echoed == body), (200, true));
     assert_eq!(router.lot().bytes().held(), 0, "given back");
 }
+
+/// A parked upload larger than the per-request limit (read no further past it) whose
+/// flight ends in a verdict: the rest of the body is read and thrown away so that the
+/// client, still sending, gets the 503 instead of a connection reset.
+#[tokio::test]
+async fn a_verdict_to_a_large_parked_upload_reaches_the_client() {
+    let (cp, mut calls) = Scripted::new();
+    let (_router, server) = serve(cp, &["--parked-request-budget", "300ms"]).await;
+    let answering = tokio::spawn(async move {
+        loop {
+            calls.next().await.no_room();
+        }
+    });
+    let mut s = TcpStream::connect(server.local_addr()).await.unwrap();
+    let body = vec![7u8; 8 * 1024 * 1024];
+    let head = format!(
+        "POST /up HTTP/1.1\r\nHost: {}\r\nContent-Length: {}\r\n\r\n",
+        host("p1"),
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(&body)
+        .await
+        .expect("the router reads the whole body, and does not reset the connection");
+    let want = "actor demo/p1 unavailable: no worker has room for the actor";
+    let mut out = Vec::new();
+    tokio::time::timeout(WAIT, async {
+        let mut buf = [0u8; 4096];
+        while !String::from_utf8_lossy(&out).contains(want) {
+            let n = s.read(&mut buf).await.expect("no reset");
+            assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&out));
+            out.extend_from_slice(&buf[..n]);
+        }
+    })
+    .await
+    .expect("the verdict arrives");
+    assert!(String::from_utf8_lossy(&out).starts_with("HTTP/1.1 503 "));
+    answering.abort();
+}
