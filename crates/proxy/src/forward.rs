@@ -247,7 +247,17 @@ impl Outgoing {
         if let Ok(v) = HeaderValue::from_str(&route.actor.to_string()) {
             req.headers_mut().insert(ACTOR_REF, v);
         }
-        let mut resp = match client.request(req).await {
+        // The drain's cut-off (the tunnels close with it) answers a request still
+        // waiting for its worker's answer, rather than the connection being dropped
+        // with it at the end of the grace.
+        let answer = tokio::select! {
+            r = client.request(req) => r,
+            () = tunnels.closing() => {
+                let late = Verdict::of(&Denial::ShuttingDown(route.actor.clone()));
+                return Sent::Answer(render(&late));
+            }
+        };
+        let mut resp = match answer {
             Ok(r) => r,
             Err(e) => {
                 let client_side = self

@@ -79,6 +79,11 @@ pub(crate) struct Tunnels {
 }
 
 impl Tunnels {
+    /// Resolves at the drain's cut-off.
+    pub(crate) async fn closing(&self) {
+        self.close.cancelled().await;
+    }
+
     /// Runs `splice` until it ends or the tunnels are closed.
     pub(crate) fn spawn(&self, splice: impl std::future::Future<Output = ()> + Send + 'static) {
         let close = self.close.clone();

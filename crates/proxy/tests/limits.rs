@@ -130,3 +130,55 @@ async fn options_asterisk_is_answered_by_the_router() {
     let mut calls = calls;
     assert!(calls.try_next().is_none(), "no actor resumed");
 }
+
+/// A request forwarded to a worker that never answers is answered `router shutting
+/// down` at the drain's cut-off, not dropped with its connection.
+#[tokio::test]
+async fn a_request_its_worker_never_answers_gets_the_cut_offs_answer() {
+    // A worker that takes the connection and the request, and says nothing.
+    let silent = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let (got, mut requested) = tokio::sync::mpsc::channel(1);
+    tokio::spawn(async move {
+        let (mut s, _) = silent.accept().await.unwrap();
+        let mut buf = [0u8; 1024];
+        let _ = s.read(&mut buf).await;
+        let _ = got.send(()).await;
+        std::future::pending::<()>().await;
+        drop(s);
+    });
+    let config = RouterArgs::try_parse_flags(&[] as &[&str])
+        .unwrap()
+        .resolve()
+        .unwrap();
+    let router = Router::new(
+        Arc::new(config),
+        Arc::new(AlwaysRunning { port }),
+        Arc::new(Metrics::new()),
+    );
+    let server = HttpServer::spawn(
+        TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        router,
+        Limits::default(),
+    )
+    .unwrap();
+    let addr = server.local_addr();
+    let answer = tokio::spawn(async move {
+        raw(
+            addr,
+            &format!("GET /slow HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n"),
+        )
+        .await
+    });
+    requested.recv().await.expect("the worker got the request");
+    server.stop_accepting();
+    server.close_tunnels();
+    let (status, body) = tokio::time::timeout(std::time::Duration::from_secs(10), answer)
+        .await
+        .expect("answered")
+        .unwrap();
+    assert_eq!(
+        (status, body.as_str()),
+        (503, "actor demo/p1 unavailable: router shutting down")
+    );
+}
