@@ -480,3 +480,40 @@ async fn a_suspend_waits_for_a_cut_off_worker_to_fence_its_actor() {
     );
     assert_eq!(plane.status_of("demo", "during"), Some(S::Suspended));
 }
+
+/// A worker cut off in the middle of a restore schedules the release of that actor;
+/// when the actor has since gone back to SUSPENDED and runs on another worker, that
+/// release does not touch it (only the other worker's own departure does).
+#[tokio::test(start_paused = true)]
+async fn a_release_scheduled_by_one_worker_spares_the_actor_on_another() {
+    let store = MemoryStore::default();
+    let plane = plane_on(&store, &["a"]).await;
+    let (_a1, _app1, mut w1) = live_worker(&plane, "w1").await;
+    let cut = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
+    };
+    let restore = w1.next().await.unwrap();
+    assert!(matches!(restore.command, Command::Restore(_)));
+    w1.leave();
+    let e = cut.await.unwrap().unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable);
+    assert_eq!(plane.status_of("demo", "a"), Some(S::Suspended));
+
+    let (_a2, _app2, mut w2) = live_worker(&plane, "w2").await;
+    run_on(&plane, &mut w2, "a").await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    w2.renew();
+    let renewed = Instant::now();
+    w2.leave();
+    // w1's lease ended 5 s before w2's.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    assert_eq!(plane.status_of("demo", "a"), Some(S::Running));
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(60), |p| p.status_of("demo", "a")
+                == Some(S::Suspended))
+            .await
+    );
+    assert_eq!(renewed.elapsed(), Duration::from_secs(15));
+}

@@ -94,6 +94,12 @@ impl Held {
         }
     }
 
+    /// Whether its body was being read while the request was parked (so the client is
+    /// past any `Expect: 100-continue`, and may be blocked sending the rest).
+    pub(crate) fn was_read(&self) -> bool {
+        self.started
+    }
+
     /// The request was answered without being forwarded (a verdict): the held frames
     /// go back to the lot, and the rest of the body is read and thrown away, up to
     /// `max` bytes within `within`, so that the answer is not lost to a reset (a

@@ -637,7 +637,7 @@ fn own_head<B>(req: Request<B>) -> Request<B> {
 
 /// How long, and how many bytes of, the rest of a request body answered with a verdict
 /// is read and thrown away before the answer is written (see [`Held::discard_rest`]).
-const DISCARD_WITHIN: Duration = Duration::from_secs(5);
+const DISCARD_WITHIN: Duration = Duration::from_secs(2);
 const DISCARD_MAX: u64 = 64 * 1024 * 1024;
 
 /// `OPTIONS *` (the only request with an asterisk-form target) asks about the server
@@ -665,7 +665,8 @@ async fn handle(
 ) -> Response<Body> {
     let mut started = Instant::now();
     let limits = shared.limits;
-    if req.uri() == "*" {
+    // HTTP/1 gives `*` as the whole target; HTTP/2 as the path, beside an authority.
+    if req.method() == http::Method::OPTIONS && (req.uri() == "*" || req.uri().path() == "*") {
         return options_asterisk();
     }
     let headers = req.headers();
@@ -753,10 +754,13 @@ async fn handle(
         }
         Decision::Deny(_, v) => {
             let mut resp = render(v);
-            // HTTP/1: a verdict to a request whose body is still coming (a parked
-            // upload past its limit is read no further) is not lost to a reset.
+            // HTTP/1: a verdict to a parked request whose body is still coming (an
+            // upload past its limit is read no further) is not lost to a reset. Not at
+            // the drain's cut-off, whose grace is short: the connection closes.
+            let cut_off = matches!(decision, Decision::Deny(Denial::ShuttingDown(_), _));
             if parts.version <= http::Version::HTTP_11
-                && !held.discard_rest(DISCARD_WITHIN, DISCARD_MAX).await
+                && held.was_read()
+                && (cut_off || !held.discard_rest(DISCARD_WITHIN, DISCARD_MAX).await)
             {
                 resp.headers_mut()
                     .insert(header::CONNECTION, http::HeaderValue::from_static("close"));

@@ -47,10 +47,9 @@ pub(crate) enum LogFormat {
 
 const LOG_LEVELS: [&str; 6] = ["error", "warn", "info", "debug", "trace", "off"];
 
-/// A level, or directives `[target=]level` separated by commas; every level one of
-/// [`LOG_LEVELS`] (a bare word that is not a level would silently name a target).
 /// A running router's HTTP address: `http://host:port` (a trailing `/` allowed) or
-/// `host:port`, resolved now.
+/// `host:port`, resolved now (an IPv4 address first, as `valet up` listens on
+/// 127.0.0.1).
 pub(crate) fn parse_router_url(s: &str) -> Result<std::net::SocketAddr, String> {
     use std::net::ToSocketAddrs as _;
     if s.starts_with("https://") {
@@ -61,10 +60,15 @@ pub(crate) fn parse_router_url(s: &str) -> Result<std::net::SocketAddr, String> 
     if authority.is_empty() || authority.contains('/') {
         return Err("must be http://<host>:<port>".into());
     }
-    authority
+    let addrs: Vec<std::net::SocketAddr> = authority
         .to_socket_addrs()
         .map_err(|e| format!("must be http://<host>:<port> ({e})"))?
-        .next()
+        .collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or_else(|| addrs.first())
+        .copied()
         .ok_or_else(|| format!("{authority} resolves to no address"))
 }
 
@@ -73,6 +77,8 @@ pub(crate) fn parse_target_control_plane(s: &str) -> Result<String, String> {
     valet_router::config::parse_control_plane(s).map_err(|e| e.rule.to_string())
 }
 
+/// A level, or directives `[target=]level` separated by commas; every level one of
+/// [`LOG_LEVELS`] (a bare word that is not a level would silently name a target).
 pub(crate) fn parse_log_level(s: &str) -> Result<String, String> {
     let is_level = |l: &str| LOG_LEVELS.contains(&l.to_ascii_lowercase().as_str());
     for d in s.split(',').map(str::trim) {
@@ -226,8 +232,13 @@ pub(crate) enum LoadCommand {
 
 #[derive(Debug, Clone, Args)]
 pub(crate) struct LoadRunArgs {
-    /// The router's HTTP address (ip:port).
-    #[arg(long, env = "VALET_LOAD_RUN_ROUTER", value_name = "ADDR")]
+    /// The router's built-in HTTP data plane (http://host:port, or host:port).
+    #[arg(
+        long,
+        env = "VALET_LOAD_RUN_ROUTER",
+        value_name = "URL",
+        value_parser = parse_router_url
+    )]
     pub(crate) router: std::net::SocketAddr,
     /// Actors to address in turn, atespace/name,...
     #[arg(

@@ -103,10 +103,12 @@ fn reply(id: u64, result: Result<(), Refusal>) -> wk::Reply {
 }
 
 /// A restore or checkpoint in progress beside the command loop: its command's id, its
-/// actor, and the work itself.
+/// actor, whether it has changed anything yet (a restore always may; a checkpoint once
+/// it has fenced the actor), and the work itself.
 type Working<'a> = (
     u64,
     String,
+    Arc<std::sync::atomic::AtomicBool>,
     std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Refusal>> + Send + 'a>>,
 );
 
@@ -544,11 +546,11 @@ impl Agent {
                 () = stop.cancelled() => return Ok(()),
                 done = async {
                     match working.as_mut() {
-                        Some((_, _, w)) => w.as_mut().await,
+                        Some((_, _, _, w)) => w.as_mut().await,
                         None => std::future::pending().await,
                     }
                 }, if working.is_some() => {
-                    let (id, _, _) = working.take().expect("polled above");
+                    let (id, _, _, _) = working.take().expect("polled above");
                     if tx.send(wk::WorkerEvent { event: Some(Event::Reply(reply(id, done))) }).await.is_err() {
                         return Err(tonic::Status::unavailable("control plane stream closed"));
                     }
@@ -619,20 +621,23 @@ impl Agent {
                 Command::Restore(r) => {
                     let actor = actor_name(r.actor.as_ref());
                     let restore = async move { self.restore(r).await.map_err(Refusal::Failed) };
-                    working = Some((cmd.id, actor, Box::pin(restore)));
+                    let started = Arc::new(std::sync::atomic::AtomicBool::new(true));
+                    working = Some((cmd.id, actor, started, Box::pin(restore)));
                     continue;
                 }
                 Command::Checkpoint(c) => {
                     let actor = actor_name(c.actor.as_ref());
-                    working = Some((cmd.id, actor, Box::pin(self.checkpoint(c))));
+                    let fenced = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                    let checkpoint = self.checkpoint(c, Arc::clone(&fenced));
+                    working = Some((cmd.id, actor, fenced, Box::pin(checkpoint)));
                     continue;
                 }
                 Command::Evict(e) => {
                     // A restore or checkpoint of the evicted actor is dropped (a
                     // checkpoint's fence with it): the actor is not here any more.
                     let evicted = actor_name(e.actor.as_ref());
-                    if let Some((id, actor, _)) =
-                        working.take_if(|(_, actor, _)| *actor == evicted)
+                    if let Some((id, actor, _, _)) =
+                        working.take_if(|(_, actor, _, _)| *actor == evicted)
                     {
                         let gone = Refusal::NotHosting(format!(
                             "{actor} was evicted during its restore or checkpoint"
@@ -677,12 +682,17 @@ impl Agent {
         }
         }
         .await;
-        // Leaving the stream (cut, detached, drained, stopping) during a restore or a
-        // checkpoint: it runs to its end first, as it would have had it been the only
-        // command, so the actor is not left half-fenced, half-restored or its snapshot
-        // half-written while the control plane moves on (it waits for this worker to
-        // fence the actor, and sees what it hosts when it attaches again).
-        if let Some((_, actor, work)) = working.take() {
+        // Leaving the stream (cut, detached, drained) during a restore, or a checkpoint
+        // that has fenced the actor: it runs to its end first, as it would have had it
+        // been the only command, so the actor is not left half-restored, nor its
+        // snapshot half-written, while the control plane moves on (it waits for this
+        // worker to fence the actor, and sees what it hosts when it attaches again). A
+        // checkpoint still waiting for the actor's requests to end is given up: nothing
+        // changed yet, and a snapshot taken later could land after the control plane
+        // has moved the actor. (A worker that stops drops either: its process ends.)
+        if let Some((_, actor, started, work)) = working.take()
+            && started.load(std::sync::atomic::Ordering::Acquire)
+        {
             tracing::info!(worker = %self.id, %actor, "finishing the restore or checkpoint in progress before leaving the stream");
             let _ = work.await;
         }
@@ -739,7 +749,11 @@ impl Agent {
     /// Fences the actor (a policy's checkpoint only if it is idle since the mark it
     /// names; an explicit one once its requests in flight have ended), then snapshots it
     /// and lets it go.
-    async fn checkpoint(&self, c: wk::Checkpoint) -> Result<(), Refusal> {
+    async fn checkpoint(
+        &self,
+        c: wk::Checkpoint,
+        fence_raised: Arc<std::sync::atomic::AtomicBool>,
+    ) -> Result<(), Refusal> {
         let slot = c
             .actor
             .ok_or(Refusal::Failed("checkpoint without an actor".into()))?;
@@ -768,6 +782,7 @@ impl Agent {
         // Dropped before the snapshot is taken (the checkpoint was given up): the
         // actor serves again.
         let fence_held = FenceHeld(Some(&hosted.traffic));
+        fence_raised.store(true, std::sync::atomic::Ordering::Release);
         let memory = hosted.memory();
         let full = c.full;
         let taken = tokio::task::spawn_blocking(move || take_snapshot(&dir, full, memory))

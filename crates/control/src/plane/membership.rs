@@ -439,8 +439,12 @@ impl Plane {
                     .get(&worker)
                     .is_some_and(|d| d.id != departure.id);
                 match st.actors.get(&key) {
+                    // Still on the worker that left: the actor may have moved since
+                    // (a restore the departure cut went back to SUSPENDED, and the
+                    // actor runs elsewhere now), and then this is not its release.
                     Some(row)
                         if row.status == ActorStatus::Running
+                            && row.worker.as_deref() == Some(worker.as_str())
                             && !back
                             && !superseded
                             && st.busy(&key).is_none() =>
