@@ -807,7 +807,7 @@ async fn send(
         charge.charge(held).await;
         std::future::pending::<valet_router::CallerEnd>().await
     };
-    let decided = shared.router.decide_holding(host, deadline, holding).await;
+    let decided = shared.router.decide_again(host, deadline, holding).await;
     drop(charge);
     match decided {
         Decision::Route(again) => match out.send(&shared.client, &shared.tunnels, &again).await {

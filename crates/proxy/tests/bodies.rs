@@ -457,3 +457,45 @@ async fn a_verdict_to_a_large_parked_upload_reaches_the_client() {
     assert!(String::from_utf8_lossy(&out).starts_with("HTTP/1.1 503 "));
     answering.abort();
 }
+
+/// A request sent through the pipeline again after its worker's 421 is never shed: it
+/// parks again even with the lot full (here, one place, taken by another request), is
+/// served, and its wait is sampled once.
+#[tokio::test]
+async fn a_request_sent_again_after_a_421_is_never_shed() {
+    let upstream = moving_upstream(1).await;
+    let (cp, mut calls) = Scripted::new();
+    let (router, server) = serve(cp, &["--parked-request-max", "1"]).await;
+    let addr = server.local_addr();
+    let body = pattern(100, 6);
+    let first = tokio::spawn(post(addr, "p1", body.clone()));
+    calls.next().await.no_room();
+    assert!(router.lot().wait_for_active(1, WAIT).await, "p1 parked");
+    calls.next().await.running(upstream);
+    // The worker answered 421: p1 is decided again.
+    let again = calls.next().await;
+    assert_eq!(again.request.actor.to_string(), "demo/p1");
+    // Meanwhile p2 takes the lot's one place.
+    let second = tokio::spawn(post(addr, "p2", Vec::new()));
+    let p2 = calls.next().await;
+    assert_eq!(p2.request.actor.to_string(), "demo/p2");
+    p2.no_room();
+    assert!(router.lot().wait_for_active(1, WAIT).await, "p2 parked");
+    again.no_room();
+    assert!(
+        router.lot().wait_for_active(2, WAIT).await,
+        "p1 parked again, beyond the lot's size"
+    );
+    // Both flights retry: serve them.
+    for _ in 0..2 {
+        calls.next().await.running(upstream);
+    }
+    let (status, echoed) = first.await.unwrap();
+    assert_eq!((status, echoed == body), (200, true));
+    assert_eq!(second.await.unwrap().0, 200);
+    let waits = router.metrics().sample(
+        "atenet_router_parking_wait_duration_seconds_count",
+        &[("outcome", "served")],
+    );
+    assert_eq!(waits, 2.0, "one wait sample per parked request");
+}

@@ -55,9 +55,10 @@ impl ParkingLot {
         &self.bytes
     }
 
-    /// Requests parked now.
+    /// Requests parked now (a request parked again after a 421 included, see
+    /// [`Self::park_again`]: this may exceed the lot's size by those).
     pub fn active(&self) -> usize {
-        self.capacity - self.permits.available_permits()
+        *self.active_tx.borrow()
     }
 
     /// Waits until exactly `n` requests are parked; false if `timeout` passes first.
@@ -90,6 +91,7 @@ impl ParkingLot {
                     since: Instant::now(),
                     metrics: Arc::clone(&self.metrics),
                     finished: false,
+                    sampled: true,
                     active_tx: Arc::clone(&self.active_tx),
                 })
             }
@@ -102,6 +104,26 @@ impl ParkingLot {
     }
 }
 
+impl ParkingLot {
+    /// A place for a request that parked once already and parks again (the built-in
+    /// data plane sends a request through the pipeline once more after its worker's
+    /// 421): it is never shed, so it is not refused when the lot is full (it counts as
+    /// parked, beyond `--parked-request-max`), and its wait is not sampled a second
+    /// time.
+    pub(crate) fn park_again(&self) -> Slot {
+        self.metrics.parked(1);
+        self.active_tx.send_modify(|n| *n += 1);
+        Slot {
+            permit: None,
+            since: Instant::now(),
+            metrics: Arc::clone(&self.metrics),
+            finished: false,
+            sampled: false,
+            active_tx: Arc::clone(&self.active_tx),
+        }
+    }
+}
+
 /// One parked request's place in the lot.
 #[derive(Debug)]
 pub(crate) struct Slot {
@@ -109,6 +131,9 @@ pub(crate) struct Slot {
     since: Instant,
     metrics: Arc<Metrics>,
     finished: bool,
+    /// Its wait goes into the wait histogram (once per request: not for a request
+    /// parked again).
+    sampled: bool,
     active_tx: Arc<tokio::sync::watch::Sender<usize>>,
 }
 
@@ -123,7 +148,9 @@ impl Slot {
             return;
         }
         self.finished = true;
-        self.metrics.wait_ended(self.since.elapsed(), outcome);
+        if self.sampled {
+            self.metrics.wait_ended(self.since.elapsed(), outcome);
+        }
         self.metrics.parked(-1);
         // Release the slot before telling observers.
         drop(self.permit.take());

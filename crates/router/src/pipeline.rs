@@ -143,7 +143,7 @@ impl Router {
     /// the others. Never routes under an expired lease (for the Envoy data plane, which
     /// cannot replay a 421).
     pub async fn decide(&self, host: &str, deadline: Instant) -> Decision {
-        self.decide_inner(host, deadline, std::future::pending(), false)
+        self.decide_inner(host, deadline, std::future::pending(), false, false)
             .await
     }
 
@@ -163,7 +163,19 @@ impl Router {
     where
         F: Future<Output = CallerEnd>,
     {
-        self.decide_inner(host, deadline, while_parked, true).await
+        self.decide_inner(host, deadline, while_parked, true, false)
+            .await
+    }
+
+    /// [`Self::decide_holding`] for a request that parked once already and is sent
+    /// through the pipeline again (its worker answered 421): should it park again it
+    /// is never shed for a full lot, and its wait is not sampled twice.
+    pub async fn decide_again<F>(&self, host: &str, deadline: Instant, while_parked: F) -> Decision
+    where
+        F: Future<Output = CallerEnd>,
+    {
+        self.decide_inner(host, deadline, while_parked, true, true)
+            .await
     }
 
     async fn decide_inner<F>(
@@ -172,6 +184,7 @@ impl Router {
         deadline: Instant,
         while_parked: F,
         stale_ok: bool,
+        again: bool,
     ) -> Decision
     where
         F: Future<Output = CallerEnd>,
@@ -192,7 +205,7 @@ impl Router {
                     self.inner.metrics.routed_from_cache(stale);
                     Decision::Route(Route { actor, addr })
                 }
-                None => match self.resolve(&actor, deadline, while_parked).await {
+                None => match self.resolve(&actor, deadline, while_parked, again).await {
                     Ok(addr) => Decision::Route(Route { actor, addr }),
                     Err(denial) => deny(denial),
                 },
@@ -280,6 +293,7 @@ impl Router {
         actor: &ActorRef,
         deadline: Instant,
         while_parked: F,
+        again: bool,
     ) -> Result<SocketAddr, Denial>
     where
         F: Future<Output = CallerEnd>,
@@ -293,6 +307,7 @@ impl Router {
             actor,
             watch,
             slot: None,
+            again,
         };
         tokio::select! {
             biased;
@@ -326,6 +341,8 @@ struct Wait<'a> {
     actor: &'a ActorRef,
     watch: FlightWatch,
     slot: Option<Slot>,
+    /// It parked once already (see [`Router::decide_again`]).
+    again: bool,
 }
 
 impl Wait<'_> {
@@ -379,9 +396,14 @@ impl Wait<'_> {
         }
     }
 
-    /// The park transition of this caller: take a slot once, or be shed.
+    /// The park transition of this caller: take a slot once, or be shed (never a
+    /// caller that parked once already).
     fn park(&mut self, lot: &ParkingLot) -> Result<(), Denial> {
         if self.slot.is_none() {
+            if self.again {
+                self.slot = Some(lot.park_again());
+                return Ok(());
+            }
             match lot.try_park() {
                 Some(slot) => self.slot = Some(slot),
                 None => return Err(Denial::LotFull(self.actor.clone())),
