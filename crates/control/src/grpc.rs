@@ -20,7 +20,7 @@ use valet_proto::worker::{
 
 use crate::auth::{Expiry, JwtVerifier, expired, refresh};
 use crate::link::WorkerLink;
-use crate::model::ActorKey;
+use crate::model::{self, ActorKey};
 use crate::plane::Plane;
 
 /// Largest gRPC message the control plane accepts.
@@ -75,7 +75,8 @@ pub async fn serve(
         .add_service(InterceptedService::new(
             leases_server::LeasesServer::new(LeasesService {
                 plane: plane.clone(),
-            }),
+            })
+            .max_decoding_message_size(MAX_MESSAGE_BYTES),
             authn,
         ))
         .add_service(reflection);
@@ -239,6 +240,7 @@ impl control_server::Control for ControlService {
         } else {
             &r.actor_template_namespace
         };
+        model::check_name("actor_template_namespace", ns)?;
         let actor = self
             .plane
             .create_actor(key, ns, &r.actor_template_name, selector)
@@ -361,6 +363,22 @@ pub struct LeasesService {
     plane: Plane,
 }
 
+/// How long a stream may take to send its first message (a router's Hello, a worker's
+/// Join) before the control plane gives up on it.
+const FIRST_MESSAGE_WITHIN: Duration = Duration::from_secs(10);
+
+/// The first message of `inbound`, within [`FIRST_MESSAGE_WITHIN`].
+async fn first_message<T>(inbound: &mut Streaming<T>, what: &str) -> Result<Option<T>, Status> {
+    tokio::time::timeout(FIRST_MESSAGE_WITHIN, inbound.message())
+        .await
+        .map_err(|_| {
+            Status::deadline_exceeded(format!(
+                "no {what} within {}s of opening the stream",
+                FIRST_MESSAGE_WITHIN.as_secs()
+            ))
+        })?
+}
+
 #[tonic::async_trait]
 impl leases_server::Leases for LeasesService {
     type WatchStream =
@@ -369,7 +387,7 @@ impl leases_server::Leases for LeasesService {
     async fn watch(&self, r: Request<Streaming<lp::RouterMessage>>) -> Res<Self::WatchStream> {
         let expiry = Expiry::of(&r);
         let mut inbound = r.into_inner();
-        let router = match inbound.message().await? {
+        let router = match first_message(&mut inbound, "Hello").await? {
             Some(lp::RouterMessage {
                 message: Some(lp::router_message::Message::Hello(hello)),
             }) => hello.router_id,
@@ -450,7 +468,7 @@ impl workers_server::Workers for WorkersService {
     async fn attach(&self, r: Request<Streaming<wk::WorkerEvent>>) -> Res<Self::AttachStream> {
         let mut expiry = Expiry::of(&r);
         let mut inbound = r.into_inner();
-        let join = match inbound.message().await? {
+        let join = match first_message(&mut inbound, "Join").await? {
             Some(wk::WorkerEvent {
                 event: Some(Event::Join(join)),
             }) => join,

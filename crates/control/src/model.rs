@@ -77,7 +77,20 @@ pub fn check_name(what: &str, value: &str) -> Result<(), Status> {
     if ok {
         Ok(())
     } else {
-        Err(Status::invalid_argument(format!("{what} {value:?} {rule}")))
+        Err(Status::invalid_argument(format!(
+            "{what} {:?} {rule}",
+            shown(value)
+        )))
+    }
+}
+
+/// A client's value as an error message may repeat it: at most 64 characters, so that
+/// no answer grows with what a client sent.
+pub(crate) fn shown(value: &str) -> std::borrow::Cow<'_, str> {
+    const MAX: usize = 64;
+    match value.char_indices().nth(MAX) {
+        Some((cut, _)) => format!("{}...", &value[..cut]).into(),
+        None => value.into(),
     }
 }
 

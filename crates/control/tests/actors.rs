@@ -556,3 +556,42 @@ async fn a_worker_renews_its_hosting_during_a_long_restore() {
     assert_eq!(code, 200);
     sys.shutdown().await;
 }
+
+/// A template namespace follows the rule of names, and no error message repeats more
+/// than 64 characters of what a client sent.
+#[tokio::test]
+async fn template_namespaces_are_names_and_errors_stay_short() {
+    let sys = system(0, PlaneConfig::default()).await;
+    sys.atespace("demo").await;
+    let long = "n".repeat(100_000);
+    let e = sys
+        .client
+        .clone()
+        .create_actor(ateapi::CreateActorRequest {
+            actor_ref: Some(aref("demo/p1")),
+            actor_template_namespace: long.clone(),
+            actor_template_name: "counter".into(),
+            worker_selector: None,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(
+        e.message().starts_with("actor_template_namespace \"nnn"),
+        "{}",
+        e.message()
+    );
+    assert!(e.message().len() < 200, "{} bytes", e.message().len());
+    let e = sys
+        .client
+        .clone()
+        .create_actor(ateapi::CreateActorRequest {
+            actor_ref: Some(aref("demo/p1")),
+            actor_template_namespace: "default".into(),
+            actor_template_name: long,
+            worker_selector: None,
+        })
+        .await
+        .unwrap_err();
+    assert!(e.message().len() < 200, "{} bytes", e.message().len());
+}

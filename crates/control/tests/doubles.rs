@@ -680,3 +680,20 @@ async fn settling_waits_for_a_cut_off_worker_to_fence() {
         "the hosting lease"
     );
 }
+
+/// Resumes of names that are no actor are counted in total, but keep nothing per name:
+/// anyone can send such names through a router.
+#[tokio::test(start_paused = true)]
+async fn resumes_of_unknown_actors_keep_nothing_per_name() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a"]).await;
+    for i in 0..100 {
+        let e = plane
+            .resume_actor(key(&format!("nope{i}")), None)
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::NotFound);
+    }
+    assert_eq!(plane.resume_calls_for("demo", "nope7"), 0);
+    assert_eq!(plane.stats().resume_calls, 100);
+}

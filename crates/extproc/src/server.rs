@@ -190,7 +190,11 @@ async fn next_response(
         None if !s.inbound_open => return None,
         None => match s.inbound.message().await {
             Ok(Some(m)) => m,
-            Ok(None) | Err(_) => return None,
+            Ok(None) => return None,
+            // A message that could not be read (too large, malformed) or a reset: the
+            // stream ends with an error, never cleanly without an answer (which Envoy
+            // takes as "go on unmodified": the request would pass unrouted).
+            Err(e) => return Some((Err(ended(e)), closed(s))),
         },
     };
     let response = match msg.request {
@@ -200,18 +204,27 @@ async fn next_response(
             let deadline = started + s.router.config().extproc_decision_timeout();
             // Decide, but notice a stream that ends meanwhile: the caller went away,
             // and dropping the decision frees its parking slot.
-            let decide = s.router.decide(&host, deadline);
-            tokio::pin!(decide);
-            let decision = loop {
-                tokio::select! {
-                    d = &mut decide => break d,
-                    next = s.inbound.message(), if s.queued.is_none() && s.inbound_open => match next {
-                        // Envoy sends nothing else before this answer; keep it for after.
-                        Ok(Some(m)) => s.queued = Some(m),
-                        Ok(None) => s.inbound_open = false,
-                        Err(_) => return None,
-                    },
+            let decided = {
+                let decide = s.router.decide(&host, deadline);
+                tokio::pin!(decide);
+                loop {
+                    tokio::select! {
+                        d = &mut decide => break Ok(d),
+                        next = s.inbound.message(), if s.queued.is_none() && s.inbound_open => match next {
+                            // Envoy sends nothing else before this answer; keep it for after.
+                            Ok(Some(m)) => s.queued = Some(m),
+                            Ok(None) => s.inbound_open = false,
+                            // A reset, or a message that could not be read.
+                            Err(e) => break Err(e),
+                        },
+                    }
                 }
+            };
+            // The decision is dropped on an error (its parking slot is freed), and an
+            // error ends the stream.
+            let decision = match decided {
+                Ok(d) => d,
+                Err(e) => return Some((Err(ended(e)), closed(s))),
             };
             // Nothing else is asked of this stream (request headers are the only
             // phase the processing mode sends): end it cleanly with the answer, in the
@@ -249,6 +262,19 @@ async fn next_response(
         ..Default::default()
     };
     Some((Ok(reply), s))
+}
+
+/// `s` with nothing more to answer: the response stream ends after the next item.
+fn closed(mut s: StreamState) -> StreamState {
+    s.inbound_open = false;
+    s.queued = None;
+    s
+}
+
+/// The error a stream ends with when its next message could not be read.
+fn ended(e: Status) -> Status {
+    tracing::debug!(error = %e, "ext_proc stream ended by a read error");
+    e
 }
 
 /// The host (from `:authority` or `host`, whichever comes last) and the path.

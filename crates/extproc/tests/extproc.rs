@@ -448,3 +448,22 @@ async fn a_slow_decision_gets_the_routers_504_before_envoy_gives_up() {
         "answered after {took:?}; Envoy gives up at {message_timeout:?}"
     );
 }
+
+/// A message the server cannot read (here larger than its 1 MiB limit) ends the stream
+/// with an error, never cleanly without an answer: Envoy takes a clean end as "go on
+/// unmodified", which would let the request through unrouted.
+#[tokio::test]
+async fn an_unreadable_message_ends_the_stream_with_an_error() {
+    let (_router, client, _calls) = scripted(&[]).await;
+    let mut s = Stream::open(&client).await;
+    let big = "x".repeat(1100 * 1024);
+    s.send(In::RequestHeaders(headers(&[
+        (":method", "GET"),
+        (":path", "/"),
+        (":authority", &host("a")),
+        ("x-big", &big),
+    ])))
+    .await;
+    let end = s.rx.message().await;
+    assert!(end.is_err(), "an error status, not a clean end: {end:?}");
+}

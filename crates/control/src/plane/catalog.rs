@@ -100,7 +100,9 @@ impl Plane {
     ) -> Result<ateapi::Actor, Status> {
         let template = self.template(template_name).ok_or_else(|| {
             Status::failed_precondition(format!(
-                "ActorTemplate {template_namespace}/{template_name} not found"
+                "ActorTemplate {}/{} not found",
+                crate::model::shown(template_namespace),
+                crate::model::shown(template_name)
             ))
         })?;
         let row = ActorRow {

@@ -77,12 +77,16 @@ impl Plane {
         let started = Instant::now();
         let stats = &self.inner.stats;
         stats.resume_calls.fetch_add(1, Ordering::Relaxed);
-        *stats
-            .per_actor
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(key.clone())
-            .or_default() += 1;
+        // Per actor only for actors that exist: a name anyone can send through a
+        // router must not grow the plane's memory.
+        if self.lock().actors.contains_key(&key) {
+            *stats
+                .per_actor
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(key.clone())
+                .or_default() += 1;
+        }
         self.inner.changed.send_modify(|v| *v += 1);
         let wait = wait_for_capacity.filter(|d| !d.is_zero() && self.config().capacity_wait);
         let result = self.resume(&key, wait).await;

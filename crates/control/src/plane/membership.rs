@@ -61,7 +61,10 @@ impl Plane {
         }
         model::check_name("pool", &join.pool)?;
         let app_addr: SocketAddr = join.app_address.parse().map_err(|_| {
-            Status::invalid_argument(format!("app_address {:?} is not ip:port", join.app_address))
+            Status::invalid_argument(format!(
+                "app_address {:?} is not ip:port",
+                model::shown(&join.app_address)
+            ))
         })?;
         let hosting = match &join.hosting {
             Some(h) if !h.name.is_empty() => Some(ActorKey::new(&h.atespace, &h.name)?),
