@@ -378,7 +378,12 @@ impl Conn {
         let router = &self.shared.router;
         let started = Instant::now();
         let deadline = started + router.config().decision_timeout();
-        let decide = router.decide_holding(&head.host, deadline, std::future::pending());
+        // Polled only from the park transition: whether the request parked.
+        let parked = std::sync::atomic::AtomicBool::new(false);
+        let decide = router.decide_holding(&head.host, deadline, async {
+            parked.store(true, std::sync::atomic::Ordering::Relaxed);
+            std::future::pending().await
+        });
         tokio::pin!(decide);
         // The head once it is off the socket, and what the client sent after it.
         let mut taken = Vec::new();
@@ -410,6 +415,7 @@ impl Conn {
                     host: head.host.clone(),
                     started,
                     decision,
+                    parked: parked.load(std::sync::atomic::Ordering::Relaxed),
                 };
                 taken.extend_from_slice(&extra);
                 let io = Replayed::new(stream, bytes::Bytes::from(taken));
@@ -561,6 +567,8 @@ struct PreDecided {
     host: String,
     started: Instant,
     decision: Decision,
+    /// The request parked before it was routed.
+    parked: bool,
 }
 
 /// Runs one connection to its end; when the data plane stops accepting, shuts it down
@@ -734,19 +742,24 @@ async fn handle(
         router.config().parked_body_limit(),
         router.lot().bytes().charge(),
     );
-    let decision = match pre {
-        Some(p) => p.decision,
-        None => router.decide_holding(&host, deadline, held.fill()).await,
+    let (decision, parked_before) = match pre {
+        Some(p) => (p.decision, p.parked),
+        None => (
+            router.decide_holding(&host, deadline, held.fill()).await,
+            false,
+        ),
     };
     let (resp, target, verdict) = match &decision {
         // Boxed: the forwarding state is large and a parked request never needs it,
         // so it is not part of the future that waits (docs/BENCHMARKS.md).
         Decision::Route(route) => {
             Box::pin(async {
+                // Its body was read while it waited only if it parked.
+                let parked = parked_before || held.was_read();
                 let (body, failure) = held.into_body();
                 let req = Request::from_parts(parts, body);
                 match Outgoing::new(req, failure, route, &host, peer, deadline).await {
-                    Ok(mut out) => send(shared, &mut out, route, &host, deadline).await,
+                    Ok(mut out) => send(shared, &mut out, route, &host, deadline, parked).await,
                     Err((resp, verdict)) => (resp, Some(route.addr), verdict),
                 }
             })
@@ -789,6 +802,7 @@ async fn send(
     route: &valet_router::Route,
     host: &str,
     deadline: Instant,
+    parked: bool,
 ) -> (Response<Body>, Option<SocketAddr>, &'static str) {
     if let Sent::Answer(resp) = out.send(&shared.client, &shared.tunnels, route).await {
         return (resp, Some(route.addr), "routed");
@@ -807,7 +821,13 @@ async fn send(
         charge.charge(held).await;
         std::future::pending::<valet_router::CallerEnd>().await
     };
-    let decided = shared.router.decide_again(host, deadline, holding).await;
+    // A request that parked before is never shed now (it may park again past the
+    // lot's size); one that did not is decided as any request is.
+    let decided = if parked {
+        shared.router.decide_again(host, deadline, holding).await
+    } else {
+        shared.router.decide_holding(host, deadline, holding).await
+    };
     drop(charge);
     match decided {
         Decision::Route(again) => match out.send(&shared.client, &shared.tunnels, &again).await {

@@ -2,8 +2,11 @@
 //!
 //! A slot is an owned permit of a semaphore. It is taken at the park transition and
 //! released exactly once, when the [`Slot`] goes away: [`Slot::finish`] records the
-//! outcome; a slot dropped unfinished (its caller went away) records `canceled`. The
-//! active count is the semaphore's and can never go negative.
+//! outcome; a slot dropped unfinished (its caller went away) records `canceled`. A
+//! request that parked once and parks again after its worker's 421 takes a slot
+//! without a permit ([`ParkingLot::park_again`]): it is never shed. The active count
+//! counts both; each slot adds one and takes it off once, so it never goes below
+//! zero (an attempt would be a bug, and is logged).
 //!
 //! Held body bytes are permits of a second semaphore of `--parked-bytes-max` permits,
 //! owned by each request's [`Charge`] and given back as the bytes are forwarded or
@@ -64,7 +67,8 @@ impl ParkingLot {
     /// Waits until exactly `n` requests are parked; false if `timeout` passes first.
     pub async fn wait_for_active(&self, n: usize, timeout: std::time::Duration) -> bool {
         let mut rx = self.active_tx.subscribe();
-        tokio::time::timeout(timeout, rx.wait_for(|_| self.active() == n))
+        // The watched value itself: the closure runs under the watch's read lock.
+        tokio::time::timeout(timeout, rx.wait_for(|&v| v == n))
             .await
             .is_ok_and(|r| r.is_ok())
     }
@@ -154,7 +158,12 @@ impl Slot {
         self.metrics.parked(-1);
         // Release the slot before telling observers.
         drop(self.permit.take());
-        self.active_tx.send_modify(|n| *n = n.saturating_sub(1));
+        self.active_tx.send_modify(|n| {
+            if *n == 0 {
+                tracing::error!("parking lot: a slot released twice (active count below zero)");
+            }
+            *n = n.saturating_sub(1);
+        });
     }
 }
 
