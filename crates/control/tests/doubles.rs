@@ -66,6 +66,17 @@ async fn expect(w: &mut FakeWorker, what: &str) -> Received {
     r
 }
 
+/// Resumes `demo/<name>` and has `w` restore it: RUNNING on `w`.
+async fn restored(plane: &Plane, w: &mut FakeWorker, name: &'static str) {
+    let resume = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key(name), None).await })
+    };
+    let r = expect(w, "restore").await;
+    w.answer(r.id, Ok(()));
+    resume.await.unwrap().unwrap();
+}
+
 /// A restore the worker never answers fails at `--restore-timeout`: the actor is
 /// CRASHED, the worker told to drop it and free again.
 #[tokio::test(start_paused = true)]
@@ -94,13 +105,7 @@ async fn checkpoint_timeout_crashes_the_actor() {
     let store = MemoryStore::default();
     let plane = plane_with(&store, &["a"]).await;
     let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
-    let resume = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
-    };
-    let r = expect(&mut w, "restore").await;
-    w.answer(r.id, Ok(()));
-    resume.await.unwrap().unwrap();
+    restored(&plane, &mut w, "a").await;
     let start = Instant::now();
     let suspend = {
         let plane = plane.clone();
@@ -141,13 +146,7 @@ async fn a_running_and_b_waiting(
     tokio::task::JoinHandle<Result<(valet_proto::ateapi::Actor, bool), tonic::Status>>,
 ) {
     let (mut w, _) = FakeWorker::attach(plane, id, "counter", app(), None).unwrap();
-    let resume = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
-    };
-    let r = expect(&mut w, "restore").await;
-    w.answer(r.id, Ok(()));
-    resume.await.unwrap().unwrap();
+    restored(&plane, &mut w, "a").await;
     let waiting = resume_waiting(plane, "b");
     assert!(
         plane
@@ -470,13 +469,7 @@ async fn a_busy_actor_is_left_running_by_a_suspend() {
     let store = MemoryStore::default();
     let plane = plane_with(&store, &["a"]).await;
     let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
-    let resume = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
-    };
-    let r = expect(&mut w, "restore").await;
-    w.answer(r.id, Ok(()));
-    resume.await.unwrap().unwrap();
+    restored(&plane, &mut w, "a").await;
     let suspend = {
         let plane = plane.clone();
         tokio::spawn(async move { plane.suspend_actor(key("a")).await })
@@ -552,13 +545,7 @@ async fn an_actor_left_half_way_by_a_failed_write_is_settled() {
     let store = MemoryStore::default();
     let plane = plane_with(&store, &["a"]).await;
     let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
-    let resume = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
-    };
-    let r = expect(&mut w, "restore").await;
-    w.answer(r.id, Ok(()));
-    resume.await.unwrap().unwrap();
+    restored(&plane, &mut w, "a").await;
     let suspend = {
         let plane = plane.clone();
         tokio::spawn(async move { plane.suspend_actor(key("a")).await })
@@ -593,13 +580,7 @@ async fn a_checkpoint_cut_by_shutdown_is_left_for_the_next_start() {
     let store = MemoryStore::default();
     let plane = plane_with(&store, &["a"]).await;
     let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
-    let resume = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
-    };
-    let r = expect(&mut w, "restore").await;
-    w.answer(r.id, Ok(()));
-    resume.await.unwrap().unwrap();
+    restored(&plane, &mut w, "a").await;
     let suspend = {
         let plane = plane.clone();
         tokio::spawn(async move { plane.suspend_actor(key("a")).await })
@@ -649,13 +630,7 @@ async fn settling_waits_for_a_cut_off_worker_to_fence() {
     let app = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let (mut w, _) =
         FakeWorker::attach(&plane, "w1", "counter", app.local_addr().unwrap(), None).unwrap();
-    let resume = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
-    };
-    let r = expect(&mut w, "restore").await;
-    w.answer(r.id, Ok(()));
-    resume.await.unwrap().unwrap();
+    restored(&plane, &mut w, "a").await;
     let suspend = {
         let plane = plane.clone();
         tokio::spawn(async move { plane.suspend_actor(key("a")).await })

@@ -373,24 +373,8 @@ async fn a_worker_cut_off_twice_keeps_its_actor_a_lease_from_its_last_renewal() 
     tokio::time::sleep(Duration::from_secs(1)).await;
     let (w, kept) = FakeWorker::attach(&plane, "w1", "counter", addr, Some(&key("a"))).unwrap();
     assert!(kept, "it came back with its actor");
-    tokio::time::sleep(Duration::from_secs(9)).await;
-    w.renew();
-    let renewed = Instant::now();
-    w.leave();
-    // The first cut's lease ended 5 s after this renewal.
-    tokio::time::sleep(Duration::from_secs(10)).await;
-    assert_eq!(
-        plane.status_of("demo", "a"),
-        Some(S::Running),
-        "the worker may still serve it"
-    );
-    assert!(
-        plane
-            .wait_until(Duration::from_secs(60), |p| p.status_of("demo", "a")
-                == Some(S::Suspended))
-            .await
-    );
-    assert_eq!(renewed.elapsed(), Duration::from_secs(15));
+    // The first cut's lease ends 5 s after the renewal below.
+    renewed_in_9s_then_cut_off(&plane, w).await;
 }
 
 /// After a restart, a worker that re-attached with its actor and was then cut off
@@ -425,20 +409,8 @@ async fn after_a_restart_a_worker_that_rejoined_and_was_cut_off_keeps_its_actor(
     let addr = app.local_addr().unwrap();
     let (w, kept) = FakeWorker::attach(&plane, "w1", "counter", addr, Some(&key("a"))).unwrap();
     assert!(kept);
-    tokio::time::sleep(Duration::from_secs(9)).await;
-    w.renew();
-    let renewed = Instant::now();
-    w.leave();
-    // The restart's grace (the hosting lease, 15 s) ended 5 s after this renewal.
-    tokio::time::sleep(Duration::from_secs(10)).await;
-    assert_eq!(plane.status_of("demo", "a"), Some(S::Running));
-    assert!(
-        plane
-            .wait_until(Duration::from_secs(60), |p| p.status_of("demo", "a")
-                == Some(S::Suspended))
-            .await
-    );
-    assert_eq!(renewed.elapsed(), Duration::from_secs(15));
+    // The restart's grace (the hosting lease, 15 s) ends 5 s after the renewal below.
+    renewed_in_9s_then_cut_off(&plane, w).await;
 }
 
 /// Suspending an actor whose worker's stream is gone (before or during the checkpoint)
@@ -509,6 +481,29 @@ async fn a_release_scheduled_by_one_worker_spares_the_actor_on_another() {
     // w1's lease ended 5 s before w2's.
     tokio::time::sleep(Duration::from_secs(12)).await;
     assert_eq!(plane.status_of("demo", "a"), Some(S::Running));
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(60), |p| p.status_of("demo", "a")
+                == Some(S::Suspended))
+            .await
+    );
+    assert_eq!(renewed.elapsed(), Duration::from_secs(15));
+}
+
+/// `w`, hosting `demo/a`, renews 9 s from now and is cut off at once: `a` still runs
+/// 10 s later (an earlier deadline passed meanwhile), and is released exactly a
+/// hosting lease (15 s) after that renewal.
+async fn renewed_in_9s_then_cut_off(plane: &Plane, w: FakeWorker) {
+    tokio::time::sleep(Duration::from_secs(9)).await;
+    w.renew();
+    let renewed = Instant::now();
+    w.leave();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(
+        plane.status_of("demo", "a"),
+        Some(S::Running),
+        "the worker may still serve it"
+    );
     assert!(
         plane
             .wait_until(Duration::from_secs(60), |p| p.status_of("demo", "a")

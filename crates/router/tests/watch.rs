@@ -49,14 +49,20 @@ impl leases_server::Leases for Refusing {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refused_watch_is_not_an_unreachable_control_plane() {
-    let script = Refusing::default();
+/// A real gRPC server of `leases` on a loopback port, and a router whose lease client
+/// watches it.
+async fn watching<S: leases_server::Leases>(
+    leases: S,
+) -> (
+    tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    Router,
+    Arc<valet_router::lease::LeaseClient>,
+) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let server = tokio::spawn(
         tonic::transport::Server::builder()
-            .add_service(leases_server::LeasesServer::new(script.clone()))
+            .add_service(leases_server::LeasesServer::new(leases))
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
     );
     let config = RouterArgs::try_parse_flags_only(["--control-plane", &url])
@@ -67,6 +73,13 @@ async fn a_refused_watch_is_not_an_unreachable_control_plane() {
     let channel = cp.channel();
     let router = Router::new(Arc::new(config), Arc::new(cp), Arc::new(Metrics::new()));
     let leases = router.start_leases(channel);
+    (server, router, leases)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_watch_is_not_an_unreachable_control_plane() {
+    let script = Refusing::default();
+    let (server, router, leases) = watching(script.clone()).await;
 
     tokio::time::timeout(Duration::from_secs(10), script.0.second.notified())
         .await
@@ -128,21 +141,7 @@ impl leases_server::Leases for Releasing {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopping_router_releases_its_leases_before_it_stops() {
     let script = Releasing::default();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(leases_server::LeasesServer::new(script.clone()))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
-    let config = RouterArgs::try_parse_flags_only(["--control-plane", &url])
-        .unwrap()
-        .resolve()
-        .unwrap();
-    let cp = GrpcControlPlane::connect_lazy(&url, config.credentials()).unwrap();
-    let channel = cp.channel();
-    let router = Router::new(Arc::new(config), Arc::new(cp), Arc::new(Metrics::new()));
-    let _leases = router.start_leases(channel);
+    let (server, router, _leases) = watching(script.clone()).await;
     tokio::time::timeout(Duration::from_secs(10), script.welcomed.notified())
         .await
         .expect("the router watches");
