@@ -66,6 +66,22 @@ async fn expect(w: &mut FakeWorker, what: &str) -> Received {
     r
 }
 
+/// A suspend of `demo/a`, in a task, and the checkpoint it sends `w`.
+async fn suspending(
+    plane: &Plane,
+    w: &mut FakeWorker,
+) -> (
+    tokio::task::JoinHandle<Result<valet_proto::ateapi::Actor, tonic::Status>>,
+    Received,
+) {
+    let suspend = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.suspend_actor(key("a")).await })
+    };
+    let c = expect(w, "checkpoint").await;
+    (suspend, c)
+}
+
 /// Resumes `demo/<name>` and has `w` restore it: RUNNING on `w`.
 async fn restored(plane: &Plane, w: &mut FakeWorker, name: &'static str) {
     let resume = {
@@ -107,11 +123,7 @@ async fn checkpoint_timeout_crashes_the_actor() {
     let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
     restored(&plane, &mut w, "a").await;
     let start = Instant::now();
-    let suspend = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.suspend_actor(key("a")).await })
-    };
-    expect(&mut w, "checkpoint").await;
+    let (suspend, _) = suspending(&plane, &mut w).await;
     let err = suspend.await.unwrap().unwrap_err();
     assert_eq!(start.elapsed(), Duration::from_secs(7));
     assert_eq!(err.code(), Code::Internal);
@@ -146,7 +158,7 @@ async fn a_running_and_b_waiting(
     tokio::task::JoinHandle<Result<(valet_proto::ateapi::Actor, bool), tonic::Status>>,
 ) {
     let (mut w, _) = FakeWorker::attach(plane, id, "counter", app(), None).unwrap();
-    restored(&plane, &mut w, "a").await;
+    restored(plane, &mut w, "a").await;
     let waiting = resume_waiting(plane, "b");
     assert!(
         plane
@@ -470,11 +482,7 @@ async fn a_busy_actor_is_left_running_by_a_suspend() {
     let plane = plane_with(&store, &["a"]).await;
     let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
     restored(&plane, &mut w, "a").await;
-    let suspend = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.suspend_actor(key("a")).await })
-    };
-    let c = expect(&mut w, "checkpoint").await;
+    let (suspend, c) = suspending(&plane, &mut w).await;
     let Command::Checkpoint(cmd) = &c.command else {
         unreachable!()
     };
@@ -546,11 +554,7 @@ async fn an_actor_left_half_way_by_a_failed_write_is_settled() {
     let plane = plane_with(&store, &["a"]).await;
     let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
     restored(&plane, &mut w, "a").await;
-    let suspend = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.suspend_actor(key("a")).await })
-    };
-    let c = expect(&mut w, "checkpoint").await;
+    let (suspend, c) = suspending(&plane, &mut w).await;
     store.gate.fail(true);
     w.answer(c.id, Ok(()));
     let e = suspend.await.unwrap().unwrap_err();
@@ -581,11 +585,7 @@ async fn a_checkpoint_cut_by_shutdown_is_left_for_the_next_start() {
     let plane = plane_with(&store, &["a"]).await;
     let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
     restored(&plane, &mut w, "a").await;
-    let suspend = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.suspend_actor(key("a")).await })
-    };
-    expect(&mut w, "checkpoint").await;
+    let (suspend, _) = suspending(&plane, &mut w).await;
     plane.shutdown(Duration::from_secs(1)).await;
     let e = suspend.await.unwrap().unwrap_err();
     assert_eq!(e.code(), Code::Unavailable, "{e:?}");
@@ -603,11 +603,7 @@ async fn an_actor_left_running_on_a_worker_that_left_is_released() {
     let store = MemoryStore::default();
     let plane = plane_with(&store, &["a"]).await;
     let mut w = running_on_a_dead_port(&plane, "w1", "a").await;
-    let suspend = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.suspend_actor(key("a")).await })
-    };
-    let c = expect(&mut w, "checkpoint").await;
+    let (suspend, c) = suspending(&plane, &mut w).await;
     w.answer_busy(c.id);
     w.leave();
     let e = suspend.await.unwrap().unwrap_err();
@@ -631,11 +627,7 @@ async fn settling_waits_for_a_cut_off_worker_to_fence() {
     let (mut w, _) =
         FakeWorker::attach(&plane, "w1", "counter", app.local_addr().unwrap(), None).unwrap();
     restored(&plane, &mut w, "a").await;
-    let suspend = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.suspend_actor(key("a")).await })
-    };
-    let c = expect(&mut w, "checkpoint").await;
+    let (suspend, c) = suspending(&plane, &mut w).await;
     store.gate.fail(true);
     w.answer(c.id, Ok(()));
     suspend.await.unwrap().unwrap_err();
