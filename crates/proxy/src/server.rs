@@ -29,6 +29,11 @@ pub struct Limits {
     pub max_headers: usize,
     /// Most bytes of request header names and values together.
     pub max_header_bytes: usize,
+    /// Longest a connection may wait without a request: for its TLS handshake and
+    /// first request head, for the next head after an answer, and over HTTP/2 while
+    /// it has no request open. Then it is closed (HTTP/2: GOAWAY). Over HTTP/2 it is
+    /// also the interval of keep-alive pings, and how long one may go unanswered.
+    pub idle_timeout: Duration,
 }
 
 impl Default for Limits {
@@ -36,6 +41,7 @@ impl Default for Limits {
         Self {
             max_headers: 100,
             max_header_bytes: 64 * 1024,
+            idle_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -203,9 +209,6 @@ impl HttpServer {
 /// hyper parses up to this many header fields without a heap allocation.
 const HYPER_INLINE_HEADERS: usize = 100;
 
-/// How long a connection may take to send its first request head.
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
-
 /// The HTTP/2 connection preface (RFC 9113, section 3.4): how an h2c client begins.
 const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
@@ -261,10 +264,14 @@ fn builders(
         // itself.
         .max_headers((2 * limits.max_headers.max(10)).min(HYPER_INLINE_HEADERS))
         .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT);
+        .header_read_timeout(limits.idle_timeout);
     let mut http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
     http2
         .max_header_list_size(u32::try_from(4 * limits.max_header_bytes).unwrap_or(u32::MAX))
+        // A peer gone without a word (its host lost, a NAT entry dropped) with
+        // requests open, parked ones among them, is noticed by its unanswered ping.
+        .keep_alive_interval(limits.idle_timeout)
+        .keep_alive_timeout(limits.idle_timeout)
         .timer(hyper_util::rt::TokioTimer::new());
     (http1, http2)
 }
@@ -327,7 +334,7 @@ impl Conn {
             // to lose: a drain closes it.
             let protocol = tokio::select! {
                 biased;
-                sniffed = tokio::time::timeout(HEADER_READ_TIMEOUT, sniff(&stream)) => match sniffed {
+                sniffed = tokio::time::timeout(self.shared.limits.idle_timeout, sniff(&stream)) => match sniffed {
                     Ok(Ok(Some(p))) => p,
                     Ok(Ok(None)) => return,
                     Ok(Err(e)) => {
@@ -463,7 +470,7 @@ impl Conn {
     async fn https(self, stream: TcpStream, tls: IngressTls) {
         let peer = self.peer;
         let accepted = tokio::select! {
-            a = tokio::time::timeout(HEADER_READ_TIMEOUT, tokio_rustls::TlsAcceptor::from(tls.config.load()).accept(stream)) => a,
+            a = tokio::time::timeout(self.shared.limits.idle_timeout, tokio_rustls::TlsAcceptor::from(tls.config.load()).accept(stream)) => a,
             () = self.stop.cancelled() => return,
         };
         let stream = match accepted {
@@ -516,37 +523,53 @@ impl Conn {
         } = self;
         let shared_conn = Arc::clone(&shared);
         let pre = std::sync::Mutex::new(pre);
+        // hyper's HTTP/1 server closes an idle connection itself (its header read
+        // timeout also runs between requests); its HTTP/2 server never does.
+        let streams = (protocol == Protocol::Http2).then(OpenStreams::default);
+        let counted = streams.clone();
         let service = hyper::service::service_fn(move |req| {
             let refused = refused.clone();
             let pre = pre.lock().unwrap_or_else(|e| e.into_inner()).take();
+            let open = counted.as_ref().map(OpenStreams::open);
             // Before hyper reads on: see `own_head`.
             let req = own_head(req);
             let shared = Arc::clone(&shared);
             async move {
-                if let Some(why) = refused {
-                    let body = format!("client certificate not allowed: {why}\n");
-                    return Ok::<_, Infallible>(full(
+                let response = match refused {
+                    Some(why) => full(
                         http::StatusCode::FORBIDDEN,
                         "text/plain; charset=utf-8",
-                        body,
-                    ));
-                }
-                Ok::<_, Infallible>(handle(&shared, req, peer, pre).await)
+                        format!("client certificate not allowed: {why}\n"),
+                    ),
+                    None => handle(&shared, req, peer, pre).await,
+                };
+                Ok::<_, Infallible>(match open {
+                    // Open until hyper has sent the body, or the stream is reset.
+                    Some(open) => response.map(|body| Body::new(Tracked { body, _open: open })),
+                    None => response,
+                })
             }
         });
         // Boxed, each sized to its protocol: the task's own future stays small
         // instead of the larger of the two.
-        match protocol {
-            Protocol::Http1 => {
+        let ends = Ends {
+            peer,
+            stop: &stop,
+            force: &force,
+        };
+        match streams {
+            None => {
                 let conn = shared_conn
                     .http1
                     .serve_connection(io, service)
                     .with_upgrades();
-                Box::pin(drive(conn, |c| c.graceful_shutdown(), peer, &stop, &force)).await;
+                let idle = std::future::pending;
+                Box::pin(drive(conn, |c| c.graceful_shutdown(), idle, ends)).await;
             }
-            Protocol::Http2 => {
+            Some(streams) => {
                 let conn = shared_conn.http2.serve_connection(io, service);
-                Box::pin(drive(conn, |c| c.graceful_shutdown(), peer, &stop, &force)).await;
+                let idle = || streams.idle_for(shared_conn.limits.idle_timeout);
+                Box::pin(drive(conn, |c| c.graceful_shutdown(), idle, ends)).await;
             }
         }
     }
@@ -571,37 +594,110 @@ struct PreDecided {
     parked: bool,
 }
 
-/// Runs one connection to its end; when the data plane stops accepting, shuts it down
-/// gracefully (HTTP/1 closes after the request in progress, HTTP/2 sends GOAWAY), and
-/// at the drain's last step, closes it.
-async fn drive<C, E>(
+/// What ends a connection besides its client: the data plane's drain (`stop`, then at
+/// its last step `force`).
+struct Ends<'a> {
+    peer: SocketAddr,
+    stop: &'a CancellationToken,
+    force: &'a CancellationToken,
+}
+
+/// Runs one connection to its end; when the data plane stops accepting or the
+/// connection has been `idle`, shuts it down gracefully (HTTP/1 closes after the
+/// request in progress, HTTP/2 sends GOAWAY and finishes its open streams), and closes
+/// it at the drain's last step, or when it stays idle as long again (a client that
+/// never sent its HTTP/2 preface, which hyper would wait for forever).
+async fn drive<C, E, F>(
     conn: C,
     graceful: impl FnOnce(std::pin::Pin<&mut C>),
-    peer: SocketAddr,
-    stop: &CancellationToken,
-    force: &CancellationToken,
+    idle: impl Fn() -> F,
+    ends: Ends<'_>,
 ) where
     C: std::future::Future<Output = Result<(), E>>,
     E: std::fmt::Display,
+    F: std::future::Future<Output = ()>,
 {
+    let Ends { peer, stop, force } = ends;
     tokio::pin!(conn);
     // The connection first: a request decided before hyper read it (see `lean`) is
     // read and taken on hyper's first poll; shut down gracefully before that, hyper
     // would close a connection that has read nothing, dropping the request.
-    tokio::select! {
+    let why = tokio::select! {
         biased;
         r = conn.as_mut() => {
             if let Err(e) = r {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
+            return;
         }
-        () = stop.cancelled() => {
-            graceful(conn.as_mut());
-            tokio::select! {
-                _ = conn.as_mut() => {}
-                () = force.cancelled() => {}
+        () = stop.cancelled() => "the data plane is draining",
+        () = idle() => "idle",
+    };
+    tracing::debug!(%peer, why, "closing the connection gracefully");
+    graceful(conn.as_mut());
+    tokio::select! {
+        _ = conn.as_mut() => {}
+        () = force.cancelled() => {}
+        () = idle() => tracing::debug!(%peer, "closing a connection still idle"),
+    }
+}
+
+/// The requests open on one HTTP/2 connection: what tells an idle connection.
+#[derive(Clone, Default)]
+struct OpenStreams(Arc<tokio::sync::watch::Sender<usize>>);
+
+impl OpenStreams {
+    /// Counts a request open until the returned guard is dropped.
+    fn open(&self) -> OpenStream {
+        self.0.send_modify(|n| *n += 1);
+        OpenStream(self.clone())
+    }
+
+    /// Ends once no request has been open for `idle` in a row.
+    async fn idle_for(&self, idle: Duration) {
+        let mut open = self.0.subscribe();
+        loop {
+            // The sender lives in `self`: neither wait can see it closed.
+            let _ = open.wait_for(|n| *n == 0).await;
+            if tokio::time::timeout(idle, open.changed()).await.is_err() {
+                return;
             }
         }
+    }
+}
+
+/// One open request of [`OpenStreams`].
+struct OpenStream(OpenStreams);
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.0.0.send_modify(|n| *n -= 1);
+    }
+}
+
+/// A response body that keeps its request counted open until it is dropped.
+struct Tracked {
+    body: Body,
+    _open: OpenStream,
+}
+
+impl hyper::body::Body for Tracked {
+    type Data = bytes::Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
     }
 }
 

@@ -55,6 +55,7 @@ async fn header_limits_answer_431() {
     let limits = Limits {
         max_headers: 20,
         max_header_bytes: 1024,
+        ..Limits::default()
     };
     let addr = serve(
         Arc::new(AlwaysRunning {
@@ -181,4 +182,188 @@ async fn a_request_its_worker_never_answers_gets_the_cut_offs_answer() {
         (status, body.as_str()),
         (503, "actor demo/p1 unavailable: router shutting down")
     );
+}
+
+/// A worker that answers `/stream` with one chunk, then ends the body when `finish`
+/// is notified; anything else with `ok`.
+async fn streaming_worker(finish: Arc<tokio::sync::Notify>) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        loop {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let finish = Arc::clone(&finish);
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                if head.starts_with(b"GET /stream ") {
+                    let _ = s
+                        .write_all(
+                            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n",
+                        )
+                        .await;
+                    finish.notified().await;
+                    let _ = s.write_all(b"0\r\n\r\n").await;
+                } else {
+                    let _ = s
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                        .await;
+                }
+                std::future::pending::<()>().await;
+            });
+        }
+    });
+    port
+}
+
+/// An HTTP/2 client connection to `addr`: its request sender and the task that ends
+/// when the connection does.
+async fn h2_connect(
+    addr: SocketAddr,
+) -> (
+    hyper::client::conn::http2::SendRequest<http_body_util::Empty<bytes::Bytes>>,
+    tokio::task::JoinHandle<()>,
+) {
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let (send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    (send, tokio::spawn(async move { drop(conn.await) }))
+}
+
+fn h2_get(path: &str) -> http::Request<http_body_util::Empty<bytes::Bytes>> {
+    http::Request::builder()
+        .uri(format!("http://{HOST}{path}"))
+        .body(http_body_util::Empty::new())
+        .unwrap()
+}
+
+/// hyper's HTTP/2 server never closes an idle connection; the data plane closes one
+/// with no request open for `idle_timeout`, and never one with a response streaming.
+#[tokio::test]
+async fn an_idle_http2_connection_is_closed_and_a_busy_one_kept() {
+    use http_body_util::BodyExt as _;
+    let finish = Arc::new(tokio::sync::Notify::new());
+    let port = streaming_worker(Arc::clone(&finish)).await;
+    let limits = Limits {
+        idle_timeout: std::time::Duration::from_millis(300),
+        ..Limits::default()
+    };
+    let addr = serve(Arc::new(AlwaysRunning { port }), &[], limits).await;
+    let bound = std::time::Duration::from_secs(10);
+
+    // Connection A streams a response that outlasts the idle timeout.
+    let (mut busy, busy_conn) = h2_connect(addr).await;
+    let mut streaming = busy.send_request(h2_get("/stream")).await.unwrap();
+    assert_eq!(streaming.status(), 200);
+    let first = streaming.body_mut().frame().await.unwrap().unwrap();
+    assert_eq!(first.into_data().unwrap(), "first");
+
+    // Connection B, opened later and never used, is closed once idle_timeout passes:
+    // A's timer, had it run, started earlier and would have ended first.
+    let (_idle, idle_conn) = h2_connect(addr).await;
+    tokio::time::timeout(bound, idle_conn)
+        .await
+        .expect("an idle connection is closed")
+        .unwrap();
+
+    // A still takes requests: it was not sent GOAWAY while its response streamed.
+    let quick = busy.send_request(h2_get("/quick")).await.unwrap();
+    assert_eq!(quick.status(), 200);
+    let body = quick.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, "ok");
+
+    // Its stream done, A is idle too, and closed.
+    finish.notify_one();
+    let rest = streaming.into_body().collect().await.unwrap().to_bytes();
+    assert!(rest.is_empty(), "{rest:?}");
+    tokio::time::timeout(bound, busy_conn)
+        .await
+        .expect("the connection is closed once idle")
+        .unwrap();
+}
+
+/// A client that completes its TLS handshake (ALPN h2) and then sends nothing, not even
+/// the HTTP/2 preface hyper waits for without a deadline, is closed once it has been
+/// idle for `idle_timeout` twice (GOAWAY first, then the connection).
+#[tokio::test]
+async fn a_tls_client_that_never_sends_its_preface_is_closed() {
+    use tokio_rustls::rustls;
+    let dir = std::env::temp_dir().join(format!(
+        "valet-proxy-preface-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let issued = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+    let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
+    std::fs::write(&cert, issued.cert.pem()).unwrap();
+    std::fs::write(&key, issued.signing_key.serialize_pem()).unwrap();
+    let tls = valet_proxy::tls::IngressTls::new(
+        valet_proxy::tls::IngressCert::Files {
+            cert: &cert,
+            key: &key,
+        },
+        None,
+        None,
+    )
+    .unwrap();
+    let config = RouterArgs::try_parse_flags(&[] as &[&str])
+        .unwrap()
+        .resolve()
+        .unwrap();
+    let (cp, _calls) = valet_router::testing::Scripted::new();
+    let router = Router::new(Arc::new(config), cp, Arc::new(Metrics::new()));
+    let limits = Limits {
+        idle_timeout: std::time::Duration::from_millis(200),
+        ..Limits::default()
+    };
+    let server = HttpServer::spawn_https(
+        TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        router,
+        limits,
+        tls,
+    )
+    .unwrap();
+
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(issued.cert.der().clone()).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut client = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    client.alpn_protocols = vec![b"h2".to_vec()];
+    let tcp = TcpStream::connect(server.local_addr()).await.unwrap();
+    let mut stream = tokio_rustls::TlsConnector::from(Arc::new(client))
+        .connect("localhost".try_into().unwrap(), tcp)
+        .await
+        .unwrap();
+    assert_eq!(stream.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    // Read what the server sends (its SETTINGS, perhaps a GOAWAY) until it closes.
+    let mut buf = [0u8; 1024];
+    let closed = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    let _ = std::fs::remove_dir_all(&dir);
+    closed.expect("the server closes a connection that never sent its preface");
 }
