@@ -532,6 +532,61 @@ async fn a_suspend_of_a_busy_actor_leaves_it_running_with_real_workers() {
     sys.shutdown().await;
 }
 
+/// A worker that stops lets its app's requests in flight finish: before, stopping
+/// shut each connection down gracefully and then dropped it at once, resetting them.
+#[tokio::test]
+async fn a_stopping_worker_lets_its_requests_in_flight_finish() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let config = PlaneConfig {
+        templates: vec![Template::echo()],
+        ..PlaneConfig::default()
+    };
+    let mut sys = system(0, config).await;
+    sys.add_worker("echo", Duration::ZERO).await;
+    assert!(
+        sys.plane
+            .wait_until(WAIT, |p| p.pool("echo") == (1, 1))
+            .await
+    );
+    sys.atespace("demo").await;
+    sys.create_from("demo/busy", "echo").await.unwrap();
+    let (a, _) = sys.resume("demo/busy").await.unwrap();
+
+    let mut held = tokio::net::TcpStream::connect(addr_of(&a)).await.unwrap();
+    held.write_all(
+        b"POST /upload HTTP/1.1\r\nHost: a\r\nx-actor-ref: demo/busy\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n",
+    )
+    .await
+    .unwrap();
+    let key = valet_control::ActorKey::new("demo", "busy").unwrap();
+    assert!(
+        sys.plane
+            .wait_until(WAIT, |p| p.get_actor(&key).is_ok_and(|a| a.busy))
+            .await,
+        "the worker reports the request in flight"
+    );
+
+    // The worker stops (its agent and app stop together); the control plane sees it go.
+    let worker = sys.workers.pop().unwrap();
+    let stopped = tokio::spawn(worker.shutdown());
+    assert!(
+        sys.plane.wait_until(WAIT, |p| p.pool("echo").0 == 0).await,
+        "the worker left"
+    );
+
+    // The upload still ends and is answered in full.
+    held.write_all(b"0\r\n\r\n").await.unwrap();
+    let mut answer = String::new();
+    let _ = held.read_to_string(&mut answer).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer:?}");
+    assert!(answer.ends_with("5\r\nhello\r\n0\r\n\r\n"), "{answer:?}");
+    tokio::time::timeout(WAIT, stopped)
+        .await
+        .expect("the worker stops once its requests are done")
+        .unwrap();
+    sys.shutdown().await;
+}
+
 /// A restore longer than the hosting lease, with real workers: the worker goes on
 /// renewing its hosting while it restores, so it keeps its one attachment (before, its
 /// lease ran out during the restore and it attached anew).

@@ -121,6 +121,38 @@ pub(crate) fn write_atomically(path: &Path, content: &[u8]) -> std::io::Result<(
     std::fs::rename(&tmp, path)
 }
 
+/// The app's upgraded connections (WebSockets), owned by the app's server: it waits
+/// for them when it stops, and closes those still open after its drain.
+#[derive(Clone, Default)]
+pub(crate) struct Tunnels {
+    tasks: TaskTracker,
+    closed: tokio_util::sync::CancellationToken,
+}
+
+impl Tunnels {
+    /// Runs `tunnel` until it ends or [`Tunnels::close_now`].
+    fn spawn(&self, tunnel: impl std::future::Future<Output = ()> + Send + 'static) {
+        let closed = self.closed.clone();
+        self.tasks.spawn(async move {
+            tokio::select! {
+                () = tunnel => {}
+                () = closed.cancelled() => {}
+            }
+        });
+    }
+
+    /// Ends every open tunnel.
+    pub(crate) fn close_now(&self) {
+        self.closed.cancel();
+    }
+
+    /// Waits until every tunnel has ended; no tunnel starts after.
+    pub(crate) async fn wait(&self) {
+        self.tasks.close();
+        self.tasks.wait().await;
+    }
+}
+
 /// The slot the app reads its hosted actor from; the agent watches it change.
 pub(crate) type Slot = Arc<tokio::sync::watch::Sender<Option<Arc<Hosted>>>>;
 
@@ -171,7 +203,7 @@ impl hyper::body::Body for Guarded {
 pub(crate) async fn handle(
     req: Request<Incoming>,
     slot: Slot,
-    tunnels: TaskTracker,
+    tunnels: Tunnels,
 ) -> Result<Response<Body>, Infallible> {
     let hosted = slot.borrow().clone();
     let named = req
@@ -215,38 +247,32 @@ async fn serve(
     req: Request<Incoming>,
     hosted: &Arc<Hosted>,
     in_flight: InFlight,
-    tunnels: &TaskTracker,
+    tunnels: &Tunnels,
 ) -> Response<Body> {
-    let resp = match hosted.app {
+    match hosted.app {
         App::Echo => return echo(req, in_flight, tunnels),
-        App::Counter => {
-            let counted = {
-                let hosted = Arc::clone(hosted);
-                tokio::task::spawn_blocking(move || hosted.count()).await
-            };
-            match counted {
-                Ok(Ok((memory, file))) => text(
-                    StatusCode::OK,
-                    format!(
-                        "hello from: {} | preserved memory count: {memory} | preserved file counter: {file}\n",
-                        hosted.actor
-                    ),
-                ),
-                Ok(Err(e)) => {
-                    tracing::warn!(actor = %hosted.actor, error = %e, "counter file update failed");
-                    text(
-                        StatusCode::OK,
-                        format!(
-                            "hello from: {} | preserved memory count: {} | preserved file counter: -1\n",
-                            hosted.actor,
-                            hosted.memory()
-                        ),
-                    )
-                }
-                Err(_) => text(StatusCode::INTERNAL_SERVER_ERROR, "internal error\n".into()),
-            }
-        }
+        App::Counter => {}
+    }
+    // The request stays in flight until its write ends, even if the client leaves
+    // first: a checkpoint's fence waits for it.
+    let counted = {
+        let hosted = Arc::clone(hosted);
+        tokio::task::spawn_blocking(move || (hosted.count(), in_flight)).await
     };
+    let Ok((counted, in_flight)) = counted else {
+        return text(StatusCode::INTERNAL_SERVER_ERROR, "internal error\n".into());
+    };
+    let (memory, file) = counted.unwrap_or_else(|e| {
+        tracing::warn!(actor = %hosted.actor, error = %e, "counter file update failed");
+        (hosted.memory(), -1)
+    });
+    let resp = text(
+        StatusCode::OK,
+        format!(
+            "hello from: {} | preserved memory count: {memory} | preserved file counter: {file}\n",
+            hosted.actor
+        ),
+    );
     guarded(resp, in_flight)
 }
 
@@ -260,7 +286,7 @@ fn guarded(resp: Response<Body>, in_flight: InFlight) -> Response<Body> {
     })
 }
 
-fn echo(req: Request<Incoming>, in_flight: InFlight, tunnels: &TaskTracker) -> Response<Body> {
+fn echo(req: Request<Incoming>, in_flight: InFlight, tunnels: &Tunnels) -> Response<Body> {
     let is_websocket = req
         .headers()
         .get(http::header::UPGRADE)
@@ -315,7 +341,7 @@ fn pattern_body(n: u64) -> Body {
 fn websocket_echo(
     req: Request<Incoming>,
     in_flight: InFlight,
-    tunnels: &TaskTracker,
+    tunnels: &Tunnels,
 ) -> Response<Body> {
     let Some(key) = req.headers().get("sec-websocket-key").cloned() else {
         return text(

@@ -300,17 +300,26 @@ impl Worker {
     }
 }
 
+/// How long the app's connections may take to finish their requests once it stops.
+const APP_DRAIN: Duration = Duration::from_secs(5);
+
+/// Serves the app on `listener` until `stop`; then lets the connections finish the
+/// requests they have (HTTP/1 closes after the one in progress, HTTP/2 sends GOAWAY)
+/// and the open tunnels end, for up to [`APP_DRAIN`], and closes what is left.
 async fn serve_app(listener: TcpListener, slot: Slot, stop: CancellationToken) {
     let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
     let connections = TaskTracker::new();
-    let tunnels = TaskTracker::new();
+    let tunnels = app::Tunnels::default();
+    let force = CancellationToken::new();
     loop {
         let (stream, _) = tokio::select! {
             () = stop.cancelled() => break,
             accepted = listener.accept() => match accepted {
                 Ok(a) => a,
                 Err(e) => {
+                    // Out of descriptors, say: back off instead of spinning.
                     tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
             },
@@ -318,7 +327,7 @@ async fn serve_app(listener: TcpListener, slot: Slot, stop: CancellationToken) {
         let _ = stream.set_nodelay(true);
         let slot = Arc::clone(&slot);
         let builder = builder.clone();
-        let stop = stop.clone();
+        let (stop, force) = (stop.clone(), force.clone());
         let tunnels = tunnels.clone();
         connections.spawn(async move {
             let service = hyper::service::service_fn(move |req| {
@@ -327,18 +336,30 @@ async fn serve_app(listener: TcpListener, slot: Slot, stop: CancellationToken) {
             let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
             tokio::pin!(conn);
             tokio::select! {
-                _ = conn.as_mut() => {}
+                _ = conn.as_mut() => return,
                 () = stop.cancelled() => conn.as_mut().graceful_shutdown(),
+            }
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                () = force.cancelled() => {}
             }
         });
     }
     connections.close();
-    tunnels.close();
-    let closed = async {
+    let drained = async {
         connections.wait().await;
         tunnels.wait().await;
     };
-    let _ = tokio::time::timeout(Duration::from_secs(5), closed).await;
+    if tokio::time::timeout(APP_DRAIN, drained).await.is_err() {
+        tracing::warn!(
+            after = ?APP_DRAIN,
+            "the app's requests did not end in time; closing their connections"
+        );
+        force.cancel();
+        tunnels.close_now();
+        connections.wait().await;
+        tunnels.wait().await;
+    }
 }
 
 /// How often a busy actor's activity is reported at most.
