@@ -21,6 +21,10 @@ use crate::record::Record;
 /// Runs longer than this print a progress line every second.
 pub const PROGRESS_AFTER: Duration = Duration::from_secs(3);
 
+/// How long a request may wait for its whole answer: far past any parking budget, so
+/// that a stalled router ends a run (the request counts as failed) instead of hanging it.
+pub const NO_ANSWER_AFTER: Duration = Duration::from_secs(300);
+
 /// An HTTP/1.1 client that addresses actors by `Host`.
 #[derive(Debug, Clone)]
 pub struct HttpClient {
@@ -90,16 +94,21 @@ impl HttpClient {
             Ok(r) => r,
             Err(e) => return (0, e.to_string()),
         };
-        match self.client.request(req).await {
-            Ok(resp) => {
-                let status = resp.status().as_u16();
-                match resp.into_body().collect().await {
-                    Ok(b) => (status, String::from_utf8_lossy(&b.to_bytes()).into_owned()),
-                    Err(e) => (0, format!("body: {e}")),
+        let answer = async {
+            match self.client.request(req).await {
+                Ok(resp) => {
+                    let status = resp.status().as_u16();
+                    match resp.into_body().collect().await {
+                        Ok(b) => (status, String::from_utf8_lossy(&b.to_bytes()).into_owned()),
+                        Err(e) => (0, format!("body: {e}")),
+                    }
                 }
+                Err(e) => (0, format!("request: {e}")),
             }
-            Err(e) => (0, format!("request: {e}")),
-        }
+        };
+        tokio::time::timeout(NO_ANSWER_AFTER, answer)
+            .await
+            .unwrap_or_else(|_| (0, format!("no answer within {NO_ANSWER_AFTER:?}")))
     }
 }
 
@@ -137,14 +146,16 @@ where
         let label = label.to_owned();
         let counters = Arc::clone(&progress.counters);
         counters.0.fetch_add(1, Ordering::Relaxed);
+        // Latency counts from the scheduled time, not from when the request left: a
+        // generator (or a runtime) that falls behind must not hide the delay.
+        let scheduled = *offset;
         tasks.spawn(async move {
-            let sent = start.elapsed();
             let (status, body) = fut.await;
             counters.1.fetch_add(1, Ordering::Relaxed);
             Record {
                 label,
                 actor,
-                start: sent,
+                start: scheduled,
                 end: start.elapsed(),
                 status,
                 body: Record::prefix(&body),
@@ -279,6 +290,29 @@ mod tests {
         }
         assert_eq!(records[0].actor, "demo/a");
         assert_eq!(records[1].actor, "demo/b");
+    }
+
+    /// A request that leaves late (here the one-thread runtime is blocked by the
+    /// answer before it) is measured from its scheduled time: the delay is in its
+    /// latency, never hidden (coordinated omission).
+    #[tokio::test(flavor = "current_thread")]
+    async fn open_loop_latency_counts_from_the_schedule() {
+        let at = [Duration::ZERO, Duration::from_millis(10)];
+        let actors = vec!["demo/a".to_owned(), "demo/b".to_owned()];
+        let records = open_loop("t", &at, &actors, |actor| async move {
+            if actor == "demo/a" {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            (200, "ok".to_owned())
+        })
+        .await;
+        assert_eq!(records[1].actor, "demo/b");
+        assert_eq!(records[1].start, at[1], "measured from its schedule");
+        assert!(
+            records[1].latency() >= Duration::from_millis(90),
+            "the 100 ms the runtime was blocked are in its latency: {:?}",
+            records[1].latency()
+        );
     }
 
     /// The closed loop sends the next request only after the last answer.

@@ -5,7 +5,8 @@ use std::net::SocketAddr;
 use std::process::Stdio;
 use std::time::Duration;
 
-/// A running nginx; [`Nginx::stop`] stops it (a drop kills only its master).
+/// A running nginx, in a process group of its own; [`Nginx::stop`] stops it, and a
+/// drop (an error, a panic, Ctrl-C) kills the group: the master and its workers.
 #[derive(Debug)]
 pub struct Nginx {
     /// Where it listens.
@@ -48,6 +49,7 @@ impl Nginx {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .kill_on_drop(true)
+            .process_group(0)
             .spawn()
             .map_err(|e| format!("nginx: {e}"))?;
         let up = async {
@@ -87,10 +89,58 @@ impl Nginx {
     }
 }
 
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        // `kill_on_drop` alone would leave the workers running, holding the port.
+        if let Ok(None) = self.child.try_wait()
+            && let Some(pid) = self.child.id()
+        {
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", "--", &format!("-{pid}")])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+}
+
 fn which(name: &str) -> Option<std::path::PathBuf> {
     let path = std::env::var_os("PATH")?;
     std::env::split_paths(&path)
         .chain(["/usr/sbin".into(), "/sbin".into()])
         .map(|d| d.join(name))
         .find(|p| p.is_file())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Dropping a running nginx ends its whole process group, workers included.
+    #[tokio::test]
+    async fn a_dropped_nginx_leaves_no_process_behind() {
+        let worker: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        let Some(nginx) = Nginx::start(worker, "demo/p1").await.unwrap() else {
+            eprintln!("no nginx on PATH: nothing to check");
+            return;
+        };
+        let group = format!("-{}", nginx.child.id().unwrap());
+        let alive = |group: &str| {
+            std::process::Command::new("kill")
+                .args(["-0", "--", group])
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        assert!(alive(&group), "nginx runs in its own group");
+        drop(nginx);
+        let gone = async {
+            while alive(&group) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), gone)
+            .await
+            .expect("no process of the group is left");
+    }
 }

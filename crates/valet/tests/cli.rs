@@ -396,3 +396,44 @@ fn load_targets_are_urls_checked_at_start() {
         assert_eq!(stderr_lines(&o).first().map(String::as_str), Some(line));
     }
 }
+
+/// An open-loop rate that is not a finite positive number, or that would schedule more
+/// requests than a run keeps in memory, is refused before anything is sent.
+#[test]
+fn load_run_rates_are_checked() {
+    for (rate, duration, line) in [
+        (
+            "0",
+            "1s",
+            "valet load: invalid configuration: --rate=0: must be a finite number > 0",
+        ),
+        (
+            "inf",
+            "1s",
+            "valet load: invalid configuration: --rate=inf: must be a finite number > 0",
+        ),
+        (
+            "1000000",
+            "3600s",
+            "valet load: invalid configuration: --rate=1000000 with --duration=3600s: at most 10000000 requests in one run",
+        ),
+    ] {
+        let o = valet(
+            &[
+                "load",
+                "run",
+                "--router",
+                "127.0.0.1:1",
+                "--actors",
+                "demo/p1",
+                "--rate",
+                rate,
+                "--duration",
+                duration,
+            ],
+            &[],
+        );
+        assert_eq!(o.status.code(), Some(64), "--rate {rate}");
+        assert_eq!(stderr_lines(&o).first().map(String::as_str), Some(line));
+    }
+}

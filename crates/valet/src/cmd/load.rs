@@ -62,6 +62,9 @@ impl From<String> for Failure {
     }
 }
 
+/// The most requests an open-loop run schedules (each is recorded in memory).
+const MAX_SCHEDULED: f64 = 10_000_000.0;
+
 async fn load_run(args: LoadRunArgs) -> Result<(), Failure> {
     if args.actors.is_empty() {
         return Err(Failure::Usage(
@@ -75,12 +78,18 @@ async fn load_run(args: LoadRunArgs) -> Result<(), Failure> {
         async move { client.get(router, &actor, &path).await }
     };
     let records = match (args.rate, args.concurrency) {
-        (Some(rate), _) if rate > 0.0 => {
+        (Some(rate), _) if rate > 0.0 && rate * args.duration.as_secs_f64() <= MAX_SCHEDULED => {
             open_loop("load", &schedule(rate, args.duration), &args.actors, send).await
+        }
+        (Some(rate), _) if rate > 0.0 && rate.is_finite() => {
+            return Err(Failure::Usage(format!(
+                "invalid configuration: --rate={rate} with --duration={:?}: at most {MAX_SCHEDULED} requests in one run",
+                args.duration
+            )));
         }
         (Some(rate), _) => {
             return Err(Failure::Usage(format!(
-                "invalid configuration: --rate={rate}: must be > 0"
+                "invalid configuration: --rate={rate}: must be a finite number > 0"
             )));
         }
         (None, Some(0)) => {
