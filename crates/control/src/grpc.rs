@@ -515,8 +515,9 @@ impl workers_server::Workers for WorkersService {
                     Ok(Some(wk::WorkerEvent {
                         event: Some(Event::Renew(renew)),
                     })) => {
-                        if !renew.bearer_token.is_empty() {
-                            match refresh(jwt.as_ref(), &renew.bearer_token) {
+                        let token = renew.bearer_token.trim();
+                        if !token.is_empty() {
+                            match refresh(jwt.as_ref(), token) {
                                 Some(Ok(fresh)) => expiry = Some(fresh),
                                 Some(Err(why)) => tracing::warn!(worker = %join.worker_id, %why, "the worker's renewed bearer token is refused; its stream ends when the one it has expires"),
                                 None => {}

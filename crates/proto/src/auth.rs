@@ -168,8 +168,13 @@ impl ClientCredentials {
     /// A file that cannot be read, or is not PEM.
     pub fn tls(files: &ClientTlsFiles, token_file: Option<&Path>) -> Result<Self, CredentialError> {
         if let Some(t) = token_file {
-            // Readable now; read again for every call.
-            read(t)?;
+            // Readable and not empty now; read again for every call.
+            if String::from_utf8_lossy(&read(t)?).trim().is_empty() {
+                return Err(CredentialError {
+                    path: t.to_owned(),
+                    why: "the file is empty: it must hold the token".into(),
+                });
+            }
         }
         let mut watched = vec![files.ca.clone()];
         if let Some((cert, key)) = &files.identity {
@@ -328,6 +333,11 @@ impl tower_service::Service<Uri> for CpConnector {
 pub struct BearerToken(Option<Arc<Path>>);
 
 impl BearerToken {
+    /// The token read from `path` for every call.
+    pub fn file(path: &Path) -> Self {
+        Self(Some(Arc::from(path)))
+    }
+
     /// The token file, if any.
     pub fn path(&self) -> Option<&Path> {
         self.0.as_deref()
@@ -336,22 +346,25 @@ impl BearerToken {
     /// The token in the file now; `None` without a token file.
     ///
     /// # Errors
-    /// An unreadable file: `Unavailable`, a local failure, not the server's answer (so a
-    /// parked request retries).
+    /// An unreadable or empty file (one being rewritten in place, say): `Unavailable`,
+    /// a local failure, not the server's answer (so a parked request retries).
     pub fn current(&self) -> Option<Result<String, Status>> {
         let path = self.0.as_ref()?;
         // A small local file (a projected token), read for every call so that a
         // rotated one is used at once.
-        Some(
-            std::fs::read_to_string(path)
-                .map(|t| t.trim().to_owned())
-                .map_err(|e| {
-                    Status::unavailable(format!(
-                        "cannot read --ateapi-token-file {}: {e}",
-                        path.display()
-                    ))
-                }),
-        )
+        let read = std::fs::read_to_string(path).map_err(|e| {
+            Status::unavailable(format!(
+                "cannot read --ateapi-token-file {}: {e}",
+                path.display()
+            ))
+        });
+        Some(read.and_then(|t| match t.trim() {
+            "" => Err(Status::unavailable(format!(
+                "--ateapi-token-file {} is empty",
+                path.display()
+            ))),
+            token => Ok(token.to_owned()),
+        }))
     }
 }
 
@@ -372,5 +385,42 @@ impl Interceptor for BearerToken {
         value.set_sensitive(true);
         req.metadata_mut().insert("authorization", value);
         Ok(req)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An empty token file is refused at start, naming the file; one emptied later (a
+    /// rewrite in place) is a local `Unavailable`, retried, and never sent as
+    /// `Bearer ` (which the control plane would answer `Unauthenticated`, failing the
+    /// request at once).
+    #[test]
+    fn an_empty_token_file_is_refused_at_start_and_unavailable_later() {
+        let dir = tempfile::tempdir().unwrap();
+        let token = dir.path().join("token");
+        std::fs::write(&token, " \n").unwrap();
+        let files = ClientTlsFiles {
+            ca: dir.path().join("ca.pem"),
+            identity: None,
+            server_name: None,
+        };
+        let e = ClientCredentials::tls(&files, Some(&token)).unwrap_err();
+        assert_eq!(
+            (e.path.as_path(), e.why.as_str()),
+            (token.as_path(), "the file is empty: it must hold the token")
+        );
+
+        let bearer = BearerToken::file(&token);
+        let status = bearer.current().unwrap().unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Unavailable);
+        assert!(
+            status.message().ends_with("is empty"),
+            "{}",
+            status.message()
+        );
+        std::fs::write(&token, "abc.def.ghi\n").unwrap();
+        assert_eq!(bearer.current().unwrap().unwrap(), "abc.def.ghi");
     }
 }

@@ -431,23 +431,36 @@ struct Agent {
     drain: Drain,
 }
 
-/// The token in the token file when it differs from `sent` (which it then becomes);
-/// empty when it does not, or there is no token file. An unreadable file sends nothing:
-/// the stream keeps the token it has until that one expires. Read off the runtime.
+/// How often an unchanged token goes with a renewal again: the control plane may have
+/// refused it (signed by a key it had not loaded yet, during a rotation) without
+/// telling the worker, and takes it once it has the key.
+const TOKEN_RESEND_EVERY: Duration = Duration::from_secs(10);
+
+/// The token in the token file when it differs from `sent`, or was sent
+/// [`TOKEN_RESEND_EVERY`] ago (it then becomes `sent`); empty otherwise, or without a
+/// token file. An unreadable or empty file sends nothing: the stream keeps the token
+/// it has until that one expires. Read off the runtime.
 async fn changed_token(
     token: &valet_proto::auth::BearerToken,
-    sent: &mut Option<String>,
+    sent: &mut Option<(String, tokio::time::Instant)>,
 ) -> String {
     let Some(path) = token.path() else {
         return String::new();
     };
+    let now = tokio::time::Instant::now();
     match tokio::fs::read_to_string(path).await {
-        Ok(t) if sent.as_deref() != Some(t.trim()) => {
-            let t = t.trim().to_owned();
-            *sent = Some(t.clone());
-            t
+        Ok(t) if t.trim().is_empty() => String::new(),
+        Ok(t) => {
+            let t = t.trim();
+            let due = sent.as_ref().is_none_or(|(last, at)| {
+                last != t || now.duration_since(*at) >= TOKEN_RESEND_EVERY
+            });
+            if !due {
+                return String::new();
+            }
+            *sent = Some((t.to_owned(), now));
+            t.to_owned()
         }
-        Ok(_) => String::new(),
         Err(e) => {
             tracing::debug!(file = %path.display(), error = %e, "token not refreshed on the attachment");
             String::new()
@@ -553,8 +566,9 @@ impl Agent {
         let mut sent: std::collections::VecDeque<(u64, tokio::time::Instant)> =
             std::collections::VecDeque::new();
         let mut seq = 0u64;
-        // The token this stream last carried; a changed one goes with the next renewal.
-        let mut sent_token: Option<String> = None;
+        // The token this stream last carried, and when; a changed one goes with the
+        // next renewal.
+        let mut sent_token = None;
         // A lease that ran out before this attachment is renewed by its Welcome.
         let mut watch_lease = !self.lease.is_cut_off();
         // A restore or a checkpoint (which waits for the actor's requests in flight to
@@ -884,5 +898,37 @@ fn take_snapshot(dir: &Path, full: bool, memory: u64) -> std::io::Result<()> {
     match read_counter(&dir.join("data").join("counter"))? {
         Some(n) => write_atomically(&good.join("counter"), n.to_string().as_bytes()),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A renewal carries the token when it changed, and an unchanged one again every
+    /// 10 s: the control plane may have refused it (a key it had not loaded yet)
+    /// without a word, and would otherwise never see it again.
+    #[tokio::test(start_paused = true)]
+    async fn renewals_carry_a_changed_token_and_resend_it_every_10s() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        std::fs::write(&file, "one\n").unwrap();
+        let token = valet_proto::auth::BearerToken::file(&file);
+        let mut sent = None;
+        assert_eq!(changed_token(&token, &mut sent).await, "one");
+        assert_eq!(changed_token(&token, &mut sent).await, "", "unchanged");
+        std::fs::write(&file, "two").unwrap();
+        assert_eq!(changed_token(&token, &mut sent).await, "two");
+        tokio::time::advance(Duration::from_secs(9)).await;
+        assert_eq!(changed_token(&token, &mut sent).await, "");
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert_eq!(changed_token(&token, &mut sent).await, "two", "sent again");
+        std::fs::write(&file, "").unwrap();
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert_eq!(
+            changed_token(&token, &mut sent).await,
+            "",
+            "never an empty one"
+        );
     }
 }
