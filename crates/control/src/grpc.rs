@@ -95,10 +95,13 @@ pub async fn serve(
             }
             // `Server::tcp_nodelay` is ignored for a given incoming stream: the stream
             // sets it.
-            None => Box::pin(router.serve_with_incoming_shutdown(
-                TcpIncoming::from(listener).with_nodelay(Some(true)),
-                stopped,
-            )),
+            None => {
+                use tokio_stream::StreamExt as _;
+                let incoming = TcpIncoming::from(listener)
+                    .with_nodelay(Some(true))
+                    .map(|tcp| tcp.map(Preface::new));
+                Box::pin(router.serve_with_incoming_shutdown(incoming, stopped))
+            }
         };
     let served = tokio::select! {
         served = &mut server => Some(served),
@@ -134,8 +137,117 @@ pub async fn serve(
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The connections [`tls_incoming`] hands over.
-type TlsIncoming =
-    ReceiverStream<Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>, std::io::Error>>;
+type TlsIncoming = ReceiverStream<
+    Result<Preface<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>, std::io::Error>,
+>;
+
+/// How long a connection may take to send the HTTP/2 connection preface (after its
+/// TLS handshake, if any).
+const PREFACE_WITHIN: Duration = HANDSHAKE_TIMEOUT;
+
+/// The length of the HTTP/2 client connection preface (RFC 9113, section 3.4).
+const PREFACE_BYTES: usize = 24;
+
+/// A connection whose first [`PREFACE_BYTES`] must arrive within [`PREFACE_WITHIN`]:
+/// hyper's HTTP/2 server waits for the preface without a deadline (its keep-alive pings
+/// start after it), so a client that connects and sends nothing would hold its
+/// connection for good. A read past the deadline fails, which ends the connection.
+pub(crate) struct Preface<S> {
+    io: S,
+    /// Preface bytes still to come.
+    want: usize,
+    /// Until the preface has come.
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<S> Preface<S> {
+    fn new(io: S) -> Self {
+        Self {
+            io,
+            want: PREFACE_BYTES,
+            deadline: Some(Box::pin(tokio::time::sleep(PREFACE_WITHIN))),
+        }
+    }
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Preface<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::task::Poll;
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        match Pin::new(&mut this.io).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                this.want = this.want.saturating_sub(buf.filled().len() - before);
+                if this.want == 0 {
+                    this.deadline = None;
+                }
+                Poll::Ready(Ok(()))
+            }
+            Poll::Pending => {
+                let late = this
+                    .deadline
+                    .as_mut()
+                    .is_some_and(|deadline| deadline.as_mut().poll(cx).is_ready());
+                if late {
+                    return Poll::Ready(Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("no HTTP/2 preface within {PREFACE_WITHIN:?}"),
+                    )));
+                }
+                Poll::Pending
+            }
+            failed => failed,
+        }
+    }
+}
+
+impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Preface<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(
+        self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+impl<S: tonic::transport::server::Connected> tonic::transport::server::Connected for Preface<S> {
+    type ConnectInfo = S::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
+}
 
 /// Connections accepted on `listener`, through a TLS handshake with the configuration
 /// current at accept time, and the task that accepts them. Failed handshakes are
@@ -168,7 +280,7 @@ fn tls_incoming(
                     handshakes.spawn(async move {
                         match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                             Ok(Ok(stream)) => {
-                                let _ = tx.send(Ok(stream)).await;
+                                let _ = tx.send(Ok(Preface::new(stream))).await;
                             }
                             Ok(Err(e)) => {
                                 tracing::debug!(%peer, error = %e, "TLS handshake failed");

@@ -338,3 +338,97 @@ async fn a_real_worker_renews_its_rotated_token_and_stays_attached() {
     worker.shutdown().await;
     s.stop().await;
 }
+
+/// A connection that never sends the HTTP/2 preface (hyper's server would wait for it
+/// for good, holding the connection) is closed 10 s after it was accepted: in plain
+/// text, after part of the preface, and after a TLS handshake.
+#[tokio::test(start_paused = true)]
+async fn a_connection_that_never_sends_its_preface_is_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    async fn closed_within(mut s: impl tokio::io::AsyncRead + Unpin, what: &str) {
+        let started = tokio::time::Instant::now();
+        let mut buf = [0u8; 256];
+        let read_to_end = async {
+            loop {
+                match s.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(60), read_to_end)
+            .await
+            .unwrap_or_else(|_| panic!("{what}: still open after 60 s"));
+        assert!(
+            started.elapsed() >= Duration::from_secs(10),
+            "{what}: not before 10 s"
+        );
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(&dir.path().join("data")).unwrap();
+    let plane = Plane::open(Arc::new(store), PlaneConfig::default())
+        .await
+        .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    let server = {
+        let (plane, stop) = (plane.clone(), stop.clone());
+        tokio::spawn(async move {
+            valet_control::serve(
+                listener,
+                plane,
+                stop.cancelled_owned(),
+                Duration::from_secs(5),
+                ServerSecurity::default(),
+            )
+            .await
+            .unwrap();
+        })
+    };
+    let silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+    closed_within(silent, "silent").await;
+    let mut partial = tokio::net::TcpStream::connect(addr).await.unwrap();
+    partial.write_all(b"PRI * HTTP/2.0\r\n").await.unwrap();
+    closed_within(partial, "part of the preface").await;
+    stop.cancel();
+    server.await.unwrap();
+}
+
+/// Over TLS too: the preface's 10 s start after the handshake.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_connection_that_never_sends_its_preface_is_closed() {
+    use tokio::io::AsyncReadExt;
+    use tokio_rustls::rustls;
+    let cp = Secured::start().await;
+    let addr = cp.url.trim_start_matches("https://").to_owned();
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in valet_proto::auth::pem_certificates(&cp.ca).unwrap() {
+        roots.add(cert).unwrap();
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect("127.0.0.1".try_into().unwrap(), tcp)
+        .await
+        .unwrap();
+    let mut buf = [0u8; 256];
+    let closed = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            match tls.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "still open 30 s after the handshake");
+    cp.stop.cancel();
+}
