@@ -113,12 +113,22 @@ pub(crate) fn read_counter(path: &Path) -> std::io::Result<Option<i64>> {
     }
 }
 
-/// Writes a file so a crash leaves either the old or the new content.
+/// Writes a file so a crash leaves either the old or the new content, and once it
+/// returns, the new content survives a crash (the rename is synced with its directory).
 pub(crate) fn write_atomically(path: &Path, content: &[u8]) -> std::io::Result<()> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, content)?;
     std::fs::File::open(&tmp)?.sync_all()?;
-    std::fs::rename(&tmp, path)
+    std::fs::rename(&tmp, path)?;
+    sync_dir_of(path)
+}
+
+/// Syncs the directory holding `path`, so that a rename or removal in it is durable.
+pub(crate) fn sync_dir_of(path: &Path) -> std::io::Result<()> {
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => std::fs::File::open(dir)?.sync_all(),
+        _ => Ok(()),
+    }
 }
 
 /// The app's upgraded connections (WebSockets), owned by the app's server: it waits

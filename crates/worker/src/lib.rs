@@ -865,7 +865,7 @@ fn prepare_restore(dir: &Path, revert: bool) -> std::io::Result<u64> {
         match read_counter(&dir.join("good").join("counter")) {
             Ok(Some(n)) => write_atomically(&counter, n.to_string().as_bytes())?,
             Ok(None) | Err(_) => match std::fs::remove_file(&counter) {
-                Ok(()) => {}
+                Ok(()) => app::sync_dir_of(&counter)?,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => return Err(e),
             },
@@ -888,7 +888,7 @@ fn take_snapshot(dir: &Path, full: bool, memory: u64) -> std::io::Result<()> {
         write_atomically(&memory_file, memory.to_string().as_bytes())?;
     } else {
         match std::fs::remove_file(&memory_file) {
-            Ok(()) => {}
+            Ok(()) => app::sync_dir_of(&memory_file)?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(e),
         }
