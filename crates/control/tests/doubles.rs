@@ -663,4 +663,16 @@ async fn resumes_of_unknown_actors_keep_nothing_per_name() {
     }
     assert_eq!(plane.resume_calls_for("demo", "nope7"), 0);
     assert_eq!(plane.stats().resume_calls, 100);
+
+    // A deleted actor's count goes with it: one created anew under its name starts
+    // from zero.
+    let _ = plane.resume_actor(key("a"), None).await;
+    assert_eq!(plane.resume_calls_for("demo", "a"), 1);
+    plane.delete_actor(key("a")).await.unwrap();
+    assert_eq!(plane.resume_calls_for("demo", "a"), 0);
+    plane
+        .create_actor(key("a"), "default", "counter", Vec::new())
+        .await
+        .unwrap();
+    assert_eq!(plane.resume_calls_for("demo", "a"), 0);
 }

@@ -234,10 +234,12 @@ impl Plane {
                 )
             };
             let batch = Batch {
-                delete_actors: vec![key],
+                delete_actors: vec![key.clone()],
                 ..Batch::default()
             };
-            plane.finish(op, batch).await
+            plane.finish(op, batch).await?;
+            plane.forget_resume_calls(&key);
+            Ok(())
         })
         .await
     }

@@ -656,6 +656,17 @@ impl Plane {
         }
     }
 
+    /// Drops a deleted actor's count: a new actor of its name starts from zero, and
+    /// deleted actors keep nothing in memory.
+    pub(crate) fn forget_resume_calls(&self, key: &ActorKey) {
+        self.inner
+            .stats
+            .per_actor
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(key);
+    }
+
     /// `ResumeActor` calls received for one actor.
     pub fn resume_calls_for(&self, atespace: &str, name: &str) -> u64 {
         let Ok(key) = ActorKey::new(atespace, name) else {
