@@ -30,6 +30,10 @@ const POOL_SIZE: usize = 8;
 const POOL_WAIT: Duration = Duration::from_secs(5);
 /// How long connecting may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long one write (from waiting for a connection to its COMMIT's answer) or one
+/// load of the record may take: past the sessions' own statement timeout, for a
+/// network that went silent and gives no answer at all.
+const WRITE_WITHIN: Duration = Duration::from_secs(15);
 /// How often the active replica checks it still holds the database (its epoch on the
 /// lock's connection), and how long that check may take. A replica cut off from the
 /// database stops within about `HEARTBEAT + HEARTBEAT_TIMEOUT`, before the server
@@ -158,7 +162,15 @@ impl PostgresStore {
             config.connect_timeout(CONNECT_TIMEOUT);
         }
         config.application_name("valet control-plane");
-        config.options(SESSION_LIMITS);
+        // The URL's own options (`-c search_path=…`, say) stay, with the limits after.
+        let options = match config.get_options() {
+            Some(own) if !own.trim().is_empty() => format!("{own} {SESSION_LIMITS}"),
+            _ => SESSION_LIMITS.to_owned(),
+        };
+        config.options(&options);
+        // Data sent and not acknowledged for this long ends the connection (keepalives
+        // only probe an idle one).
+        config.tcp_user_timeout(Duration::from_secs(10));
         // A standby waits for the lock with no statement timeout: only these bound
         // how long a silently dead connection (a dropped NAT entry, a failover behind
         // a virtual IP) goes unnoticed, about 10 s instead of the OS's 11 minutes.
@@ -280,6 +292,94 @@ impl PostgresStore {
     /// The epoch this replica writes under.
     pub fn epoch(&self) -> i64 {
         self.epoch
+    }
+
+    /// The whole record, unbounded (see [`Store::load`]).
+    async fn load_all(&self) -> Result<Loaded, StoreError> {
+        let client = self.client().await?;
+        let atespaces = client
+            .query("SELECT name FROM atespaces ORDER BY name", &[])
+            .await
+            .map_err(self.err())?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let mut actors = Vec::new();
+        for r in client
+            .query(&format!("{SELECT_ACTOR} ORDER BY atespace, name"), &[])
+            .await
+            .map_err(self.err())?
+        {
+            let status: i32 = r.get(6);
+            let status = ActorStatus::from_wire(status)
+                .ok_or_else(|| StoreError::Corrupt(self.database.clone(), status))?;
+            actors.push(ActorRow {
+                atespace: r.get(0),
+                name: r.get(1),
+                uid: r.get(2),
+                template_namespace: r.get(3),
+                template: r.get(4),
+                pool: r.get(5),
+                status,
+                version: r.get(7),
+                worker: r.get(8),
+                selector: crate::store::decode_selector(r.get(9)),
+                revert_pending: r.get(10),
+            });
+        }
+        Ok(Loaded { atespaces, actors })
+    }
+
+    /// `batch` in one transaction, fenced by the epoch; `committing` is set once the
+    /// COMMIT is on its way (from then on, a lost connection leaves the outcome
+    /// unknown).
+    async fn write_batch(
+        &self,
+        batch: &Batch,
+        committing: &std::sync::atomic::AtomicBool,
+    ) -> Result<(), StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(self.err())?;
+        // Fenced: only the replica of the current epoch writes. The row lock makes
+        // a takeover wait for this transaction, and this one see a takeover.
+        let epoch: i64 = tx
+            .query_one("SELECT epoch FROM valet_active WHERE id = 1 FOR SHARE", &[])
+            .await
+            .map_err(self.err())?
+            .get(0);
+        if epoch != self.epoch {
+            self.lost.cancel();
+            return Err(StoreError::Refused(format!(
+                "another control plane took over {} (epoch {epoch}, this one {})",
+                self.database, self.epoch
+            )));
+        }
+        for name in &batch.put_atespaces {
+            tx.execute(
+                "INSERT INTO atespaces (name) VALUES ($1) ON CONFLICT DO NOTHING",
+                &[name],
+            )
+            .await
+            .map_err(self.err())?;
+        }
+        for row in &batch.put_actors {
+            put_actor(&tx, row).await.map_err(self.err())?;
+        }
+        for key in &batch.delete_actors {
+            tx.execute(
+                "DELETE FROM actors WHERE atespace = $1 AND name = $2",
+                &[&key.atespace(), &key.name()],
+            )
+            .await
+            .map_err(self.err())?;
+        }
+        for name in &batch.delete_atespaces {
+            tx.execute("DELETE FROM atespaces WHERE name = $1", &[name])
+                .await
+                .map_err(self.err())?;
+        }
+        committing.store(true, std::sync::atomic::Ordering::Release);
+        tx.commit().await.map_err(self.err())
     }
 
     fn err(&self) -> impl Fn(tokio_postgres::Error) -> StoreError + '_ {
@@ -468,38 +568,14 @@ const SELECT_ACTOR: &str = "SELECT atespace, name, uid, template_namespace, temp
 impl Store for PostgresStore {
     fn load(&self) -> StoreFuture<'_, Loaded> {
         Box::pin(async move {
-            let client = self.client().await?;
-            let atespaces = client
-                .query("SELECT name FROM atespaces ORDER BY name", &[])
+            tokio::time::timeout(WRITE_WITHIN, self.load_all())
                 .await
-                .map_err(self.err())?
-                .iter()
-                .map(|r| r.get(0))
-                .collect();
-            let mut actors = Vec::new();
-            for r in client
-                .query(&format!("{SELECT_ACTOR} ORDER BY atespace, name"), &[])
-                .await
-                .map_err(self.err())?
-            {
-                let status: i32 = r.get(6);
-                let status = ActorStatus::from_wire(status)
-                    .ok_or_else(|| StoreError::Corrupt(self.database.clone(), status))?;
-                actors.push(ActorRow {
-                    atespace: r.get(0),
-                    name: r.get(1),
-                    uid: r.get(2),
-                    template_namespace: r.get(3),
-                    template: r.get(4),
-                    pool: r.get(5),
-                    status,
-                    version: r.get(7),
-                    worker: r.get(8),
-                    selector: crate::store::decode_selector(r.get(9)),
-                    revert_pending: r.get(10),
-                });
-            }
-            Ok(Loaded { atespaces, actors })
+                .unwrap_or_else(|_| {
+                    Err(StoreError::Lost {
+                        database: self.database.clone(),
+                        why: format!("no answer within {WRITE_WITHIN:?}"),
+                    })
+                })
         })
     }
 
@@ -508,47 +584,25 @@ impl Store for PostgresStore {
             if batch.is_empty() {
                 return Ok(());
             }
-            let mut client = self.client().await?;
-            let tx = client.transaction().await.map_err(self.err())?;
-            // Fenced: only the replica of the current epoch writes. The row lock makes
-            // a takeover wait for this transaction, and this one see a takeover.
-            let epoch: i64 = tx
-                .query_one("SELECT epoch FROM valet_active WHERE id = 1 FOR SHARE", &[])
+            let committing = std::sync::atomic::AtomicBool::new(false);
+            let written = tokio::time::timeout(WRITE_WITHIN, self.write_batch(&batch, &committing))
                 .await
-                .map_err(self.err())?
-                .get(0);
-            if epoch != self.epoch {
+                .unwrap_or_else(|_| {
+                    Err(StoreError::Lost {
+                        database: self.database.clone(),
+                        why: format!("no answer within {WRITE_WITHIN:?}"),
+                    })
+                });
+            // A commit that got no answer may have landed or not: the records in
+            // memory can no longer be trusted to match the database's. The replica
+            // steps down and loads them again when it is active again.
+            if let Err(StoreError::Lost { why, .. }) = &written
+                && committing.load(std::sync::atomic::Ordering::Acquire)
+            {
+                tracing::warn!(database = %self.database, %why, "a commit got no answer: stepping down to load the records again");
                 self.lost.cancel();
-                return Err(StoreError::Refused(format!(
-                    "another control plane took over {} (epoch {epoch}, this one {})",
-                    self.database, self.epoch
-                )));
             }
-            for name in &batch.put_atespaces {
-                tx.execute(
-                    "INSERT INTO atespaces (name) VALUES ($1) ON CONFLICT DO NOTHING",
-                    &[name],
-                )
-                .await
-                .map_err(self.err())?;
-            }
-            for row in &batch.put_actors {
-                put_actor(&tx, row).await.map_err(self.err())?;
-            }
-            for key in &batch.delete_actors {
-                tx.execute(
-                    "DELETE FROM actors WHERE atespace = $1 AND name = $2",
-                    &[&key.atespace(), &key.name()],
-                )
-                .await
-                .map_err(self.err())?;
-            }
-            for name in &batch.delete_atespaces {
-                tx.execute("DELETE FROM atespaces WHERE name = $1", &[name])
-                    .await
-                    .map_err(self.err())?;
-            }
-            tx.commit().await.map_err(self.err())
+            written
         })
     }
 

@@ -227,3 +227,103 @@ async fn a_standby_takes_over_and_the_replaced_replica_is_fenced() {
         .collect();
     assert_eq!(names, ["p1", "p3"]);
 }
+
+/// A TCP relay to `upstream` that, once `armed`, swallows the first client message
+/// holding `COMMIT` and forwards nothing more on that connection: a commit whose answer
+/// never comes (a network that went silent at the worst moment).
+async fn relay_stalling_commits(
+    upstream: u16,
+    armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        loop {
+            let (client, _) = listener.accept().await.unwrap();
+            let server = tokio::net::TcpStream::connect(("127.0.0.1", upstream))
+                .await
+                .unwrap();
+            let (mut client_rx, mut client_tx) = client.into_split();
+            let (mut server_rx, mut server_tx) = server.into_split();
+            let armed = std::sync::Arc::clone(&armed);
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut server_rx, &mut client_tx).await;
+            });
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 * 1024];
+                loop {
+                    let n = match client_rx.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    let chunk = &buf[..n];
+                    if armed.load(std::sync::atomic::Ordering::Acquire)
+                        && chunk.windows(6).any(|w| w == b"COMMIT")
+                    {
+                        std::future::pending::<()>().await;
+                    }
+                    if server_tx.write_all(chunk).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+/// A commit that gets no answer may have landed or not, so the records in memory can
+/// no longer be trusted: the write fails `Lost` within its bound (the network gives no
+/// answer at all, so the session's statement timeout cannot) and the replica steps
+/// down (`lost`) to load the records again. Before, it failed the write, kept serving
+/// from memory, and went on as if nothing had been written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_without_an_answer_steps_the_replica_down() {
+    let pg = TempPostgres::start_async().await;
+    let armed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let relay = relay_stalling_commits(pg.port(), std::sync::Arc::clone(&armed)).await;
+    let url = format!("postgres://postgres@127.0.0.1:{relay}/postgres");
+    let store = PostgresStore::open(&url).await.unwrap();
+    store
+        .write(Batch {
+            put_atespaces: vec!["demo".into()],
+            ..Batch::default()
+        })
+        .await
+        .unwrap();
+    let lost = store.lost();
+    assert!(!lost.is_cancelled());
+
+    armed.store(true, std::sync::atomic::Ordering::Release);
+    let written = tokio::time::timeout(
+        Duration::from_secs(60),
+        store.write(Batch::put([row("p1")])),
+    )
+    .await
+    .expect("the write is bounded");
+    assert!(
+        matches!(written, Err(StoreError::Lost { .. })),
+        "{written:?}"
+    );
+    assert!(lost.is_cancelled(), "the replica steps down");
+}
+
+/// Options given in the URL (a schema of its own, say) are kept beside the control
+/// plane's session limits: before, the limits replaced them and the tables went to
+/// the default schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn options_in_the_url_are_kept() {
+    let pg = TempPostgres::start_async().await;
+    sql(&pg.url(), "CREATE SCHEMA valet").await;
+    let url = format!("{}?options=-c%20search_path%3Dvalet", pg.url());
+    let store = PostgresStore::open(&url).await.unwrap();
+    store.write(Batch::put([row("p1")])).await.unwrap();
+    let in_schema = "SELECT count(*) FROM information_schema.tables \
+         WHERE table_schema = 'valet' AND table_name = 'actors'";
+    assert_eq!(count(&pg.url(), in_schema).await, 1);
+    assert_eq!(
+        count(&pg.url(), "SELECT count(*) FROM valet.actors").await,
+        1
+    );
+}
