@@ -1,7 +1,7 @@
 //! The control plane's metrics (meter `valet-control`): resumes by outcome, capacity
 //! waiters and workers by pool, hand-offs, and operation latency.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use opentelemetry::KeyValue;
@@ -23,6 +23,9 @@ pub(crate) struct PlaneMetrics {
     idle_suspensions: Counter<u64>,
     waiters: Gauge<i64>,
     workers: Gauge<i64>,
+    /// Every pool the gauges have shown (workers, waiters): a pool that empties reads
+    /// 0, not the last value it had (a gauge keeps every label set it has seen).
+    shown: std::sync::Mutex<(BTreeSet<String>, BTreeSet<String>)>,
     operation: Histogram<f64>,
     revocation: Histogram<f64>,
 }
@@ -60,6 +63,7 @@ impl PlaneMetrics {
                 .i64_gauge("valet.control.workers")
                 .with_description("Attached workers by pool and state (free, busy).")
                 .build(),
+            shown: std::sync::Mutex::default(),
             operation: meter
                 .f64_histogram("valet.control.operation.duration")
                 .with_description("Time of each operation (resume, restore, suspend), in seconds.")
@@ -132,9 +136,12 @@ impl PlaneMetrics {
         pools: &BTreeMap<String, (usize, usize)>,
         waiters: &[(String, usize)],
     ) -> String {
-        for (pool, (all, free)) in pools {
-            let busy = all - free;
-            for (state, n) in [("free", *free), ("busy", busy)] {
+        let mut shown = self.shown.lock().unwrap_or_else(|e| e.into_inner());
+        let (worker_pools, waiter_pools) = &mut *shown;
+        worker_pools.extend(pools.keys().cloned());
+        for pool in worker_pools.iter() {
+            let (all, free) = pools.get(pool).copied().unwrap_or_default();
+            for (state, n) in [("free", free), ("busy", all - free)] {
                 self.workers.record(
                     n as i64,
                     &[
@@ -144,10 +151,69 @@ impl PlaneMetrics {
                 );
             }
         }
-        for (pool, n) in waiters {
+        waiter_pools.extend(waiters.iter().map(|(pool, _)| pool.clone()));
+        for pool in waiter_pools.iter() {
+            let n = waiters
+                .iter()
+                .find_map(|(p, n)| (p == pool).then_some(*n))
+                .unwrap_or(0);
             self.waiters
-                .record(*n as i64, &[KeyValue::new("pool", pool.clone())]);
+                .record(n as i64, &[KeyValue::new("pool", pool.clone())]);
         }
+        drop(shown);
         self.registry.render()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The value of the sample of `metric` whose labels include every one of `labels`.
+    fn sample(text: &str, metric: &str, labels: &[&str]) -> Option<f64> {
+        text.lines()
+            .filter(|l| l.starts_with(&format!("{metric}{{")))
+            .find(|l| labels.iter().all(|want| l.contains(want)))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+    }
+
+    /// A pool whose last worker left, or whose last waiter was served, reads 0: the
+    /// gauges keep every label set they have shown, so before, they kept the last
+    /// value for good (capacity that no longer existed).
+    #[test]
+    fn a_pool_that_empties_reads_zero() {
+        let m = PlaneMetrics::new();
+        let pools = BTreeMap::from([("counter".to_owned(), (2, 1))]);
+        let text = m.render(&pools, &[("counter".to_owned(), 3)]);
+        let busy = ["pool=\"counter\"", "state=\"busy\""];
+        assert_eq!(
+            sample(&text, "valet_control_workers", &busy),
+            Some(1.0),
+            "{text}"
+        );
+        let waiting = ["pool=\"counter\""];
+        assert_eq!(
+            sample(&text, "valet_control_waiters", &waiting),
+            Some(3.0),
+            "{text}"
+        );
+
+        let text = m.render(&BTreeMap::new(), &[]);
+        assert_eq!(
+            sample(&text, "valet_control_workers", &busy),
+            Some(0.0),
+            "{text}"
+        );
+        let free = ["pool=\"counter\"", "state=\"free\""];
+        assert_eq!(
+            sample(&text, "valet_control_workers", &free),
+            Some(0.0),
+            "{text}"
+        );
+        assert_eq!(
+            sample(&text, "valet_control_waiters", &waiting),
+            Some(0.0),
+            "{text}"
+        );
     }
 }

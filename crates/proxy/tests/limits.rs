@@ -367,3 +367,53 @@ async fn a_tls_client_that_never_sends_its_preface_is_closed() {
     let _ = std::fs::remove_dir_all(&dir);
     closed.expect("the server closes a connection that never sent its preface");
 }
+
+/// A `user:password@` part in an absolute-form URI or in `Host` is never shown: the
+/// actor is named by what follows, and neither an answer nor `/statusz`'s record of
+/// the request repeats the credentials.
+#[tokio::test]
+async fn credentials_in_the_authority_are_never_shown() {
+    let config = RouterArgs::try_parse_flags(&[] as &[&str])
+        .unwrap()
+        .resolve()
+        .unwrap();
+    let router = Router::new(
+        Arc::new(config),
+        Arc::new(AlwaysRunning {
+            port: closed_port(),
+        }),
+        Arc::new(Metrics::new()),
+    );
+    let server = HttpServer::spawn(
+        TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        router.clone(),
+        Limits::default(),
+    )
+    .unwrap();
+    let addr = server.local_addr();
+    // Routed by the host after the credentials: to p1, whose worker is unreachable.
+    let (status, body) = raw(
+        addr,
+        &format!(
+            "GET http://alice:s3cret@{HOST}/ HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n"
+        ),
+    )
+    .await;
+    assert_eq!((status, body.as_str()), (502, "actor demo/p1 unreachable"));
+    let (status, body) = raw(
+        addr,
+        "GET / HTTP/1.1\r\nHost: alice:s3cret@elsewhere.example\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status, 404, "{body}");
+    assert!(!body.contains("s3cret"), "{body}");
+    let recorded = router.recent_requests();
+    assert_eq!(recorded.len(), 2);
+    for r in &recorded {
+        assert!(
+            !r.host.contains("s3cret") && !r.host.contains('@'),
+            "{}",
+            r.host
+        );
+    }
+}

@@ -184,6 +184,7 @@ pub enum HostError {
 /// # Errors
 /// [`InvalidHost`] when the host is not `<name>.<atespace>.<domain>`.
 pub fn parse_host(host: &str, domain: &ActorDomain) -> Result<ActorRef, InvalidHost> {
+    let host = without_userinfo(host);
     parse_host_inner(host, domain).map_err(|reason| InvalidHost {
         host: truncate_for_display(host),
         reason,
@@ -224,6 +225,13 @@ fn parse_host_inner(host: &str, domain: &ActorDomain) -> Result<ActorRef, HostEr
 }
 
 /// Hosts come from clients; keep what we echo back bounded.
+/// `host` without a `user:password@` part: an absolute-form request URI may carry one
+/// (RFC 9110, 4.2.4: deprecated, and never to be shown or logged), and a client may put
+/// one in `Host`. The actor is named by what follows.
+pub fn without_userinfo(host: &str) -> &str {
+    host.rsplit_once('@').map_or(host, |(_, rest)| rest)
+}
+
 fn truncate_for_display(host: &str) -> String {
     const MAX_ECHO: usize = 300;
     if host.len() <= MAX_ECHO {

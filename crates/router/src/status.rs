@@ -32,8 +32,9 @@ pub struct RouteRecord {
 }
 
 impl RouteRecord {
-    /// A record with the host and path cleaned: the query string (which may carry
-    /// credentials) is dropped and both are bounded.
+    /// A record with the host and path cleaned: the host's `user:password@` part and
+    /// the path's query string (either may carry credentials) are dropped, and both
+    /// are bounded.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         data_plane: &'static str,
@@ -47,7 +48,7 @@ impl RouteRecord {
         Self {
             at: SystemTime::now(),
             data_plane,
-            host: bounded(host),
+            host: bounded(crate::addr::without_userinfo(host)),
             path: bounded(redact_path(path_and_query)),
             status,
             verdict,

@@ -87,10 +87,18 @@ pub(crate) fn spawn(
         }
     });
     tokio::spawn(async move {
-        let serve = axum::serve(listener, app)
-            .with_graceful_shutdown(async move { stop.cancelled().await });
-        if let Err(e) = serve.await {
-            tracing::warn!(error = %e, "admin server failed");
+        let serve =
+            axum::serve(listener, app).with_graceful_shutdown(stop.clone().cancelled_owned());
+        // A connection that never finishes its request must not hold the shutdown.
+        let grace_over = async {
+            stop.cancelled().await;
+            tokio::time::sleep(valet_telemetry::ADMIN_CLOSE_GRACE).await;
+        };
+        tokio::select! {
+            served = serve => if let Err(e) = served {
+                tracing::warn!(error = %e, "admin server failed");
+            },
+            () = grace_over => tracing::debug!("admin connections still open after the grace; leaving them"),
         }
     })
 }

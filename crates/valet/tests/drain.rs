@@ -287,3 +287,27 @@ async fn sigterm_serves_parked_requests_a_worker_frees_for() {
     assert!(!authorities.first().unwrap().is_empty());
     assert_eq!(router.exit_code(WITHIN).await, Some(0));
 }
+
+/// A client that opened a connection to the admin server and never finished its
+/// request does not hold the router's shutdown: SIGTERM still ends the process with 0.
+/// Before, the admin server's graceful shutdown waited for that request for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_sent_admin_request_does_not_hold_the_shutdown() {
+    use tokio::io::AsyncWriteExt;
+    let nowhere = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let mut r = common::router(nowhere, &[]).await;
+    let admin = r.addrs["admin"];
+    let mut half = tokio::net::TcpStream::connect(admin).await.unwrap();
+    half.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    // Served after it on a second connection: the admin server took the first.
+    let (code, _) = common::http_get(admin, "/healthz", &[]).await;
+    assert_eq!(code, 200);
+    r.terminate();
+    assert_eq!(r.exit_code(WITHIN).await, Some(0));
+    drop(half);
+}
