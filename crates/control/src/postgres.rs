@@ -30,6 +30,9 @@ const POOL_SIZE: usize = 8;
 const POOL_WAIT: Duration = Duration::from_secs(5);
 /// How long connecting may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long taking over (migrating, bumping the epoch) may wait for the replaced
+/// replica's writes in progress.
+const TAKE_OVER_WITHIN: Duration = Duration::from_secs(60);
 /// How long one write (from waiting for a connection to its COMMIT's answer) or one
 /// load of the record may take: past the sessions' own statement timeout, for a
 /// network that went silent and gives no answer at all.
@@ -226,7 +229,7 @@ impl PostgresStore {
                 "standby: another control plane is active on this database; waiting to take over"
             );
             // A standby waits as long as the active replica lives: no statement
-            // timeout on this wait (the session's other statements keep theirs).
+            // timeout on this wait.
             client
                 .batch_execute("SET statement_timeout = 0")
                 .await
@@ -235,20 +238,40 @@ impl PostgresStore {
                 .execute("SELECT pg_advisory_lock($1)", &[&ACTIVE_LOCK])
                 .await
                 .map_err(err)?;
-            client
-                .batch_execute("RESET statement_timeout")
-                .await
-                .map_err(err)?;
         }
-        migrate(&client, &database).await?;
-        let epoch: i64 = client
-            .query_one(
-                "UPDATE valet_active SET epoch = epoch + 1 WHERE id = 1 RETURNING epoch",
-                &[],
-            )
+        // Taking over waits for the replaced replica's writes in progress (their
+        // share lock on the epoch row), which its sessions' own limits end within
+        // about 10 s each: longer than this session's statement timeout, so bounded
+        // here instead. Running out of it is a lost connection: waited out as a
+        // standby again, never a configuration error.
+        client
+            .batch_execute("SET statement_timeout = 0")
             .await
-            .map_err(err)?
-            .get(0);
+            .map_err(err)?;
+        let take_over = async {
+            migrate(&client, &database).await?;
+            let epoch: i64 = client
+                .query_one(
+                    "UPDATE valet_active SET epoch = epoch + 1 WHERE id = 1 RETURNING epoch",
+                    &[],
+                )
+                .await
+                .map_err(err)?
+                .get(0);
+            Ok::<_, StoreError>(epoch)
+        };
+        let epoch = tokio::time::timeout(TAKE_OVER_WITHIN, take_over)
+            .await
+            .unwrap_or_else(|_| {
+                Err(StoreError::Lost {
+                    database: database.clone(),
+                    why: format!("could not take over within {TAKE_OVER_WITHIN:?}"),
+                })
+            })?;
+        client
+            .batch_execute("RESET statement_timeout")
+            .await
+            .map_err(err)?;
         tracing::info!(%database, epoch, "active on the database");
         let client = std::sync::Arc::new(client);
         heartbeat(

@@ -106,12 +106,17 @@ impl TempPostgres {
                 .as_nanos()
         ));
         std::fs::create_dir_all(&dir).expect("a temporary directory for PostgreSQL");
-        let mut server = PgCtl {
-            dir,
-            bin,
-            port,
-            as_postgres,
+        // Owned from here on: a panic below (a failed initdb, a start that timed out)
+        // still stops whatever started and removes the directory.
+        let mut this = Self {
+            ctl: PgCtl {
+                dir,
+                bin,
+                port,
+                as_postgres,
+            },
         };
+        let server = &mut this.ctl;
         if as_postgres {
             let ok = Command::new("chown")
                 .args(["postgres:postgres"])
@@ -159,7 +164,7 @@ impl TempPostgres {
                 }
             }
         }
-        Self { ctl: server }
+        this
     }
 
     /// Stops the server as for a restart: every session is ended, what was committed

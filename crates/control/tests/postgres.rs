@@ -327,3 +327,40 @@ async fn options_in_the_url_are_kept() {
         1
     );
 }
+
+/// Taking over waits for the replaced replica's writes still in progress (here one
+/// holding its share lock on the epoch row for 12 s, past the sessions' 10 s statement
+/// timeout), and then succeeds. Before, the epoch bump ran under that timeout: the
+/// replica that was taking over failed with a database error and, never having served,
+/// exited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_waits_for_writes_in_progress_past_the_statement_timeout() {
+    let pg = TempPostgres::start_async().await;
+    let url = pg.url();
+    let first = PostgresStore::open(&url).await.unwrap();
+    let epoch = first.epoch();
+    drop(first);
+    // A write of the replaced replica, in progress: the epoch row share-locked.
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let conn = tokio::spawn(conn);
+    client
+        .batch_execute(
+            "SET idle_in_transaction_session_timeout = 0; BEGIN; \
+             SELECT epoch FROM valet_active WHERE id = 1 FOR SHARE",
+        )
+        .await
+        .unwrap();
+    let writing = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(12)).await;
+        client.batch_execute("COMMIT").await.unwrap();
+    });
+    let next = tokio::time::timeout(Duration::from_secs(60), PostgresStore::open(&url))
+        .await
+        .expect("bounded")
+        .expect("the takeover waits for the write, then succeeds");
+    assert_eq!(next.epoch(), epoch + 1);
+    writing.await.unwrap();
+    conn.abort();
+}
