@@ -311,3 +311,31 @@ async fn a_half_sent_admin_request_does_not_hold_the_shutdown() {
     assert_eq!(r.exit_code(WITHIN).await, Some(0));
     drop(half);
 }
+
+/// A second SIGTERM during the drain stops the router at once (exit 130), without
+/// waiting for the parked request's 60 s budget that the drain would give it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_sigterm_stops_the_drain_at_once() {
+    // A control plane that is not there: the request parks, retrying, for 60 s.
+    let nowhere = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let mut r = common::router(nowhere, &["--parked-request-budget", "60s"]).await;
+    let http = r.addrs["router"];
+    let parked =
+        tokio::spawn(async move { try_http_get(http, "/", &[("Host", &host("p1"))]).await });
+    eventually("the request parked", WITHIN, || async {
+        (r.metric("atenet_router_parking_active", &[]).await == 1.0).then_some(())
+    })
+    .await;
+    r.terminate();
+    let admin = r.addrs["admin"];
+    eventually("draining (not ready)", WITHIN, || async {
+        (common::http_get(admin, "/readyz", &[]).await.0 == 503).then_some(())
+    })
+    .await;
+    r.terminate();
+    assert_eq!(r.exit_code(WITHIN).await, Some(130));
+    assert_eq!(parked.await.unwrap(), None, "cut short with the process");
+}
