@@ -89,8 +89,9 @@ pub struct PostgresStore {
     epoch: i64,
     database: String,
     lost: CancellationToken,
-    /// Keeps the advisory lock's connection (and so the lock) alive.
-    _active: std::sync::Arc<Client>,
+    /// Keeps the advisory lock's connection (and so the lock) alive; the probes ask
+    /// on it.
+    active: std::sync::Arc<Client>,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -302,7 +303,7 @@ impl PostgresStore {
             epoch,
             database,
             lost,
-            _active: client,
+            active: client,
         })
     }
 
@@ -641,10 +642,13 @@ impl Store for PostgresStore {
                     self.database
                 )));
             }
-            let client = self.client().await?;
+            // On the lock's own connection, never the pool's: a burst of writes that
+            // takes every pooled connection must not make the active replica look
+            // not ready (a Service would then route to no replica at all).
             let epoch: i64 = tokio::time::timeout(
                 POOL_WAIT,
-                client.query_one("SELECT epoch FROM valet_active WHERE id = 1", &[]),
+                self.active
+                    .query_one("SELECT epoch FROM valet_active WHERE id = 1", &[]),
             )
             .await
             .map_err(|_| StoreError::Postgres {

@@ -364,3 +364,52 @@ async fn a_takeover_waits_for_writes_in_progress_past_the_statement_timeout() {
     writing.await.unwrap();
     conn.abort();
 }
+
+/// The readiness probe of the active replica does not queue for a pooled connection:
+/// with every one of them taken by writes waiting on a lock, it still answers at once.
+/// Before, it waited 5 s for a connection and failed, and the only active replica
+/// looked not ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_does_not_wait_for_a_pooled_connection() {
+    let pg = TempPostgres::start_async().await;
+    let url = pg.url();
+    let store = std::sync::Arc::new(PostgresStore::open(&url).await.unwrap());
+    // Every write waits: the epoch row is locked for update by another session.
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let conn = tokio::spawn(conn);
+    client
+        .batch_execute(
+            "SET idle_in_transaction_session_timeout = 0; BEGIN; \
+             SELECT epoch FROM valet_active WHERE id = 1 FOR UPDATE",
+        )
+        .await
+        .unwrap();
+    let writes: Vec<_> = (0..8)
+        .map(|i| {
+            let store = std::sync::Arc::clone(&store);
+            tokio::spawn(async move { store.write(Batch::put([row(&format!("p{i}"))])).await })
+        })
+        .collect();
+    // All eight pooled connections wait on the lock.
+    let waiting = "SELECT count(*) FROM pg_stat_activity \
+         WHERE wait_event_type = 'Lock' AND application_name = 'valet control-plane'";
+    let all_waiting = async {
+        while count(&url, waiting).await < 8 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), all_waiting)
+        .await
+        .expect("the writes take every pooled connection");
+    tokio::time::timeout(Duration::from_secs(2), store.ping())
+        .await
+        .expect("the probe does not queue for a connection")
+        .expect("ready");
+    client.batch_execute("COMMIT").await.unwrap();
+    for w in writes {
+        w.await.unwrap().unwrap();
+    }
+    conn.abort();
+}
