@@ -268,7 +268,16 @@ impl PostgresStore {
                     database: database.clone(),
                     why: format!("could not take over within {TAKE_OVER_WITHIN:?}"),
                 })
-            })?;
+            });
+        let epoch = match epoch {
+            Ok(epoch) => epoch,
+            Err(e) => {
+                // Ends the session: its lock is let go, and a statement still waiting
+                // in it (an epoch bump with nobody to serve) ends with it.
+                lost.cancel();
+                return Err(e);
+            }
+        };
         client
             .batch_execute("RESET statement_timeout")
             .await
@@ -362,6 +371,7 @@ impl PostgresStore {
         batch: &Batch,
         committing: &std::sync::atomic::AtomicBool,
     ) -> Result<(), StoreError> {
+        self.still_active()?;
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(self.err())?;
         // Fenced: only the replica of the current epoch writes. The row lock makes
@@ -402,8 +412,23 @@ impl PostgresStore {
                 .await
                 .map_err(self.err())?;
         }
+        // The replica may have stepped down meanwhile (an unanswered commit of another
+        // write): the records this batch was built from are no longer trusted.
+        self.still_active()?;
         committing.store(true, std::sync::atomic::Ordering::Release);
         tx.commit().await.map_err(self.err())
+    }
+
+    /// Refuses once the replica stepped down (`lost`): from then on nothing it decided
+    /// from its records in memory is written.
+    fn still_active(&self) -> Result<(), StoreError> {
+        if self.lost.is_cancelled() {
+            return Err(StoreError::Refused(format!(
+                "{}: no longer the active control plane",
+                self.database
+            )));
+        }
+        Ok(())
     }
 
     fn err(&self) -> impl Fn(tokio_postgres::Error) -> StoreError + '_ {
@@ -636,12 +661,7 @@ impl Store for PostgresStore {
 
     fn ping(&self) -> StoreFuture<'_, ()> {
         Box::pin(async move {
-            if self.lost.is_cancelled() {
-                return Err(StoreError::Refused(format!(
-                    "{}: no longer the active control plane",
-                    self.database
-                )));
-            }
+            self.still_active()?;
             // On the lock's own connection, never the pool's: a burst of writes that
             // takes every pooled connection must not make the active replica look
             // not ready (a Service would then route to no replica at all).

@@ -532,8 +532,9 @@ async fn a_suspend_of_a_busy_actor_leaves_it_running_with_real_workers() {
     sys.shutdown().await;
 }
 
-/// A worker that stops lets its app's requests in flight finish: before, stopping
-/// shut each connection down gracefully and then dropped it at once, resetting them.
+/// A worker that stops lets its app's requests in flight finish, and leaves the control
+/// plane only then: before, stopping shut each connection down gracefully and then
+/// dropped it at once, resetting them, and the worker left at the same moment.
 #[tokio::test]
 async fn a_stopping_worker_lets_its_requests_in_flight_finish() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -566,15 +567,30 @@ async fn a_stopping_worker_lets_its_requests_in_flight_finish() {
         "the worker reports the request in flight"
     );
 
-    // The worker stops (its agent and app stop together); the control plane sees it go.
+    // The worker stops: its app first, which takes no new connection...
+    let app = addr_of(&a);
     let worker = sys.workers.pop().unwrap();
     let stopped = tokio::spawn(worker.shutdown());
+    let refused = async {
+        while tokio::net::TcpStream::connect(app).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, refused)
+        .await
+        .expect("the app stops accepting");
+    // ...while the worker keeps its actor: no other worker may restore it while the
+    // request in flight still writes its data. (Correct, it never leaves before the
+    // answer: the window only gives a wrong order the time to show.)
     assert!(
-        sys.plane.wait_until(WAIT, |p| p.pool("echo").0 == 0).await,
-        "the worker left"
+        !sys.plane
+            .wait_until(Duration::from_millis(500), |p| p.pool("echo").0 == 0)
+            .await,
+        "the worker left before its request in flight ended"
     );
+    assert_eq!(sys.plane.pool("echo"), (1, 0), "still attached, hosting");
 
-    // The upload still ends and is answered in full.
+    // The upload still ends and is answered in full; then the worker leaves.
     held.write_all(b"0\r\n\r\n").await.unwrap();
     let mut answer = String::new();
     let _ = held.read_to_string(&mut answer).await;
@@ -584,6 +600,10 @@ async fn a_stopping_worker_lets_its_requests_in_flight_finish() {
         .await
         .expect("the worker stops once its requests are done")
         .unwrap();
+    assert!(
+        sys.plane.wait_until(WAIT, |p| p.pool("echo").0 == 0).await,
+        "the worker left"
+    );
     sys.shutdown().await;
 }
 

@@ -52,6 +52,12 @@ impl Nginx {
             .process_group(0)
             .spawn()
             .map_err(|e| format!("nginx: {e}"))?;
+        // Owned from here on: failing to start below kills the whole group too.
+        let nginx = Self {
+            addr,
+            child,
+            _dir: dir,
+        };
         let up = async {
             loop {
                 if tokio::net::TcpStream::connect(addr).await.is_ok() {
@@ -63,11 +69,7 @@ impl Nginx {
         tokio::time::timeout(Duration::from_secs(10), up)
             .await
             .map_err(|_| "nginx did not start listening".to_owned())?;
-        Ok(Some(Self {
-            addr,
-            child,
-            _dir: dir,
-        }))
+        Ok(Some(nginx))
     }
 }
 
@@ -84,7 +86,21 @@ impl Nginx {
             .await
             .is_err()
         {
-            let _ = self.child.kill().await;
+            self.kill_group();
+            let _ = self.child.wait().await;
+        }
+    }
+}
+
+impl Nginx {
+    /// SIGKILL to the master and its workers.
+    fn kill_group(&self) {
+        if let Some(pid) = self.child.id() {
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", "--", &format!("-{pid}")])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
         }
     }
 }
@@ -92,14 +108,8 @@ impl Nginx {
 impl Drop for Nginx {
     fn drop(&mut self) {
         // `kill_on_drop` alone would leave the workers running, holding the port.
-        if let Ok(None) = self.child.try_wait()
-            && let Some(pid) = self.child.id()
-        {
-            let _ = std::process::Command::new("kill")
-                .args(["-KILL", "--", &format!("-{pid}")])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
+        if let Ok(None) = self.child.try_wait() {
+            self.kill_group();
         }
     }
 }

@@ -32,7 +32,7 @@ pub struct Limits {
     /// Longest a connection may wait without a request: for its TLS handshake and
     /// first request head, for the next head after an answer, and over HTTP/2 while
     /// it has no request open. Then it is closed (HTTP/2: GOAWAY). Over HTTP/2 it is
-    /// also the interval of keep-alive pings, and how long one may go unanswered.
+    /// also the interval of keep-alive pings (each may go unanswered 20 s).
     pub idle_timeout: Duration,
 }
 
@@ -209,6 +209,10 @@ impl HttpServer {
 /// hyper parses up to this many header fields without a heap allocation.
 const HYPER_INLINE_HEADERS: usize = 100;
 
+/// How long an HTTP/2 keep-alive ping may go unanswered before its connection is
+/// closed.
+const H2_PING_TIMEOUT: Duration = Duration::from_secs(20);
+
 /// The HTTP/2 connection preface (RFC 9113, section 3.4): how an h2c client begins.
 const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
@@ -271,7 +275,7 @@ fn builders(
         // A peer gone without a word (its host lost, a NAT entry dropped) with
         // requests open, parked ones among them, is noticed by its unanswered ping.
         .keep_alive_interval(limits.idle_timeout)
-        .keep_alive_timeout(limits.idle_timeout)
+        .keep_alive_timeout(H2_PING_TIMEOUT)
         .timer(hyper_util::rt::TokioTimer::new());
     (http1, http2)
 }

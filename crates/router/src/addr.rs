@@ -171,6 +171,9 @@ pub enum HostError {
     /// Not exactly two labels before the actor domain.
     #[error("want <name>.<atespace>.{0}")]
     Shape(String),
+    /// A `user:password@` part (RFC 9110, 4.2.4: an error in a request target).
+    #[error("credentials (user@) are not part of a host")]
+    UserInfo,
     /// A label breaks the DNS rules.
     #[error(transparent)]
     Label(#[from] LabelError),
@@ -184,7 +187,13 @@ pub enum HostError {
 /// # Errors
 /// [`InvalidHost`] when the host is not `<name>.<atespace>.<domain>`.
 pub fn parse_host(host: &str, domain: &ActorDomain) -> Result<ActorRef, InvalidHost> {
-    let host = without_userinfo(host);
+    // Refused, and never repeated: the error shows the host without them.
+    if host.contains('@') {
+        return Err(InvalidHost {
+            host: truncate_for_display(without_userinfo(host)),
+            reason: HostError::UserInfo,
+        });
+    }
     parse_host_inner(host, domain).map_err(|reason| InvalidHost {
         host: truncate_for_display(host),
         reason,
@@ -225,9 +234,9 @@ fn parse_host_inner(host: &str, domain: &ActorDomain) -> Result<ActorRef, HostEr
 }
 
 /// Hosts come from clients; keep what we echo back bounded.
-/// `host` without a `user:password@` part: an absolute-form request URI may carry one
-/// (RFC 9110, 4.2.4: deprecated, and never to be shown or logged), and a client may put
-/// one in `Host`. The actor is named by what follows.
+/// `host` without a `user:password@` part, for display: an absolute-form request URI
+/// may carry one (RFC 9110, 4.2.4: an error, never to be shown or logged), and a client
+/// may put one in `Host`.
 pub fn without_userinfo(host: &str) -> &str {
     host.rsplit_once('@').map_or(host, |(_, rest)| rest)
 }

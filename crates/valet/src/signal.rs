@@ -4,11 +4,22 @@ use std::future::Future;
 
 /// Resolves at the first SIGTERM or SIGINT; until then, every SIGHUP re-reads every
 /// certificate, key, CA and verification-key file ([`valet_proto::reload::reload_all`]).
-/// A second SIGTERM or SIGINT after it exits the process at once ([`EXIT_FORCED`]).
+/// A second SIGTERM or SIGINT after it exits the process at once, with status 143 or
+/// 130 (128 + the signal's number, as a shell reports a process the signal ended).
 /// The handlers are installed when this is called, not when the future is first polled:
 /// call it before printing the `listening` lines, so that a supervisor's SIGTERM (or a
 /// rotation's SIGHUP) right after them is handled instead of killing the process.
 pub(crate) fn terminated() -> impl Future<Output = ()> + Send + 'static {
+    signals(true)
+}
+
+/// As [`terminated`], but a second signal does nothing: for a command that started
+/// processes of its own (`valet load`), which only its clean stop stops.
+pub(crate) fn terminated_without_force() -> impl Future<Output = ()> + Send + 'static {
+    signals(false)
+}
+
+fn signals(force_on_second: bool) -> impl Future<Output = ()> + Send + 'static {
     use tokio::signal::unix::{SignalKind, signal};
     let term = signal(SignalKind::terminate());
     let int = signal(SignalKind::interrupt());
@@ -31,21 +42,22 @@ pub(crate) fn terminated() -> impl Future<Output = ()> + Send + 'static {
                     continue;
                 }
             }
+            if !force_on_second {
+                return;
+            }
             // The handlers stay installed, so the default action (ending the process)
             // is gone: a second signal during the clean stop ends it at once. The
             // task lives as long as the process.
             tokio::spawn(async move {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = int.recv() => {}
-                }
+                // As a shell reports a process a signal ended: 128 + its number.
+                let code = tokio::select! {
+                    _ = term.recv() => 128 + 15,
+                    _ = int.recv() => 128 + 2,
+                };
                 eprintln!("valet: second signal: stopping now, without finishing the clean stop");
-                std::process::exit(EXIT_FORCED);
+                std::process::exit(code);
             });
             return;
         }
     }
 }
-
-/// The exit code after a second SIGTERM or SIGINT cut the clean stop short.
-pub(crate) const EXIT_FORCED: i32 = 130;

@@ -312,7 +312,7 @@ async fn a_half_sent_admin_request_does_not_hold_the_shutdown() {
     drop(half);
 }
 
-/// A second SIGTERM during the drain stops the router at once (exit 130), without
+/// A second SIGTERM during the drain stops the router at once (exit 143), without
 /// waiting for the parked request's 60 s budget that the drain would give it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_sigterm_stops_the_drain_at_once() {
@@ -336,6 +336,6 @@ async fn a_second_sigterm_stops_the_drain_at_once() {
     })
     .await;
     r.terminate();
-    assert_eq!(r.exit_code(WITHIN).await, Some(130));
+    assert_eq!(r.exit_code(WITHIN).await, Some(143));
     assert_eq!(parked.await.unwrap(), None, "cut short with the process");
 }

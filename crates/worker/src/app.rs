@@ -113,21 +113,46 @@ pub(crate) fn read_counter(path: &Path) -> std::io::Result<Option<i64>> {
     }
 }
 
-/// Writes a file so a crash leaves either the old or the new content, and once it
-/// returns, the new content survives a crash (the rename is synced with its directory).
+/// Writes a file so a crash leaves either the old or the new content (the app's own
+/// writes: what a checkpoint has not taken may be lost, never torn).
 pub(crate) fn write_atomically(path: &Path, content: &[u8]) -> std::io::Result<()> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, content)?;
     std::fs::File::open(&tmp)?.sync_all()?;
-    std::fs::rename(&tmp, path)?;
+    std::fs::rename(&tmp, path)
+}
+
+/// [`write_atomically`], and once it returns the new content survives a crash (the
+/// rename is synced with its directory): for snapshots, which a checkpoint acknowledges.
+pub(crate) fn write_durably(path: &Path, content: &[u8]) -> std::io::Result<()> {
+    write_atomically(path, content)?;
     sync_dir_of(path)
 }
 
-/// Syncs the directory holding `path`, so that a rename or removal in it is durable.
+/// Syncs the directory holding `path`, so that a rename, removal or new entry in it is
+/// durable.
 pub(crate) fn sync_dir_of(path: &Path) -> std::io::Result<()> {
     match path.parent() {
         Some(dir) if !dir.as_os_str().is_empty() => std::fs::File::open(dir)?.sync_all(),
         _ => Ok(()),
+    }
+}
+
+/// Creates `dir` (and its parents) durably: a new directory's entry is synced in its
+/// parent.
+pub(crate) fn create_dir_durably(dir: &Path) -> std::io::Result<()> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    if let Some(parent) = dir.parent()
+        && !parent.as_os_str().is_empty()
+    {
+        create_dir_durably(parent)?;
+    }
+    match std::fs::create_dir(dir) {
+        Ok(()) => sync_dir_of(dir),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(e),
     }
 }
 

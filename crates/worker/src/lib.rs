@@ -33,7 +33,7 @@ use valet_proto::worker::{
 };
 
 pub use app::{ACTOR_REF_HEADER, pattern};
-use app::{App, Hosted, Slot, read_counter, write_atomically};
+use app::{App, Hosted, Slot, create_dir_durably, read_counter, write_durably};
 use hosting::{HostingLease, RENEW_EVERY};
 use traffic::Fence;
 
@@ -142,7 +142,11 @@ pub struct Worker {
     id: String,
     app_addr: SocketAddr,
     slot: Slot,
+    /// Stops the agent and the hosting watchdog.
     stop: CancellationToken,
+    /// Stops the app's server, which [`Worker::shutdown`] stops first.
+    app_stop: CancellationToken,
+    app: tokio::task::JoinHandle<()>,
     drain: Drain,
     tasks: TaskTracker,
 }
@@ -226,8 +230,9 @@ impl Worker {
             .unwrap_or_else(|| format!("w-{:08x}", rand::random::<u32>()));
         let slot: Slot = Arc::new(watch::Sender::new(None));
         let stop = CancellationToken::new();
+        let app_stop = CancellationToken::new();
         let tasks = TaskTracker::new();
-        tasks.spawn(serve_app(listener, Arc::clone(&slot), stop.clone()));
+        let app = tokio::spawn(serve_app(listener, Arc::clone(&slot), app_stop.clone()));
         let lease = HostingLease::new();
         tasks.spawn(Arc::clone(&lease).watchdog(Arc::clone(&slot), id.clone(), stop.clone()));
         let drain = Drain::default();
@@ -245,6 +250,8 @@ impl Worker {
             app_addr,
             slot,
             stop,
+            app_stop,
+            app,
             drain,
             tasks,
         })
@@ -291,9 +298,15 @@ impl Worker {
         drained
     }
 
-    /// Stops the app and the agent (the control plane sees the worker leave) and waits
-    /// for both.
+    /// Stops the app, then the agent (the control plane sees the worker leave), and
+    /// waits for both. The app goes first: its requests in flight finish (for up to
+    /// [`APP_DRAIN`]) while the worker still holds its actor, so no other worker can
+    /// have restored the actor while they still write its data.
     pub async fn shutdown(self) {
+        self.app_stop.cancel();
+        if let Err(e) = self.app.await {
+            tracing::warn!(worker = %self.id, error = %e, "the app's server failed");
+        }
         self.stop.cancel();
         self.tasks.close();
         self.tasks.wait().await;
@@ -345,6 +358,8 @@ async fn serve_app(listener: TcpListener, slot: Slot, stop: CancellationToken) {
             }
         });
     }
+    // New connections are refused from now on, not left in the backlog.
+    drop(listener);
     connections.close();
     let drained = async {
         connections.wait().await;
@@ -859,11 +874,11 @@ impl Agent {
 /// Readies an actor's directory for a restore and returns its memory count.
 fn prepare_restore(dir: &Path, revert: bool) -> std::io::Result<u64> {
     let data = dir.join("data");
-    std::fs::create_dir_all(&data)?;
+    create_dir_durably(&data)?;
     let counter = data.join("counter");
     if revert {
         match read_counter(&dir.join("good").join("counter")) {
-            Ok(Some(n)) => write_atomically(&counter, n.to_string().as_bytes())?,
+            Ok(Some(n)) => write_durably(&counter, n.to_string().as_bytes())?,
             Ok(None) | Err(_) => match std::fs::remove_file(&counter) {
                 Ok(()) => app::sync_dir_of(&counter)?,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -885,7 +900,7 @@ fn prepare_restore(dir: &Path, revert: bool) -> std::io::Result<u64> {
 fn take_snapshot(dir: &Path, full: bool, memory: u64) -> std::io::Result<()> {
     let memory_file = dir.join("memory");
     if full {
-        write_atomically(&memory_file, memory.to_string().as_bytes())?;
+        write_durably(&memory_file, memory.to_string().as_bytes())?;
     } else {
         match std::fs::remove_file(&memory_file) {
             Ok(()) => app::sync_dir_of(&memory_file)?,
@@ -894,9 +909,9 @@ fn take_snapshot(dir: &Path, full: bool, memory: u64) -> std::io::Result<()> {
         }
     }
     let good = dir.join("good");
-    std::fs::create_dir_all(&good)?;
+    create_dir_durably(&good)?;
     match read_counter(&dir.join("data").join("counter"))? {
-        Some(n) => write_atomically(&good.join("counter"), n.to_string().as_bytes()),
+        Some(n) => write_durably(&good.join("counter"), n.to_string().as_bytes()),
         None => Ok(()),
     }
 }

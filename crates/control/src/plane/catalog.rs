@@ -234,12 +234,10 @@ impl Plane {
                 )
             };
             let batch = Batch {
-                delete_actors: vec![key.clone()],
+                delete_actors: vec![key],
                 ..Batch::default()
             };
-            plane.finish(op, batch).await?;
-            plane.forget_resume_calls(&key);
-            Ok(())
+            plane.finish(op, batch).await
         })
         .await
     }

@@ -78,14 +78,18 @@ impl Plane {
         let stats = &self.inner.stats;
         stats.resume_calls.fetch_add(1, Ordering::Relaxed);
         // Per actor only for actors that exist: a name anyone can send through a
-        // router must not grow the plane's memory.
-        if self.lock().actors.contains_key(&key) {
-            *stats
-                .per_actor
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .entry(key.clone())
-                .or_default() += 1;
+        // router must not grow the plane's memory. Counted under the state's lock, so
+        // a delete (which forgets the count after it) cannot land in between.
+        {
+            let st = self.lock();
+            if st.actors.contains_key(&key) {
+                *stats
+                    .per_actor
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .entry(key.clone())
+                    .or_default() += 1;
+            }
         }
         self.inner.changed.send_modify(|v| *v += 1);
         let wait = wait_for_capacity.filter(|d| !d.is_zero() && self.config().capacity_wait);

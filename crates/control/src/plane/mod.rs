@@ -566,7 +566,13 @@ impl Plane {
             self.inner.unsettled.notify_one();
             return Err(db_error(&e));
         }
-        Ok(self.lock().apply(&batch))
+        let mut st = self.lock();
+        // A deleted actor's count goes with it, under the same lock as its record
+        // (resumes count under it too): an actor created again starts from zero.
+        for key in &batch.delete_actors {
+            self.forget_resume_calls(key);
+        }
+        Ok(st.apply(&batch))
     }
 
     /// Settles what failed writes leave half-way: an operation whose last write failed

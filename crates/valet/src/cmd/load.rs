@@ -23,7 +23,7 @@ async fn until_terminated<F>(work: F) -> Result<(), Failure>
 where
     F: std::future::Future<Output = Result<(), Failure>>,
 {
-    let terminated = crate::signal::terminated();
+    let terminated = crate::signal::terminated_without_force();
     tokio::select! {
         r = work => r,
         () = terminated => Err(Failure::Run("interrupted; every part it started is stopped".into())),
