@@ -57,24 +57,39 @@ pub fn spawn_slot(
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .with_state(slot);
-    let listener = listener.tap_io(|tcp| {
+    serve_http(listener, app, stop, "control-plane metrics server")
+}
+
+/// How long an admin server waits, once told to stop, for its connections to finish
+/// before it stops without them.
+pub const ADMIN_CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Serves `app` on `listener` (an admin server: probes, `/metrics`, `/statusz`) until
+/// `stop`; then lets its connections finish for [`ADMIN_CLOSE_GRACE`], so that one that
+/// never finishes its request cannot hold the process's shutdown.
+pub fn serve_http(
+    listener: TcpListener,
+    app: axum::Router,
+    stop: CancellationToken,
+    what: &'static str,
+) -> tokio::task::JoinHandle<()> {
+    let listener = listener.tap_io(move |tcp| {
         if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "cannot set TCP_NODELAY on a metrics connection");
+            tracing::debug!(error = %e, what, "cannot set TCP_NODELAY on a connection");
         }
     });
     tokio::spawn(async move {
         let serve =
             axum::serve(listener, app).with_graceful_shutdown(stop.clone().cancelled_owned());
-        // A connection that never finishes its request must not hold the shutdown.
         let grace_over = async {
             stop.cancelled().await;
-            tokio::time::sleep(valet_telemetry::ADMIN_CLOSE_GRACE).await;
+            tokio::time::sleep(ADMIN_CLOSE_GRACE).await;
         };
         tokio::select! {
             served = serve => if let Err(e) = served {
-                tracing::warn!(error = %e, "control-plane metrics server failed");
+                tracing::warn!(error = %e, what, "server failed");
             },
-            () = grace_over => tracing::debug!("admin connections still open after the grace; leaving them"),
+            () = grace_over => tracing::debug!(what, "connections still open after the grace; leaving them"),
         }
     })
 }

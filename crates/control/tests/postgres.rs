@@ -55,6 +55,41 @@ async fn count(url: &str, query: &str) -> i64 {
     n
 }
 
+/// A session holding the epoch row locked (`lock`: `FOR SHARE`, as a write in
+/// progress does, or `FOR UPDATE`) in a transaction it keeps open until told `COMMIT`.
+async fn epoch_row_locked(
+    url: &str,
+    lock: &str,
+) -> (
+    tokio_postgres::Client,
+    tokio::task::JoinHandle<Result<(), tokio_postgres::Error>>,
+) {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let conn = tokio::spawn(conn);
+    client
+        .batch_execute(&format!(
+            "SET idle_in_transaction_session_timeout = 0; BEGIN; \
+             SELECT epoch FROM valet_active WHERE id = 1 {lock}"
+        ))
+        .await
+        .unwrap();
+    (client, conn)
+}
+
+/// Waits (bounded) until `query` counts at least `n`.
+async fn until_count(url: &str, query: &str, n: i64, what: &str) {
+    let reached = async {
+        while count(url, query).await < n {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), reached)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: not within 30 s"));
+}
+
 /// The throwaway server's port is picked free and then given up; a port another
 /// process took meanwhile is passed over for another.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -364,17 +399,7 @@ async fn a_takeover_waits_for_writes_in_progress_past_the_statement_timeout() {
     let epoch = first.epoch();
     drop(first);
     // A write of the replaced replica, in progress: the epoch row share-locked.
-    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    let conn = tokio::spawn(conn);
-    client
-        .batch_execute(
-            "SET idle_in_transaction_session_timeout = 0; BEGIN; \
-             SELECT epoch FROM valet_active WHERE id = 1 FOR SHARE",
-        )
-        .await
-        .unwrap();
+    let (client, conn) = epoch_row_locked(&url, "FOR SHARE").await;
     let opening = tokio::spawn({
         let url = url.clone();
         async move { PostgresStore::open(&url).await }
@@ -382,14 +407,7 @@ async fn a_takeover_waits_for_writes_in_progress_past_the_statement_timeout() {
     // Once its epoch bump waits for the write, the write goes on 12 s more: past the
     // sessions' 10 s statement timeout.
     let bump_waits = "SELECT count(*) FROM pg_stat_activity          WHERE wait_event_type = 'Lock' AND query LIKE 'UPDATE valet_active%'";
-    let waiting = async {
-        while count(&url, bump_waits).await < 1 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(30), waiting)
-        .await
-        .expect("the takeover reaches the epoch bump");
+    until_count(&url, bump_waits, 1, "the takeover reaches the epoch bump").await;
     tokio::time::sleep(Duration::from_secs(12)).await;
     client.batch_execute("COMMIT").await.unwrap();
     let next = tokio::time::timeout(Duration::from_secs(60), opening)
@@ -411,17 +429,7 @@ async fn readiness_does_not_wait_for_a_pooled_connection() {
     let url = pg.url();
     let store = std::sync::Arc::new(PostgresStore::open(&url).await.unwrap());
     // Every write waits: the epoch row is locked for update by another session.
-    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    let conn = tokio::spawn(conn);
-    client
-        .batch_execute(
-            "SET idle_in_transaction_session_timeout = 0; BEGIN; \
-             SELECT epoch FROM valet_active WHERE id = 1 FOR UPDATE",
-        )
-        .await
-        .unwrap();
+    let (client, conn) = epoch_row_locked(&url, "FOR UPDATE").await;
     let writes: Vec<_> = (0..8)
         .map(|i| {
             let store = std::sync::Arc::clone(&store);
@@ -431,14 +439,7 @@ async fn readiness_does_not_wait_for_a_pooled_connection() {
     // All eight pooled connections wait on the lock.
     let waiting = "SELECT count(*) FROM pg_stat_activity \
          WHERE wait_event_type = 'Lock' AND application_name = 'valet control-plane'";
-    let all_waiting = async {
-        while count(&url, waiting).await < 8 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(30), all_waiting)
-        .await
-        .expect("the writes take every pooled connection");
+    until_count(&url, waiting, 8, "the writes take every pooled connection").await;
     tokio::time::timeout(Duration::from_secs(2), store.ping())
         .await
         .expect("the probe does not queue for a connection")

@@ -12,12 +12,17 @@ use valet_router::{ControlPlane, Metrics, Router, RouterArgs};
 
 const HOST: &str = "p1.demo.actors.resources.substrate.ate.dev";
 
-async fn serve(cp: Arc<dyn ControlPlane>, flags: &[&str], limits: Limits) -> SocketAddr {
+/// A router with `flags` in front of `cp`.
+fn router_of(cp: Arc<dyn ControlPlane>, flags: &[&str]) -> Router {
     let config = RouterArgs::try_parse_flags(flags)
         .unwrap()
         .resolve()
         .unwrap();
-    let router = Router::new(Arc::new(config), cp, Arc::new(Metrics::new()));
+    Router::new(Arc::new(config), cp, Arc::new(Metrics::new()))
+}
+
+async fn serve(cp: Arc<dyn ControlPlane>, flags: &[&str], limits: Limits) -> SocketAddr {
+    let router = router_of(cp, flags);
     let server = HttpServer::spawn(
         TcpListener::bind("127.0.0.1:0").await.unwrap(),
         router,
@@ -148,15 +153,7 @@ async fn a_request_its_worker_never_answers_gets_the_cut_offs_answer() {
         std::future::pending::<()>().await;
         drop(s);
     });
-    let config = RouterArgs::try_parse_flags(&[] as &[&str])
-        .unwrap()
-        .resolve()
-        .unwrap();
-    let router = Router::new(
-        Arc::new(config),
-        Arc::new(AlwaysRunning { port }),
-        Arc::new(Metrics::new()),
-    );
+    let router = router_of(Arc::new(AlwaysRunning { port }), &[]);
     let server = HttpServer::spawn(
         TcpListener::bind("127.0.0.1:0").await.unwrap(),
         router,
@@ -320,12 +317,8 @@ async fn a_tls_client_that_never_sends_its_preface_is_closed() {
         None,
     )
     .unwrap();
-    let config = RouterArgs::try_parse_flags(&[] as &[&str])
-        .unwrap()
-        .resolve()
-        .unwrap();
     let (cp, _calls) = valet_router::testing::Scripted::new();
-    let router = Router::new(Arc::new(config), cp, Arc::new(Metrics::new()));
+    let router = router_of(cp, &[]);
     let limits = Limits {
         idle_timeout: std::time::Duration::from_millis(200),
         ..Limits::default()
@@ -373,16 +366,11 @@ async fn a_tls_client_that_never_sends_its_preface_is_closed() {
 /// answer nor `/statusz`'s record of the request repeats the credentials.
 #[tokio::test]
 async fn credentials_in_the_authority_are_never_shown() {
-    let config = RouterArgs::try_parse_flags(&[] as &[&str])
-        .unwrap()
-        .resolve()
-        .unwrap();
-    let router = Router::new(
-        Arc::new(config),
+    let router = router_of(
         Arc::new(AlwaysRunning {
             port: closed_port(),
         }),
-        Arc::new(Metrics::new()),
+        &[],
     );
     let server = HttpServer::spawn(
         TcpListener::bind("127.0.0.1:0").await.unwrap(),

@@ -9,10 +9,6 @@ use std::fmt;
 use opentelemetry::metrics::{Meter, MeterProvider as _};
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 
-/// How long an admin server (probes, `/metrics`, `/statusz`) waits, once told to stop,
-/// for its connections to finish before it stops without them.
-pub const ADMIN_CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
-
 /// Bucket bounds (seconds) for latency histograms: fine below a second, out to a minute.
 pub const SECONDS_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 7.5, 10.0,

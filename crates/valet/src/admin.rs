@@ -12,7 +12,6 @@ use axum::extract::{Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
-use axum::serve::ListenerExt as _;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -81,26 +80,7 @@ pub(crate) fn spawn(
         .route("/readyz", get(readyz))
         .route("/statusz", get(statusz))
         .with_state(state);
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "cannot set TCP_NODELAY on an admin connection");
-        }
-    });
-    tokio::spawn(async move {
-        let serve =
-            axum::serve(listener, app).with_graceful_shutdown(stop.clone().cancelled_owned());
-        // A connection that never finishes its request must not hold the shutdown.
-        let grace_over = async {
-            stop.cancelled().await;
-            tokio::time::sleep(valet_telemetry::ADMIN_CLOSE_GRACE).await;
-        };
-        tokio::select! {
-            served = serve => if let Err(e) = served {
-                tracing::warn!(error = %e, "admin server failed");
-            },
-            () = grace_over => tracing::debug!("admin connections still open after the grace; leaving them"),
-        }
-    })
+    valet_control::admin::serve_http(listener, app, stop, "admin server")
 }
 
 /// How often the control plane's reachability is probed.
