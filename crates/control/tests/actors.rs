@@ -447,6 +447,44 @@ async fn reflection_lists_the_control_service() {
     sys.shutdown().await;
 }
 
+/// One echo worker hosting `demo/busy` (and `demo/<also>` created, suspended) with a
+/// request in flight its worker reports: a chunked upload held open. The actor, and
+/// the held connection (`0\r\n\r\n` ends the upload).
+async fn busy_echo_actor(
+    sys: &mut common::System,
+    also: &[&str],
+) -> (ateapi::Actor, tokio::net::TcpStream) {
+    use tokio::io::AsyncWriteExt;
+    sys.add_worker("echo", Duration::ZERO).await;
+    assert!(
+        sys.plane
+            .wait_until(WAIT, |p| p.pool("echo") == (1, 1))
+            .await
+    );
+    sys.atespace("demo").await;
+    sys.create_from("demo/busy", "echo").await.unwrap();
+    for name in also {
+        sys.create_from(&format!("demo/{name}"), "echo")
+            .await
+            .unwrap();
+    }
+    let (a, _) = sys.resume("demo/busy").await.unwrap();
+    let mut held = tokio::net::TcpStream::connect(addr_of(&a)).await.unwrap();
+    held.write_all(
+        b"POST /upload HTTP/1.1\r\nHost: a\r\nx-actor-ref: demo/busy\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n",
+    )
+    .await
+    .unwrap();
+    let key = valet_control::ActorKey::new("demo", "busy").unwrap();
+    assert!(
+        sys.plane
+            .wait_until(WAIT, |p| p.get_actor(&key).is_ok_and(|a| a.busy))
+            .await,
+        "the worker reports the request in flight"
+    );
+    (a, held)
+}
+
 /// A suspend of an actor whose request stays in flight, with real workers: the worker
 /// waits for it at most half the checkpoint timeout, then answers busy; the actor
 /// keeps running (nothing CRASHED), and the worker keeps renewing its hosting
@@ -463,31 +501,8 @@ async fn a_suspend_of_a_busy_actor_leaves_it_running_with_real_workers() {
         ..PlaneConfig::default()
     };
     let mut sys = system(0, config).await;
-    sys.add_worker("echo", Duration::ZERO).await;
-    assert!(
-        sys.plane
-            .wait_until(WAIT, |p| p.pool("echo") == (1, 1))
-            .await
-    );
-    sys.atespace("demo").await;
-    sys.create_from("demo/busy", "echo").await.unwrap();
-    sys.create_from("demo/next", "echo").await.unwrap();
-    let (a, _) = sys.resume("demo/busy").await.unwrap();
-
     // A request in flight: a chunked upload that does not end.
-    let mut held = tokio::net::TcpStream::connect(addr_of(&a)).await.unwrap();
-    held.write_all(
-        b"POST /upload HTTP/1.1\r\nHost: a\r\nx-actor-ref: demo/busy\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n",
-    )
-    .await
-    .unwrap();
-    let key = valet_control::ActorKey::new("demo", "busy").unwrap();
-    assert!(
-        sys.plane
-            .wait_until(WAIT, |p| p.get_actor(&key).is_ok_and(|a| a.busy))
-            .await,
-        "the worker reports the request in flight"
-    );
+    let (_, mut held) = busy_echo_actor(&mut sys, &["next"]).await;
     let next = {
         let client = sys.client.clone();
         tokio::spawn(async move {
@@ -543,29 +558,7 @@ async fn a_stopping_worker_lets_its_requests_in_flight_finish() {
         ..PlaneConfig::default()
     };
     let mut sys = system(0, config).await;
-    sys.add_worker("echo", Duration::ZERO).await;
-    assert!(
-        sys.plane
-            .wait_until(WAIT, |p| p.pool("echo") == (1, 1))
-            .await
-    );
-    sys.atespace("demo").await;
-    sys.create_from("demo/busy", "echo").await.unwrap();
-    let (a, _) = sys.resume("demo/busy").await.unwrap();
-
-    let mut held = tokio::net::TcpStream::connect(addr_of(&a)).await.unwrap();
-    held.write_all(
-        b"POST /upload HTTP/1.1\r\nHost: a\r\nx-actor-ref: demo/busy\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n",
-    )
-    .await
-    .unwrap();
-    let key = valet_control::ActorKey::new("demo", "busy").unwrap();
-    assert!(
-        sys.plane
-            .wait_until(WAIT, |p| p.get_actor(&key).is_ok_and(|a| a.busy))
-            .await,
-        "the worker reports the request in flight"
-    );
+    let (a, mut held) = busy_echo_actor(&mut sys, &[]).await;
 
     // The worker stops: its app first, which takes no new connection...
     let app = addr_of(&a);
