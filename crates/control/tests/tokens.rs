@@ -67,6 +67,27 @@ fn ec_key() -> (EncodingKey, String) {
     )
 }
 
+/// `plane` served on `listener` with `security` until `stop`.
+fn serving(
+    listener: tokio::net::TcpListener,
+    plane: &Plane,
+    stop: &CancellationToken,
+    security: ServerSecurity,
+) -> tokio::task::JoinHandle<()> {
+    let (plane, stop) = (plane.clone(), stop.clone());
+    tokio::spawn(async move {
+        valet_control::serve(
+            listener,
+            plane,
+            stop.cancelled_owned(),
+            Duration::from_secs(5),
+            security,
+        )
+        .await
+        .unwrap();
+    })
+}
+
 impl Secured {
     async fn start() -> Self {
         let dir = tempfile::tempdir().unwrap();
@@ -98,20 +119,7 @@ impl Secured {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("https://{}", listener.local_addr().unwrap());
         let stop = CancellationToken::new();
-        let server = {
-            let (plane, stop) = (plane.clone(), stop.clone());
-            tokio::spawn(async move {
-                valet_control::serve(
-                    listener,
-                    plane,
-                    stop.cancelled_owned(),
-                    Duration::from_secs(5),
-                    security,
-                )
-                .await
-                .unwrap();
-            })
-        };
+        let server = serving(listener, &plane, &stop, security);
         Self {
             plane,
             url,
@@ -373,20 +381,7 @@ async fn a_connection_that_never_sends_its_preface_is_closed() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let stop = CancellationToken::new();
-    let server = {
-        let (plane, stop) = (plane.clone(), stop.clone());
-        tokio::spawn(async move {
-            valet_control::serve(
-                listener,
-                plane,
-                stop.cancelled_owned(),
-                Duration::from_secs(5),
-                ServerSecurity::default(),
-            )
-            .await
-            .unwrap();
-        })
-    };
+    let server = serving(listener, &plane, &stop, ServerSecurity::default());
     let silent = tokio::net::TcpStream::connect(addr).await.unwrap();
     closed_within(silent, "silent").await;
     let mut partial = tokio::net::TcpStream::connect(addr).await.unwrap();
