@@ -6,7 +6,6 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use axum::serve::ListenerExt as _;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -64,32 +63,92 @@ pub fn spawn_slot(
 /// before it stops without them.
 pub const ADMIN_CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// Serves `app` on `listener` (an admin server: probes, `/metrics`, `/statusz`) until
-/// `stop`; then lets its connections finish for [`ADMIN_CLOSE_GRACE`], so that one that
-/// never finishes its request cannot hold the process's shutdown.
+/// How long an admin connection may take to send a request's head, also the first one
+/// and the next one on a kept-alive connection; it is closed after that.
+pub const ADMIN_HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How many connections an admin server serves at once; past that, new ones wait in
+/// the listen backlog until one closes (at most [`ADMIN_HEADER_TIMEOUT`] for an idle
+/// one).
+pub const ADMIN_MAX_CONNECTIONS: usize = 128;
+
+/// The largest request head an admin server reads (hyper's smallest read buffer).
+const ADMIN_MAX_HEAD: usize = 8 * 1024;
+
+/// Serves `app` on `listener` (an admin server: probes, `/metrics`, `/statusz`) over
+/// HTTP/1.1 until `stop`; then lets its connections finish for [`ADMIN_CLOSE_GRACE`]
+/// and ends those still open, so that one that never finishes its request cannot hold
+/// the process's shutdown. Every connection is bounded: [`ADMIN_HEADER_TIMEOUT`] to
+/// send a head, [`ADMIN_MAX_HEAD`] for its size, [`ADMIN_MAX_CONNECTIONS`] at once.
 pub fn serve_http(
     listener: TcpListener,
     app: axum::Router,
     stop: CancellationToken,
     what: &'static str,
 ) -> tokio::task::JoinHandle<()> {
-    let listener = listener.tap_io(move |tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, what, "cannot set TCP_NODELAY on a connection");
-        }
-    });
     tokio::spawn(async move {
-        let serve =
-            axum::serve(listener, app).with_graceful_shutdown(stop.clone().cancelled_owned());
-        let grace_over = async {
-            stop.cancelled().await;
-            tokio::time::sleep(ADMIN_CLOSE_GRACE).await;
-        };
-        tokio::select! {
-            served = serve => if let Err(e) = served {
-                tracing::warn!(error = %e, what, "server failed");
-            },
-            () = grace_over => tracing::debug!(what, "connections still open after the grace; leaving them"),
+        let mut http = hyper::server::conn::http1::Builder::new();
+        http.timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(ADMIN_HEADER_TIMEOUT)
+            .max_buf_size(ADMIN_MAX_HEAD);
+        let permits = std::sync::Arc::new(tokio::sync::Semaphore::new(ADMIN_MAX_CONNECTIONS));
+        // Owns every connection's task: those still open after the grace are ended
+        // when it drops.
+        let mut connections = tokio::task::JoinSet::new();
+        loop {
+            while connections.try_join_next().is_some() {}
+            let permit = tokio::select! {
+                () = stop.cancelled() => break,
+                permit = permits.clone().acquire_owned() => permit.expect("never closed"),
+            };
+            let accepted = tokio::select! {
+                () = stop.cancelled() => break,
+                accepted = listener.accept() => accepted,
+            };
+            let tcp = match accepted {
+                Ok((tcp, _)) => tcp,
+                Err(e) => {
+                    // Out of file descriptors, say: wait for some to close rather than
+                    // spin.
+                    tracing::warn!(error = %e, what, "cannot accept a connection");
+                    tokio::select! {
+                        () = stop.cancelled() => break,
+                        () = tokio::time::sleep(std::time::Duration::from_millis(50)) => continue,
+                    }
+                }
+            };
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %e, what, "cannot set TCP_NODELAY on a connection");
+            }
+            let app = app.clone();
+            let service = hyper::service::service_fn(move |request| {
+                let mut app = app.clone();
+                tower_service::Service::call(&mut app, request)
+            });
+            let conn = http.serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
+            let stop = stop.clone();
+            connections.spawn(async move {
+                let _permit = permit;
+                let mut conn = std::pin::pin!(conn);
+                let served = tokio::select! {
+                    served = conn.as_mut() => served,
+                    () = stop.cancelled() => {
+                        conn.as_mut().graceful_shutdown();
+                        conn.await
+                    }
+                };
+                if let Err(e) = served {
+                    tracing::debug!(error = %e, what, "connection ended");
+                }
+            });
+        }
+        drop(listener);
+        let finished = async { while connections.join_next().await.is_some() {} };
+        if tokio::time::timeout(ADMIN_CLOSE_GRACE, finished)
+            .await
+            .is_err()
+        {
+            tracing::debug!(what, "connections still open after the grace; closing them");
         }
     })
 }
@@ -126,5 +185,111 @@ async fn readyz(State(slot): State<PlaneSlot>) -> Response {
         (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {e}\n")).into_response()
     } else {
         (StatusCode::OK, "ready\n").into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::net::TcpStream;
+
+    async fn probes() -> (
+        std::net::SocketAddr,
+        CancellationToken,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        let served = spawn_slot(listener, PlaneSlot::default(), stop.clone());
+        (addr, stop, served)
+    }
+
+    /// Sends `GET /healthz` on `tcp` and reads the answer's first bytes.
+    async fn healthz(tcp: &mut TcpStream) -> String {
+        tcp.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = vec![0; 1024];
+        let n = tcp.read(&mut answer).await.unwrap();
+        String::from_utf8_lossy(&answer[..n]).into_owned()
+    }
+
+    /// Reads until the server closes `tcp`, bounded.
+    async fn closed(tcp: &mut TcpStream) -> bool {
+        let mut rest = Vec::new();
+        tokio::time::timeout(Duration::from_secs(600), tcp.read_to_end(&mut rest))
+            .await
+            .is_ok()
+    }
+
+    use std::time::Duration;
+
+    /// A connection that never finishes its request head, or stays idle after an
+    /// answer, is closed after [`ADMIN_HEADER_TIMEOUT`], not held open for good.
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_admin_connection_is_closed_after_the_header_timeout() {
+        let (addr, _stop, _served) = probes().await;
+        let mut half = TcpStream::connect(addr).await.unwrap();
+        half.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+            .await
+            .unwrap();
+        let since = tokio::time::Instant::now();
+        assert!(closed(&mut half).await, "the half-sent request was kept");
+        assert!(since.elapsed() >= ADMIN_HEADER_TIMEOUT);
+
+        let mut idle = TcpStream::connect(addr).await.unwrap();
+        assert!(healthz(&mut idle).await.starts_with("HTTP/1.1 200"));
+        assert!(closed(&mut idle).await, "the idle connection was kept");
+    }
+
+    /// Past [`ADMIN_MAX_CONNECTIONS`], a new connection is served only once another
+    /// closes.
+    #[tokio::test(start_paused = true)]
+    async fn admin_connections_are_capped() {
+        let (addr, _stop, _served) = probes().await;
+        let mut held = Vec::new();
+        for _ in 0..ADMIN_MAX_CONNECTIONS {
+            let mut tcp = TcpStream::connect(addr).await.unwrap();
+            // Answered: the server took the connection (and keeps it alive).
+            assert!(healthz(&mut tcp).await.starts_with("HTTP/1.1 200"));
+            held.push(tcp);
+        }
+        let late = tokio::spawn(async move {
+            let mut tcp = TcpStream::connect(addr).await.unwrap();
+            healthz(&mut tcp).await
+        });
+        // Well within the held connections' header timeout.
+        let within = ADMIN_HEADER_TIMEOUT / 4;
+        tokio::time::sleep(within).await;
+        assert!(!late.is_finished(), "served past the cap");
+        drop(held.pop());
+        let answer = tokio::time::timeout(within, late).await;
+        assert!(
+            answer
+                .as_ref()
+                .is_ok_and(|a| a.as_ref().unwrap().starts_with("HTTP/1.1 200")),
+            "{answer:?}"
+        );
+    }
+
+    /// Once told to stop, the server lets an answer in progress finish, then ends every
+    /// connection still open within [`ADMIN_CLOSE_GRACE`].
+    #[tokio::test(start_paused = true)]
+    async fn a_stopped_admin_server_ends_its_connections() {
+        let (addr, stop, served) = probes().await;
+        let mut half = TcpStream::connect(addr).await.unwrap();
+        half.write_all(b"GET /healthz HTTP/1.1\r\n").await.unwrap();
+        let mut kept = TcpStream::connect(addr).await.unwrap();
+        assert!(healthz(&mut kept).await.starts_with("HTTP/1.1 200"));
+        stop.cancel();
+        tokio::time::timeout(ADMIN_CLOSE_GRACE * 2, served)
+            .await
+            .expect("the server stopped within its grace")
+            .unwrap();
+        assert!(closed(&mut kept).await);
+        assert!(closed(&mut half).await);
+        assert!(TcpStream::connect(addr).await.is_err(), "still listening");
     }
 }
