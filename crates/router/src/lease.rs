@@ -40,11 +40,22 @@ struct Entry {
 /// randomly seeded per process (as `RandomState` is) but several times faster.
 type Map<V> = HashMap<ActorRef, V, foldhash::fast::RandomState>;
 
+/// A revocation remembered: leases up to `through` on the actor are never installed.
+#[derive(Debug, Clone, Copy)]
+struct Floor {
+    through: u64,
+    /// From then on no answer it covers can still be installed: each such answer
+    /// granted a lease that ended by then (it was sent before the revocation, and its
+    /// lease counts from when its request was sent), and expired grants are refused.
+    forget_at: Instant,
+}
+
 #[derive(Debug, Default)]
 struct Book {
     entries: Map<Entry>,
-    /// The highest lease number revoked, per actor.
-    revoked: Map<u64>,
+    /// The highest lease number revoked, per actor, while an answer it covers could
+    /// still arrive.
+    revoked: Map<Floor>,
 }
 
 /// The route cache: which worker each leased actor runs on, until when.
@@ -142,6 +153,12 @@ impl RouteCache {
         }
         let addr = e.addr;
         let ended = e.until;
+        if now >= ended + self.stale_max {
+            // Of no use any more, also while the watch (whose renewals prune) is down.
+            book.entries.remove(actor);
+            self.metrics.leases(-1);
+            return None;
+        }
         drop(book);
         if stale_ok && now < ended + self.stale_max && self.unreachable() {
             return Some(Cached::Stale(addr));
@@ -150,7 +167,9 @@ impl RouteCache {
     }
 
     /// Installs a lease on `actor` at `addr`, granted on a request sent at `sent_at`,
-    /// unless a revocation already covered its number.
+    /// unless a revocation already covered its number, the lease already ended, or the
+    /// cache holds a valid lease granted after it (two answers crossed: a renewal's and
+    /// a request's, say).
     pub(crate) fn install(
         &self,
         actor: &ActorRef,
@@ -158,12 +177,37 @@ impl RouteCache {
         grant: Grant,
         sent_at: Instant,
     ) {
-        let mut book = self.book();
-        if book.revoked.get(actor).is_some_and(|r| grant.id <= *r) {
+        self.install_at(actor, addr, grant, sent_at, Instant::now());
+    }
+
+    /// [`Self::install`] at `now`.
+    fn install_at(
+        &self,
+        actor: &ActorRef,
+        addr: SocketAddr,
+        grant: Grant,
+        sent_at: Instant,
+        now: Instant,
+    ) {
+        let until = sent_at + grant.lease;
+        if until <= now {
             return;
         }
-        book.revoked.remove(actor);
-        let until = sent_at + grant.lease;
+        let mut book = self.book();
+        if book
+            .revoked
+            .get(actor)
+            .is_some_and(|r| grant.id <= r.through)
+        {
+            return;
+        }
+        if book
+            .entries
+            .get(actor)
+            .is_some_and(|e| now < e.until && grant.id < e.id)
+        {
+            return;
+        }
         let fresh = book.entries.insert(
             actor.clone(),
             Entry {
@@ -181,9 +225,21 @@ impl RouteCache {
 
     /// The control plane revoked the leases on `actor` up to `through`.
     pub(crate) fn revoke(&self, actor: &ActorRef, through: u64) {
+        self.revoke_at(actor, through, Instant::now());
+    }
+
+    /// [`Self::revoke`] at `now`.
+    fn revoke_at(&self, actor: &ActorRef, through: u64, now: Instant) {
+        // Any answer the revocation covers granted at most the lease the plane grants
+        // now (while no watch is open, no answer grants one).
+        let lease = self.watching().map_or(Duration::ZERO, |(_, lease)| lease);
         let mut book = self.book();
-        let r = book.revoked.entry(actor.clone()).or_default();
-        *r = (*r).max(through);
+        let floor = book.revoked.entry(actor.clone()).or_insert(Floor {
+            through,
+            forget_at: now,
+        });
+        floor.through = floor.through.max(through);
+        floor.forget_at = floor.forget_at.max(now + lease);
         if book.entries.get(actor).is_some_and(|e| e.id <= through) {
             book.entries.remove(actor);
             self.metrics.leases(-1);
@@ -232,11 +288,16 @@ impl RouteCache {
     /// renewing (one renewal per actor at a time). Expired leases past the stale window
     /// are dropped.
     fn due(&self, margin: Duration) -> Vec<ActorRef> {
-        let now = Instant::now();
+        self.due_at(margin, Instant::now())
+    }
+
+    /// [`Self::due`] at `now`.
+    fn due_at(&self, margin: Duration, now: Instant) -> Vec<ActorRef> {
         let mut book = self.book();
         let before = book.entries.len();
         let stale_max = self.stale_max;
         book.entries.retain(|_, e| now < e.until + stale_max);
+        book.revoked.retain(|_, r| now < r.forget_at);
         self.metrics
             .leases(book.entries.len() as i64 - before as i64);
         book.entries
@@ -558,5 +619,81 @@ fn worker_addr(actor: &valet_proto::ateapi::Actor, default_port: u16) -> Option<
     match crate::retry::classify(Ok(actor.clone()), true, default_port) {
         crate::retry::Class::Route(addr) => Some(addr),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const L: Duration = Duration::from_secs(5);
+
+    fn cache() -> RouteCache {
+        let cache = RouteCache::new(Duration::from_secs(30), Arc::new(Metrics::new()));
+        cache.set_holder(Some(("r1".into(), L)));
+        cache
+    }
+
+    fn addr(port: u16) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
+    fn grant(id: u64) -> Grant {
+        Grant { lease: L, id }
+    }
+
+    /// A renewal answered before a revocation but installed after the answer of a
+    /// request sent after it (the actor moved meanwhile) does not replace the newer
+    /// lease: the route stays on the actor's new worker.
+    #[test]
+    fn an_older_grant_never_replaces_a_newer_one() {
+        let cache = cache();
+        let a: ActorRef = "demo/p1".parse().unwrap();
+        let now = Instant::now();
+        cache.revoke_at(&a, 9, now);
+        cache.install_at(&a, addr(2), grant(12), now, now);
+        cache.install_at(&a, addr(1), grant(9), now, now);
+        assert_eq!(cache.route_at(&a, false, now), Some(Cached::Valid(addr(2))));
+        // Neither does one the revocation did not cover but that was granted earlier.
+        cache.install_at(&a, addr(1), grant(10), now, now);
+        assert_eq!(cache.route_at(&a, false, now), Some(Cached::Valid(addr(2))));
+    }
+
+    /// A revocation is remembered while an answer it covers could still grant a lease
+    /// that has not ended, and forgotten after (renewals prune it).
+    #[test]
+    fn a_revocation_outlives_the_leases_it_covers_and_no_more() {
+        let cache = cache();
+        let a: ActorRef = "demo/p1".parse().unwrap();
+        let b: ActorRef = "demo/p2".parse().unwrap();
+        let t0 = Instant::now();
+        cache.revoke_at(&a, 9, t0);
+        // Another actor's lease, installed meanwhile, does not lift the revocation.
+        cache.install_at(&b, addr(3), grant(11), t0, t0);
+        let sent = t0 - Duration::from_secs(1);
+        cache.install_at(&a, addr(1), grant(9), sent, t0 + Duration::from_secs(1));
+        assert_eq!(cache.route_at(&a, false, t0 + Duration::from_secs(1)), None);
+        // An answer arriving after its lease ended installs nothing.
+        cache.install_at(&a, addr(1), grant(20), sent, sent + L);
+        assert_eq!(cache.route_at(&a, false, sent + L), None);
+        assert_eq!(cache.book().revoked.len(), 1);
+        drop(cache.due_at(Duration::ZERO, t0 + L));
+        assert!(cache.book().revoked.is_empty(), "forgotten after a lease");
+    }
+
+    /// An expired lease past the stale window leaves the cache when it is looked up,
+    /// also while no renewal prunes the cache.
+    #[test]
+    fn a_lease_past_its_stale_window_leaves_the_cache() {
+        let cache = cache();
+        let a: ActorRef = "demo/p1".parse().unwrap();
+        let t0 = Instant::now();
+        cache.install_at(&a, addr(1), grant(1), t0, t0);
+        assert_eq!(cache.len(), 1);
+        assert_eq!(
+            cache.route_at(&a, true, t0 + L + Duration::from_secs(30)),
+            None
+        );
+        assert!(cache.is_empty());
     }
 }
