@@ -262,14 +262,18 @@ impl Charge {
     /// Charges `n` bytes that have just been read: from what is reserved and unused
     /// first, then from the lot, waiting while the lot's bytes are spent (the caller
     /// reads nothing more meanwhile). A charge never waits for more than the whole
-    /// lot, so one frame larger than the lot takes all of it.
+    /// lot, so one frame larger than the lot takes all of it; once this charge holds
+    /// the whole lot, a charge for more waits until bytes are released elsewhere
+    /// (never, for this caller: it reads nothing more until its bytes are handed on).
     ///
     /// Cancel-safe: dropping the future gives back nothing and takes nothing more.
     pub async fn charge(&mut self, n: u64) {
         let unused = self.bytes - self.used;
-        let need = n
-            .saturating_sub(unused)
-            .min(self.capacity.saturating_sub(self.bytes));
+        let want = n.saturating_sub(unused);
+        if want > 0 && self.bytes >= self.capacity {
+            return std::future::pending().await;
+        }
+        let need = want.min(self.capacity - self.bytes);
         if need > 0 {
             let need32 = u32::try_from(need).unwrap_or(u32::MAX);
             match Arc::clone(&self.semaphore).acquire_many_owned(need32).await {
@@ -400,6 +404,15 @@ mod tests {
             100,
             "a frame larger than the lot takes all of it"
         );
+        {
+            let more = c.charge(50);
+            tokio::pin!(more);
+            assert!(
+                futures_poll_once(more.as_mut()).await.is_pending(),
+                "holding the whole lot, c reads nothing more"
+            );
+        }
+        assert_eq!(c.bytes(), 100);
         c.release(100);
         assert_eq!((bytes.held(), held()), (0, 0.0));
     }
