@@ -63,7 +63,10 @@ struct Inner {
     metrics: Arc<Metrics>,
     tasks: TaskTracker,
     cutoff: CancellationToken,
-    stop_flights: CancellationToken,
+    /// The router stops: flights start no new attempt.
+    wind_down: CancellationToken,
+    /// The drain is over: flights abandon the attempts they still wait for.
+    abandon: CancellationToken,
     cache: Arc<RouteCache>,
     leases: std::sync::Mutex<Option<Arc<LeaseClient>>>,
     recent: RecentRequests,
@@ -99,7 +102,8 @@ impl Router {
                 metrics,
                 tasks: TaskTracker::new(),
                 cutoff: CancellationToken::new(),
-                stop_flights: CancellationToken::new(),
+                wind_down: CancellationToken::new(),
+                abandon: CancellationToken::new(),
                 leases: std::sync::Mutex::new(None),
                 recent: RecentRequests::default(),
             }),
@@ -281,11 +285,24 @@ impl Router {
     }
 
     /// Ends every flight still running and waits for them: the last step of a drain,
-    /// once no request waits any more. An attempt in flight is abandoned by the router
-    /// only; the control plane finishes a restore whose caller left.
-    pub async fn stop_flights(&self) {
-        self.inner.stop_flights.cancel();
-        self.flights_finished().await;
+    /// once no request waits any more. No flight starts another attempt, but an attempt
+    /// already sent is waited for until `until` (the end of the drain): the control
+    /// plane may have committed a restore to it, which a cancelled call can strand
+    /// (`parking.md`: an attempt in flight is never cancelled). Past `until`, those
+    /// still in flight are abandoned.
+    pub async fn stop_flights(&self, until: Instant) {
+        self.inner.wind_down.cancel();
+        self.inner.tasks.close();
+        if tokio::time::timeout_at(until, self.inner.tasks.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "resume attempts still in flight at the end of the drain: abandoning them"
+            );
+            self.inner.abandon.cancel();
+            self.inner.tasks.wait().await;
+        }
     }
 
     async fn resolve<F>(
@@ -326,7 +343,8 @@ impl Router {
             inner.config.worker_port(),
             Arc::clone(&inner.metrics),
             Arc::clone(&inner.cache),
-            inner.stop_flights.clone(),
+            inner.wind_down.clone(),
+            inner.abandon.clone(),
         ));
     }
 }

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tonic::Code;
 use valet_proto::ateapi;
 
@@ -157,8 +158,9 @@ impl Pacing {
     }
 }
 
-/// Runs a flight to its result and publishes it. Detached from every caller; `stop`
-/// ends it early (the router is shutting down and nobody waits for it any more).
+/// Runs a flight to its result and publishes it. Detached from every caller. Once
+/// `wind_down` is cancelled (the router stops and nobody waits for the flight any
+/// more) it starts no new attempt; `abandon` ends it even mid-attempt.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn run(
     mut flight: Flight,
@@ -167,11 +169,12 @@ pub(crate) async fn run(
     default_port: u16,
     metrics: Arc<Metrics>,
     cache: Arc<RouteCache>,
-    stop: tokio_util::sync::CancellationToken,
+    wind_down: CancellationToken,
+    abandon: CancellationToken,
 ) {
     let result = tokio::select! {
-        r = attempts(&mut flight, control_plane.as_ref(), &config, default_port, &metrics, &cache) => r,
-        () = stop.cancelled() => Err(FlightError::Lost),
+        r = attempts(&mut flight, control_plane.as_ref(), &config, default_port, &metrics, &cache, &wind_down) => r,
+        () = abandon.cancelled() => Err(FlightError::Lost),
     };
     if let Err(err) = &result {
         tracing::debug!(actor = %flight.actor(), error = %err, "resume flight failed");
@@ -188,9 +191,13 @@ async fn attempts(
     default_port: u16,
     metrics: &Metrics,
     cache: &RouteCache,
+    wind_down: &CancellationToken,
 ) -> FlightResult {
     let mut pacing = Pacing::new(config, flight.deadline());
     loop {
+        if wind_down.is_cancelled() {
+            return Err(FlightError::Lost);
+        }
         let sent_at = Instant::now();
         let wait_for_capacity = pacing.wait_for_capacity(sent_at, flight.is_parked());
         let request = ResumeRequest {
@@ -230,12 +237,16 @@ async fn attempts(
         if config.enabled() {
             flight.park();
         }
-        match pacing.after_retryable(now) {
-            Next::Attempt(at) => tokio::time::sleep_until(at).await,
-            Next::Exhausted(at) => {
-                tokio::time::sleep_until(at).await;
-                return Err(FlightError::BudgetExhausted(err));
-            }
+        let (at, exhausted) = match pacing.after_retryable(now) {
+            Next::Attempt(at) => (at, None),
+            Next::Exhausted(at) => (at, Some(err)),
+        };
+        tokio::select! {
+            () = tokio::time::sleep_until(at) => {}
+            () = wind_down.cancelled() => return Err(FlightError::Lost),
+        }
+        if let Some(err) = exhausted {
+            return Err(FlightError::BudgetExhausted(err));
         }
     }
 }

@@ -120,6 +120,11 @@ impl Call {
         self.answer(Err(ResumeError::new(code, message)));
     }
 
+    /// Whether the router gave up on the call (it dropped its future).
+    pub fn abandoned(&self) -> bool {
+        self.reply.is_closed()
+    }
+
     /// Answers the reference control plane's "no worker has room".
     pub fn no_room(self) {
         self.fail(Code::ResourceExhausted, "no worker has room for the actor");

@@ -389,3 +389,57 @@ async fn late_park_holds_a_slot_only_for_an_instant() {
     }
     h.assert_lot(0, 0, &[("budget_exhausted", 2)]);
 }
+
+/// At shutdown, a flight nobody waits for any more starts no new attempt, but the
+/// attempt it already sent is waited for, never cancelled, while the drain lasts: the
+/// control plane may have committed a restore to it (`parking.md`).
+#[tokio::test(start_paused = true)]
+async fn stopping_waits_for_an_attempt_in_flight_until_the_drain_ends() {
+    let mut h = harness(&[]);
+    let gone = h.request("demo/p1");
+    let in_flight = h.calls.next().await;
+    let backing_off = h.request("demo/p2");
+    h.calls.next().await.no_room();
+    settle_until("p2 parked", || h.parked() == 1).await;
+    for r in [gone, backing_off] {
+        r.abort();
+        assert!(r.await.unwrap_err().is_cancelled());
+    }
+
+    let router = h.router.clone();
+    let drain_ends = Instant::now() + Duration::from_secs(10);
+    let stopping = tokio::spawn(async move { router.stop_flights(drain_ends).await });
+    elapse(Duration::from_secs(3)).await;
+    assert!(
+        !in_flight.abandoned(),
+        "the attempt in flight was cancelled"
+    );
+    assert!(
+        !stopping.is_finished(),
+        "stopped without the attempt's answer"
+    );
+    assert!(
+        h.calls.try_next().is_none(),
+        "a new attempt started while stopping"
+    );
+    in_flight.running(9001);
+    stopping.await.unwrap();
+    assert_eq!(h.router.flights_in_progress(), 0);
+}
+
+/// An attempt still in flight when the drain ends is abandoned then: the router's exit
+/// is bounded.
+#[tokio::test(start_paused = true)]
+async fn an_attempt_still_in_flight_when_the_drain_ends_is_abandoned() {
+    let mut h = harness(&[]);
+    let gone = h.request("demo/p1");
+    let in_flight = h.calls.next().await;
+    gone.abort();
+    assert!(gone.await.unwrap_err().is_cancelled());
+    let started = Instant::now();
+    h.router
+        .stop_flights(started + Duration::from_secs(10))
+        .await;
+    assert_eq!(started.elapsed(), Duration::from_secs(10));
+    assert!(in_flight.abandoned());
+}

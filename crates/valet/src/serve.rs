@@ -140,7 +140,8 @@ impl RunningRouter {
     /// requests already received (parked ones included, on either plane) keep their
     /// budget until `--drain-timeout`; then whatever still waits gets `router shutting
     /// down`, upgraded tunnels are closed, and once every answer is written (bounded by
-    /// [`CUT_OFF_GRACE`]) every connection, stream and flight still open is ended.
+    /// [`CUT_OFF_GRACE`]) every connection and stream still open is ended. Flights start
+    /// no new attempt; one already sent is waited for until the drain timeout.
     pub(crate) async fn drain(self) {
         let config = self.router.config().clone();
         self.health.set_draining();
@@ -157,6 +158,7 @@ impl RunningRouter {
             parked = self.router.lot().active(),
             "stopped accepting; requests in progress keep their budget"
         );
+        let drain_ends = tokio::time::Instant::now() + config.drain_timeout();
         let Self {
             router,
             http,
@@ -196,7 +198,7 @@ impl RunningRouter {
         if let Some(extproc) = extproc.as_mut() {
             extproc.close().await;
         }
-        router.stop_flights().await;
+        router.stop_flights(drain_ends).await;
         router.stop_leases().await;
         stop_admin.cancel();
         let _ = probe.await;
