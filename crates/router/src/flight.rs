@@ -50,7 +50,8 @@ pub(crate) enum FlightState {
     Parked,
     /// The flight is over and out of the registry. `parked` says whether it had parked:
     /// a caller that never saw [`FlightState::Parked`] (this state overwrote it) still
-    /// parks, so every caller of a parked flight is parked or shed exactly once.
+    /// parks, so every caller of a parked flight is parked or shed exactly once; one
+    /// whose flight routed is never shed (it parks only if the lot has room).
     Done { result: FlightResult, parked: bool },
 }
 

@@ -85,26 +85,29 @@ impl ParkingLot {
 
     /// Takes a slot, or counts a rejection when the lot is full.
     pub(crate) fn try_park(&self) -> Option<Slot> {
-        match Arc::clone(&self.permits).try_acquire_owned() {
-            Ok(permit) => {
-                self.admitted.fetch_add(1, Ordering::Relaxed);
-                self.metrics.parked(1);
-                self.active_tx.send_modify(|n| *n += 1);
-                Some(Slot {
-                    permit: Some(permit),
-                    since: Instant::now(),
-                    metrics: Arc::clone(&self.metrics),
-                    finished: false,
-                    sampled: true,
-                    active_tx: Arc::clone(&self.active_tx),
-                })
-            }
-            Err(_) => {
-                self.rejected.fetch_add(1, Ordering::Relaxed);
-                self.metrics.rejected();
-                None
-            }
+        let slot = self.take();
+        if slot.is_none() {
+            self.rejected.fetch_add(1, Ordering::Relaxed);
+            self.metrics.rejected();
         }
+        slot
+    }
+
+    /// Takes a slot if the lot has one free; a full lot rejects nothing (the caller is
+    /// served either way: its flight already routed).
+    pub(crate) fn take(&self) -> Option<Slot> {
+        let permit = Arc::clone(&self.permits).try_acquire_owned().ok()?;
+        self.admitted.fetch_add(1, Ordering::Relaxed);
+        self.metrics.parked(1);
+        self.active_tx.send_modify(|n| *n += 1);
+        Some(Slot {
+            permit: Some(permit),
+            since: Instant::now(),
+            metrics: Arc::clone(&self.metrics),
+            finished: false,
+            sampled: true,
+            active_tx: Arc::clone(&self.active_tx),
+        })
     }
 }
 

@@ -380,7 +380,13 @@ impl Wait<'_> {
                 FlightState::Parked => self.park(lot)?,
                 FlightState::Done { result, parked } => {
                     if parked {
-                        self.park(lot)?;
+                        if result.is_ok() && self.slot.is_none() && !self.again {
+                            // Served either way: counted as parked if the lot has room
+                            // for the instant, never shed for a route already known.
+                            self.slot = lot.take();
+                        } else {
+                            self.park(lot)?;
+                        }
                     }
                     return match result {
                         Ok(addr) => {
@@ -465,5 +471,51 @@ impl Drop for Recording<'_> {
             self.metrics
                 .decided(408, "canceled", self.started.elapsed());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::flight::{FlightError, FlightState};
+
+    /// A caller that first sees its flight already routed (the flight's `Parked` was
+    /// overwritten before the caller looked) is served even when the lot is full, and
+    /// counted as parked when it has room; one that sees it failed is shed as before.
+    #[tokio::test]
+    async fn a_routed_flight_is_never_shed() {
+        let metrics = Arc::new(Metrics::new());
+        let lot = ParkingLot::new(1, 0, Arc::clone(&metrics));
+        let actor: ActorRef = "demo/p1".parse().unwrap();
+        let addr: SocketAddr = "127.0.0.1:9000".parse().unwrap();
+        let wait = |result| {
+            let (_tx, watch) = tokio::sync::watch::channel(FlightState::Done {
+                result,
+                parked: true,
+            });
+            Wait {
+                actor: &actor,
+                watch,
+                slot: None,
+                again: false,
+            }
+        };
+        let full = lot.try_park().unwrap();
+        let routed = wait(Ok(addr))
+            .until_done(&lot, std::future::pending())
+            .await;
+        assert_eq!(routed, Ok(addr));
+        assert_eq!(lot.rejected_total(), 0);
+        let failed = wait(Err(FlightError::Lost))
+            .until_done(&lot, std::future::pending())
+            .await;
+        assert!(matches!(failed, Err(Denial::LotFull(_))), "{failed:?}");
+        drop(full);
+
+        let routed = wait(Ok(addr))
+            .until_done(&lot, std::future::pending())
+            .await;
+        assert_eq!(routed, Ok(addr));
+        assert_eq!((lot.admitted_total(), lot.active()), (2, 0));
     }
 }
