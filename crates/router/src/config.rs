@@ -841,8 +841,19 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         return Err(err());
     }
     let n: f64 = number.parse().map_err(|_| err())?;
-    Duration::try_from_secs_f64(n * unit_secs).map_err(|_| err())
+    let d = Duration::try_from_secs_f64(n * unit_secs).map_err(|_| err())?;
+    if d > MAX_DURATION {
+        return Err(format!(
+            "{s:?} is longer than the longest duration accepted ({}m, 365 days)",
+            MAX_DURATION.as_secs() / 60
+        ));
+    }
+    Ok(d)
 }
+
+/// The longest duration a flag takes: deadlines derived from it (now plus a budget,
+/// plus a drain) stay far from the clock's end.
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// Parses a size in bytes: a whole number, optionally with `KiB`, `MiB` or `GiB`.
 ///
@@ -1094,7 +1105,18 @@ mod tests {
         assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
         assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
-        for bad in ["", "5", "s", "-1s", "5h", "1e3s", "abc"] {
+        assert_eq!(parse_duration("525600m"), Ok(MAX_DURATION));
+        for bad in [
+            "",
+            "5",
+            "s",
+            "-1s",
+            "5h",
+            "1e3s",
+            "abc",
+            "525601m",
+            "9999999999999999999s",
+        ] {
             assert!(parse_duration(bad).is_err(), "{bad:?}");
         }
         for d in ["250ms", "5s", "1.5s", "0s"] {
