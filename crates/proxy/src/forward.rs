@@ -1,6 +1,7 @@
 //! Forwarding a routed request to its worker, and rendering verdicts.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -34,6 +35,57 @@ const HOP_BY_HOP: &[&str] = &[
     "transfer-encoding",
     "upgrade",
 ];
+
+/// Why a small body was not read whole.
+enum Unread {
+    /// No frame came for the idle timeout.
+    Stalled,
+    /// The drain's cut-off came first.
+    CutOff,
+    /// The body broke off or was malformed (the [`Failure`] says which).
+    Failed,
+}
+
+/// Reads `body` whole, each frame within `idle` of the last, until the drain's
+/// cut-off at the latest.
+async fn read_whole(
+    mut body: RequestBody,
+    idle: Duration,
+    tunnels: &Tunnels,
+) -> Result<Bytes, Unread> {
+    let mut all = Vec::new();
+    loop {
+        let frame = tokio::select! {
+            frame = tokio::time::timeout(idle, body.frame()) => frame.map_err(|_| Unread::Stalled)?,
+            () = tunnels.closing() => return Err(Unread::CutOff),
+        };
+        match frame {
+            None => return Ok(Bytes::from(all)),
+            Some(Ok(frame)) => {
+                if let Some(data) = frame.data_ref() {
+                    all.extend_from_slice(data);
+                }
+            }
+            Some(Err(_)) => return Err(Unread::Failed),
+        }
+    }
+}
+
+/// Every field named `name`, joined by `separator` into one value, or `None` when
+/// there is none. The fields are removed from `headers`.
+fn join_fields(headers: &mut HeaderMap, name: HeaderName, separator: &[u8]) -> Option<Vec<u8>> {
+    let http::header::Entry::Occupied(entry) = headers.entry(name) else {
+        return None;
+    };
+    let mut joined = Vec::new();
+    for (i, v) in entry.remove_entry_mult().1.enumerate() {
+        if i > 0 {
+            joined.extend_from_slice(separator);
+        }
+        joined.extend_from_slice(v.as_bytes());
+    }
+    Some(joined)
+}
 
 pub(crate) fn full(status: StatusCode, content_type: &str, body: String) -> Response<Body> {
     Response::builder()
@@ -119,17 +171,18 @@ pub(crate) enum Sent {
 
 impl Outgoing {
     /// Prepares `req` (from `host`, client `peer`): hop-by-hop headers stripped, the
-    /// upgrade taken, `x-forwarded-for` extended; a small body is read whole so the
-    /// request can be replayed, by `deadline` (the request's decision deadline: a
-    /// client that stalls mid-body gets the 504 verdict, and holds neither the request
-    /// nor a drain past it).
+    /// upgrade taken, `x-forwarded-for` extended, cookies in one field; a small body
+    /// is read whole so the request can be replayed. Its frames must come within
+    /// `idle` of each other (a client that stalls mid-body gets the 504 verdict rather
+    /// than holding the request), and before the drain's cut-off.
     pub(crate) async fn new(
         req: Request<RequestBody>,
         failure: Failure,
         route: &Route,
         host: &str,
         peer: SocketAddr,
-        deadline: tokio::time::Instant,
+        idle: Duration,
+        tunnels: &Tunnels,
     ) -> Result<Self, (Response<Body>, &'static str)> {
         let (mut parts, body) = req.into_parts();
         let upgrade = (parts.version == Version::HTTP_11 && is_upgrade(&parts.headers))
@@ -147,12 +200,25 @@ impl Outgoing {
         if let Ok(h) = HeaderValue::from_str(host) {
             headers.insert(header::HOST, h);
         }
-        let forwarded_for = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
-            Some(prior) => format!("{prior}, {}", peer.ip()),
-            None => peer.ip().to_string(),
-        };
-        if let Ok(v) = HeaderValue::from_str(&forwarded_for) {
+        let peer = peer.ip().to_string();
+        let forwarded_for = join_fields(headers, HeaderName::from_static("x-forwarded-for"), b", ")
+            .map_or_else(
+                || peer.clone().into_bytes(),
+                |mut prior| {
+                    prior.extend_from_slice(b", ");
+                    prior.extend_from_slice(peer.as_bytes());
+                    prior
+                },
+            );
+        if let Ok(v) = HeaderValue::from_bytes(&forwarded_for) {
             headers.insert("x-forwarded-for", v);
+        }
+        // HTTP/2 sends each cookie as its own field; an HTTP/1.1 server expects them
+        // in one (RFC 9113 §8.2.3).
+        if let Some(cookies) = join_fields(headers, header::COOKIE, b"; ")
+            && let Ok(v) = HeaderValue::from_bytes(&cookies)
+        {
+            headers.insert(header::COOKIE, v);
         }
         parts.version = Version::HTTP_11;
         let small = body
@@ -162,23 +228,20 @@ impl Outgoing {
         let body = if body.is_end_stream() {
             OutgoingBody::Held(Bytes::new())
         } else if small {
-            let Ok(collected) = tokio::time::timeout_at(deadline, body.collect()).await else {
-                let late = Verdict::of(&Denial::CallerDeadline(route.actor.clone()));
-                return Err((render(&late), late.reason()));
-            };
-            match collected {
-                Ok(all) => OutgoingBody::Held(all.to_bytes()),
-                Err(_) => {
-                    let end = failure.lock().unwrap_or_else(|e| e.into_inner()).take();
-                    let actor = route.actor.clone();
-                    let denial = match end {
+            let actor = route.actor.clone();
+            let denial = match read_whole(body, idle, tunnels).await {
+                Ok(all) => return Ok(Self::held(parts, all, client_upgrade, failure)),
+                Err(Unread::Stalled) => Denial::CallerDeadline(actor),
+                Err(Unread::CutOff) => Denial::ShuttingDown(actor),
+                Err(Unread::Failed) => {
+                    match failure.lock().unwrap_or_else(|e| e.into_inner()).take() {
                         Some(CallerEnd::MalformedBody(why)) => Denial::MalformedBody(actor, why),
                         Some(CallerEnd::Gone) | None => Denial::CallerGone(actor),
-                    };
-                    let v = Verdict::of(&denial);
-                    return Err((render(&v), v.reason()));
+                    }
                 }
-            }
+            };
+            let v = Verdict::of(&denial);
+            return Err((render(&v), v.reason()));
         } else {
             OutgoingBody::Streamed(body)
         };
@@ -188,6 +251,20 @@ impl Outgoing {
             client_upgrade,
             failure,
         })
+    }
+
+    fn held(
+        parts: http::request::Parts,
+        body: Bytes,
+        client_upgrade: Option<hyper::upgrade::OnUpgrade>,
+        failure: Failure,
+    ) -> Self {
+        Self {
+            parts,
+            body: OutgoingBody::Held(body),
+            client_upgrade,
+            failure,
+        }
     }
 
     /// Whether it can be sent again after a 421.

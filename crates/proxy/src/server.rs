@@ -858,7 +858,17 @@ async fn handle(
                 let parked = parked_before || held.was_read();
                 let (body, failure) = held.into_body();
                 let req = Request::from_parts(parts, body);
-                match Outgoing::new(req, failure, route, &host, peer, deadline).await {
+                match Outgoing::new(
+                    req,
+                    failure,
+                    route,
+                    &host,
+                    peer,
+                    shared.limits.idle_timeout,
+                    &shared.tunnels,
+                )
+                .await
+                {
                     Ok(mut out) => send(shared, &mut out, route, &host, deadline, parked).await,
                     Err((resp, verdict)) => (resp, Some(route.addr), verdict),
                 }

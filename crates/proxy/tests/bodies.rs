@@ -24,6 +24,14 @@ fn host(name: &str) -> String {
 }
 
 async fn serve(cp: Arc<dyn ControlPlane>, flags: &[&str]) -> (Router, HttpServer) {
+    serve_with(cp, flags, Limits::default()).await
+}
+
+async fn serve_with(
+    cp: Arc<dyn ControlPlane>,
+    flags: &[&str],
+    limits: Limits,
+) -> (Router, HttpServer) {
     let config = RouterArgs::try_parse_flags(flags)
         .unwrap()
         .resolve()
@@ -32,7 +40,7 @@ async fn serve(cp: Arc<dyn ControlPlane>, flags: &[&str]) -> (Router, HttpServer
     let server = HttpServer::spawn(
         TcpListener::bind("127.0.0.1:0").await.unwrap(),
         router.clone(),
-        Limits::default(),
+        limits,
     )
     .unwrap();
     (router, server)
@@ -368,14 +376,19 @@ async fn a_moved_actor_is_resolved_again() {
 }
 
 /// A client that stalls in the middle of a small body (read whole before it is sent,
-/// so that a 421 can replay it) gets the 504 verdict at the request's decision
-/// deadline, instead of holding the request (and a drain) for as long as it likes.
+/// so that a 421 can replay it) gets the 504 verdict once no byte came for the idle
+/// timeout, instead of holding the request (and a drain) for as long as it likes.
 #[tokio::test]
-async fn a_client_stalled_mid_body_gets_504_at_its_deadline() {
+async fn a_client_stalled_mid_body_gets_504_after_the_idle_timeout() {
     let upstream = collecting_upstream().await;
-    let (router, server) = serve(
+    let idle = Duration::from_millis(300);
+    let (_router, server) = serve_with(
         Arc::new(AlwaysRunning { port: upstream }),
-        &["--parked-request-budget", "100ms"],
+        &[],
+        Limits {
+            idle_timeout: idle,
+            ..Limits::default()
+        },
     )
     .await;
     let mut s = TcpStream::connect(server.local_addr()).await.unwrap();
@@ -388,15 +401,126 @@ async fn a_client_stalled_mid_body_gets_504_at_its_deadline() {
     )
     .await
     .unwrap();
-    let deadline = router.config().decision_timeout();
     let mut out = Vec::new();
-    tokio::time::timeout(deadline + WAIT, s.read_to_end(&mut out))
+    tokio::time::timeout(WAIT, s.read_to_end(&mut out))
         .await
         .expect("answered")
         .unwrap();
     let text = String::from_utf8_lossy(&out);
     assert!(text.starts_with("HTTP/1.1 504 "), "{text}");
     assert!(text.ends_with("actor demo/p1 request timed out"), "{text}");
+}
+
+/// A small body that keeps coming, slowly, is read whole and delivered even when it
+/// takes longer than the request's decision deadline: routed already, the request is
+/// past deciding. Before, it got 504 at that deadline.
+#[tokio::test]
+async fn a_slow_small_upload_is_delivered_past_the_decision_deadline() {
+    let upstream = collecting_upstream().await;
+    let (router, server) = serve_with(
+        Arc::new(AlwaysRunning { port: upstream }),
+        &["--parked-request-budget", "100ms"],
+        Limits {
+            idle_timeout: Duration::from_secs(2),
+            ..Limits::default()
+        },
+    )
+    .await;
+    let gap = Duration::from_millis(700);
+    let chunks = (router.config().decision_timeout().as_millis() / gap.as_millis() + 2) as usize;
+    let body = pattern(chunks * 10, 3);
+    let mut s = TcpStream::connect(server.local_addr()).await.unwrap();
+    s.write_all(
+        format!(
+            "POST / HTTP/1.1\r\nHost: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            host("p1"),
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    for chunk in body.chunks(10) {
+        // The client's own pace, not a synchronization.
+        tokio::time::sleep(gap).await;
+        s.write_all(chunk).await.unwrap();
+    }
+    let mut out = Vec::new();
+    tokio::time::timeout(WAIT, s.read_to_end(&mut out))
+        .await
+        .expect("answered")
+        .unwrap();
+    assert!(
+        out.starts_with(b"HTTP/1.1 200 "),
+        "{}",
+        String::from_utf8_lossy(&out)
+    );
+    assert!(out.ends_with(&body), "the whole body reached the worker");
+}
+
+/// A worker stand-in that answers with every `cookie` and `x-forwarded-for` field it
+/// got, each list on its own line.
+async fn header_echo_upstream() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        loop {
+            let (s, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(|req: http::Request<Incoming>| async move {
+                    let all = |name: &str| {
+                        req.headers()
+                            .get_all(name)
+                            .iter()
+                            .map(|v| v.to_str().unwrap().to_owned())
+                            .collect::<Vec<_>>()
+                    };
+                    let text = format!(
+                        "cookie={:?}\nxff={:?}",
+                        all("cookie"),
+                        all("x-forwarded-for")
+                    );
+                    Ok::<_, hyper::Error>(http::Response::new(Full::new(Bytes::from(text))))
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    port
+}
+
+/// An HTTP/2 client's cookies, one field each as browsers send them, reach the
+/// HTTP/1.1 worker in one field (RFC 9113 §8.2.3), and every `x-forwarded-for` field
+/// a proxy in front added is kept, the router's peer after them.
+#[tokio::test]
+async fn http2_cookies_are_joined_and_every_forwarded_hop_kept() {
+    let upstream = header_echo_upstream().await;
+    let (_router, server) = serve(Arc::new(AlwaysRunning { port: upstream }), &[]).await;
+    let tcp = TcpStream::connect(server.local_addr()).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::get(format!("http://{}/", host("p1")))
+        .header("cookie", "a=1")
+        .header("cookie", "b=2")
+        .header("x-forwarded-for", "10.0.0.1")
+        .header("x-forwarded-for", "10.0.0.2")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let resp = tokio::time::timeout(WAIT, sender.send_request(req))
+        .await
+        .expect("answered")
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(
+        String::from_utf8_lossy(&body),
+        "cookie=[\"a=1; b=2\"]\nxff=[\"10.0.0.1, 10.0.0.2, 127.0.0.1\"]"
+    );
 }
 
 /// A request sent again after a 421 holds its body while it waits: should it park, the
