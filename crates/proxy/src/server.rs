@@ -64,7 +64,7 @@ impl Shared {
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(30))
             .build(connector);
-        let (http1, http2) = builders(limits);
+        let (http1, http2) = builders(limits, router.lot().capacity());
         Self {
             router,
             client,
@@ -252,9 +252,14 @@ async fn sniff(stream: &TcpStream) -> std::io::Result<Option<Protocol>> {
     }
 }
 
-/// hyper's HTTP/1 and HTTP/2 servers under `limits`.
+/// Streams an HTTP/2 connection may have open beyond `--parked-request-max` (hyper's
+/// default limit).
+const H2_STREAMS_BESIDE_THE_LOT: usize = 200;
+
+/// hyper's HTTP/1 and HTTP/2 servers under `limits`, for a lot of `parked_max`.
 fn builders(
     limits: Limits,
+    parked_max: usize,
 ) -> (
     hyper::server::conn::http1::Builder,
     hyper::server::conn::http2::Builder<TokioExecutor>,
@@ -276,6 +281,13 @@ fn builders(
         // requests open, parked ones among them, is noticed by its unanswered ping.
         .keep_alive_interval(limits.idle_timeout)
         .keep_alive_timeout(H2_PING_TIMEOUT)
+        // Room on one connection for the whole lot parked, and as many requests again
+        // as hyper's default allows in flight: a connection that multiplexes many
+        // clients (a browser, a proxy in front) parks or sheds them as the lot says,
+        // rather than holding them unseen in the client past a stream limit.
+        .max_concurrent_streams(
+            u32::try_from(parked_max.saturating_add(H2_STREAMS_BESIDE_THE_LOT)).unwrap_or(u32::MAX),
+        )
         .timer(hyper_util::rt::TokioTimer::new());
     (http1, http2)
 }

@@ -405,3 +405,46 @@ async fn credentials_in_the_authority_are_never_shown() {
         );
     }
 }
+
+/// One HTTP/2 connection may park as many requests as the lot holds: past hyper's
+/// default of 200 streams, a multiplexing client's requests would wait unseen in the
+/// client, neither parked nor shed.
+#[tokio::test]
+async fn one_http2_connection_parks_more_than_200_requests() {
+    const N: usize = 300;
+    let (cp, mut calls) = valet_router::testing::Scripted::new();
+    let router = router_of(cp, &[]);
+    let server = HttpServer::spawn(
+        TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        router.clone(),
+        Limits::default(),
+    )
+    .unwrap();
+    let (send, _conn) = h2_connect(server.local_addr()).await;
+    let requests: Vec<_> = (0..N)
+        .map(|_| {
+            let mut send = send.clone();
+            tokio::spawn(async move {
+                send.ready().await.unwrap();
+                send.send_request(h2_get("/")).await.unwrap().status()
+            })
+        })
+        .collect();
+    let wait = std::time::Duration::from_secs(10);
+    tokio::time::timeout(wait, calls.next())
+        .await
+        .expect("the first call")
+        .no_room();
+    assert!(
+        router.lot().wait_for_active(N, wait).await,
+        "parked on one connection: {}",
+        router.lot().active()
+    );
+    tokio::time::timeout(wait, calls.next())
+        .await
+        .expect("the retry")
+        .fail(tonic::Code::NotFound, "no such actor");
+    for r in requests {
+        assert_eq!(r.await.unwrap(), 404);
+    }
+}
