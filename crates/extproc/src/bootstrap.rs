@@ -165,6 +165,10 @@ pub fn bootstrap(config: &RouterConfig, envoy: EnvoyListeners) -> Result<Value, 
                         "typed_config": {
                             "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
                             "stat_prefix": "ingress_http",
+                            // An edge proxy: the peer is the client (appended to
+                            // x-forwarded-for), and a client's own x-envoy-* headers
+                            // (retry policies among them) are not trusted.
+                            "use_remote_address": true,
                             "generate_request_id": true,
                             "stream_idle_timeout": secs(idle),
                             "upgrade_configs": [{ "upgrade_type": "websocket" }],
@@ -254,6 +258,17 @@ pub fn bootstrap(config: &RouterConfig, envoy: EnvoyListeners) -> Result<Value, 
                 {
                     "name": DFP_CLUSTER,
                     "lb_policy": "CLUSTER_PROVIDED",
+                    // Envoy's default breakers (1024 each) would answer its own 503
+                    // (no verdict text, no Retry-After) when a freed worker routes a
+                    // lot's worth of parked requests at once beside live traffic.
+                    "circuit_breakers": {
+                        "thresholds": [{
+                            "priority": "DEFAULT",
+                            "max_connections": max_requests,
+                            "max_requests": max_requests,
+                            "max_pending_requests": max_requests,
+                        }]
+                    },
                     "cluster_type": {
                         "name": "envoy.clusters.dynamic_forward_proxy",
                         "typed_config": {

@@ -161,9 +161,28 @@ impl ExternalProcessor for Processor {
             inbound_open: true,
             _tracked: self.streams.token(),
         };
-        let out = futures_util::stream::unfold(state, next_response)
-            .take_until(self.force.clone().cancelled_owned());
-        Ok(Response::new(Box::pin(out)))
+        let answers: OutStream = Box::pin(futures_util::stream::unfold(state, next_response));
+        Ok(Response::new(Box::pin(futures_util::stream::unfold(
+            Some((answers, self.force.clone())),
+            until_closed,
+        ))))
+    }
+}
+
+/// The stream's answers until the server closes: a stream still open then ends with
+/// an error status, never cleanly without an answer (which Envoy takes as "go on
+/// unmodified": the request would pass unrouted).
+async fn until_closed(
+    state: Option<(OutStream, CancellationToken)>,
+) -> Option<(
+    Result<ProcessingResponse, Status>,
+    Option<(OutStream, CancellationToken)>,
+)> {
+    let (mut answers, force) = state?;
+    tokio::select! {
+        biased;
+        answer = answers.next() => answer.map(|a| (a, Some((answers, force)))),
+        () = force.cancelled() => Some((Err(Status::unavailable("router shutting down")), None)),
     }
 }
 

@@ -22,22 +22,33 @@ fn scalar(v: &Value) -> String {
     }
 }
 
-/// Quotes strings that YAML would otherwise read as something else.
+/// Quotes strings that YAML would otherwise read as something else. Envoy's loader
+/// (yaml-cpp) tries each scalar as a boolean (`y`, `n` and `on` among them), then as a
+/// number (hexadecimal and octal too) before a string, so such strings are quoted.
 fn quote(s: &str) -> String {
     let plain = !s.is_empty()
         && s.chars()
             .all(|c| c.is_ascii_alphanumeric() || "._/-".contains(c))
         && !s.starts_with(['-', '.'])
         && s.parse::<f64>().is_err()
+        && !radix_number(s)
         && !matches!(
             s.to_ascii_lowercase().as_str(),
-            "true" | "false" | "null" | "yes" | "no" | "on" | "off" | "~"
+            "true" | "false" | "null" | "yes" | "no" | "on" | "off" | "y" | "n" | "~"
         );
     if plain {
         s.to_owned()
     } else {
         serde_json::to_string(s).expect("strings serialize")
     }
+}
+
+/// Whether `s` is a hexadecimal (`0x1f`) or octal (`0o17`) integer.
+fn radix_number(s: &str) -> bool {
+    let lower = s.to_ascii_lowercase();
+    let digits = |rest: &str, radix| !rest.is_empty() && rest.chars().all(|c| c.is_digit(radix));
+    lower.strip_prefix("0x").is_some_and(|r| digits(r, 16))
+        || lower.strip_prefix("0o").is_some_and(|r| digits(r, 8))
 }
 
 fn is_scalar(v: &Value) -> bool {
@@ -95,7 +106,29 @@ mod tests {
         let y = to_yaml(&v);
         assert_eq!(
             y,
-            "a: 1\nb: 0.25s\nc:\n  - \"*\"\n  - x: true\n    y:\n      z: type.googleapis.com/x.y\n\"@type\": t\ne: {}\n"
+            "a: 1\nb: 0.25s\nc:\n  - \"*\"\n  - x: true\n    \"y\":\n      z: type.googleapis.com/x.y\n\"@type\": t\ne: {}\n"
         );
+    }
+
+    /// Strings Envoy's loader would read as booleans or numbers are quoted; others
+    /// stay plain.
+    #[test]
+    fn strings_that_read_as_other_types_are_quoted() {
+        for s in [
+            "y", "N", "yes", "Off", "true", "null", "0x1f", "0X1F", "0o17", "017", "1e3", "inf", "",
+        ] {
+            assert_eq!(quote(s), format!("{s:?}"), "{s}");
+        }
+        for s in [
+            "envoy.filters.http.router",
+            "tls/cert.pem",
+            "x0x1f",
+            "ingress-http",
+            "10.0.0.1",
+            "0.25s",
+            "0xg",
+        ] {
+            assert_eq!(quote(s), s.to_owned(), "{s}");
+        }
     }
 }

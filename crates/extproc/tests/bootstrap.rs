@@ -88,6 +88,20 @@ fn derived_values_for_flag_sets() {
     for (flags, breaker, timeout) in cases {
         let d = doc(flags);
         assert_eq!(max_requests(&d), *breaker, "{flags:?}");
+        // The workers' cluster admits as many: a freed worker may route a lot's worth
+        // of parked requests at once.
+        let dfp = d["static_resources"]["clusters"]
+            .as_vec()
+            .unwrap()
+            .iter()
+            .find(|c| c["lb_policy"].as_str() == Some("CLUSTER_PROVIDED"))
+            .unwrap();
+        let limits = &dfp["circuit_breakers"]["thresholds"][0];
+        for limit in ["max_connections", "max_requests", "max_pending_requests"] {
+            assert_eq!(limits[limit].as_i64(), Some(*breaker), "{limit} {flags:?}");
+        }
+        let hcm = &d["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+        assert_eq!(hcm["use_remote_address"].as_bool(), Some(true));
         let ext = &http_filter(&d, "envoy.filters.http.ext_proc")["typed_config"];
         assert_eq!(ext["message_timeout"].as_str(), Some(*timeout), "{flags:?}");
         assert_eq!(ext["grpc_service"]["timeout"].as_str(), Some(*timeout));

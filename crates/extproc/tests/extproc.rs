@@ -467,3 +467,32 @@ async fn an_unreadable_message_ends_the_stream_with_an_error() {
     let end = s.rx.message().await;
     assert!(end.is_err(), "an error status, not a clean end: {end:?}");
 }
+
+/// A stream still open when the server closes (its request headers not even sent)
+/// ends with an error status, never cleanly without an answer, which Envoy would take
+/// as "go on unmodified".
+#[tokio::test]
+async fn a_stream_open_at_close_ends_with_an_error() {
+    let (cp, _calls) = Scripted::new();
+    let config = RouterArgs::try_parse_flags(&[] as &[&str])
+        .unwrap()
+        .resolve()
+        .unwrap();
+    let router = Router::new(Arc::new(config), cp, Arc::new(Metrics::new()));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut server = ExtProcServer::spawn(listener, router).unwrap();
+    let channel =
+        tonic::transport::Endpoint::from_shared(format!("http://{}", server.local_addr()))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+    let mut s = Stream::open(&ExternalProcessorClient::new(channel)).await;
+    server.close().await;
+    let end = s.rx.message().await;
+    assert!(
+        end.as_ref()
+            .is_err_and(|e| e.code() == tonic::Code::Unavailable),
+        "an error status, not a clean end: {end:?}"
+    );
+}
