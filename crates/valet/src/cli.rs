@@ -77,6 +77,19 @@ pub(crate) fn parse_target_control_plane(s: &str) -> Result<String, String> {
     valet_router::config::parse_control_plane(s).map_err(|e| e.rule.to_string())
 }
 
+/// `--hosting-lease`: a duration of at least [`valet_worker::MIN_HOSTING_LEASE`].
+fn parse_hosting_lease(s: &str) -> Result<Duration, String> {
+    let lease = parse_duration(s)?;
+    let min = valet_worker::MIN_HOSTING_LEASE;
+    if lease < min {
+        return Err(format!(
+            "must be at least {}s (workers renew their hosting every second)",
+            min.as_secs()
+        ));
+    }
+    Ok(lease)
+}
+
 /// A level, or directives `[target=]level` separated by commas; every level one of
 /// [`LOG_LEVELS`] (a bare word that is not a level would silently name a target).
 pub(crate) fn parse_log_level(s: &str) -> Result<String, String> {
@@ -775,7 +788,9 @@ pub(crate) struct LeaseArgs {
 
     /// A worker whose hosting renewals go unanswered this long fences its actor; an
     /// actor whose worker left may run elsewhere only this long after its last renewal.
-    #[arg(long, env = "VALET_HOSTING_LEASE", default_value = "15s", value_parser = parse_duration, value_name = "DURATION")]
+    /// At least 3s: workers renew every second, and the control plane routes to an
+    /// actor only while its worker renewed within half the lease.
+    #[arg(long, env = "VALET_HOSTING_LEASE", default_value = "15s", value_parser = parse_hosting_lease, value_name = "DURATION")]
     pub(crate) hosting_lease: Duration,
 }
 

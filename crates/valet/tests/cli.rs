@@ -437,3 +437,23 @@ fn load_run_rates_are_checked() {
         assert_eq!(stderr_lines(&o).first().map(String::as_str), Some(line));
     }
 }
+
+/// A hosting lease too short for the workers' renewals every second (the control plane
+/// would answer `Unavailable` for a running actor between renewals) is refused, by the
+/// control plane and by `valet up`.
+#[test]
+fn a_hosting_lease_below_3s_is_refused() {
+    for cmd in ["control-plane", "up"] {
+        for lease in ["0", "2s"] {
+            let o = valet(&[cmd, "--hosting-lease", lease], &[]);
+            assert_eq!(o.status.code(), Some(64), "{cmd} {lease}");
+            let lines = stderr_lines(&o);
+            assert_eq!(lines.len(), 1, "{lines:?}");
+            assert!(
+                lines[0].contains("--hosting-lease") && lines[0].contains("at least 3s"),
+                "{}",
+                lines[0]
+            );
+        }
+    }
+}

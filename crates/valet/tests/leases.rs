@@ -242,7 +242,7 @@ async fn a_stale_route_to_a_moved_actor_is_resolved_again() {
         "--rejoin-grace",
         "1s",
         "--hosting-lease",
-        "1s",
+        "3s",
     ];
     let cp = control_plane(&data, "127.0.0.1:0", &flags).await;
     let addr = cp.addr;

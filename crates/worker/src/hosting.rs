@@ -15,6 +15,10 @@ use crate::app::Slot;
 
 /// How often the worker renews its hosting.
 pub(crate) const RENEW_EVERY: Duration = Duration::from_secs(1);
+/// The shortest hosting lease that works with renewals every [`RENEW_EVERY`]: the
+/// control plane routes to an actor only while its worker renewed within half the
+/// lease, so half of it must outlast a renewal and its answer with room to spare.
+pub const MIN_HOSTING_LEASE: Duration = Duration::from_secs(3);
 /// The hosting lease assumed until a control plane names one.
 pub(crate) const DEFAULT_HOSTING_LEASE: Duration = Duration::from_secs(15);
 

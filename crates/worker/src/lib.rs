@@ -34,6 +34,7 @@ use valet_proto::worker::{
 
 pub use app::{ACTOR_REF_HEADER, pattern};
 use app::{App, Hosted, Slot, create_dir_durably, read_counter, write_durably};
+pub use hosting::MIN_HOSTING_LEASE;
 use hosting::{HostingLease, RENEW_EVERY};
 use traffic::Fence;
 
