@@ -113,25 +113,39 @@ impl Cluster {
     /// When a part cannot start, naming it.
     pub async fn start(config: ClusterConfig) -> Result<Self, String> {
         let store = SqliteStore::open(&config.data_dir).map_err(|e| e.to_string())?;
-        let plane = Plane::open(Arc::new(store), config.plane.clone())
-            .await
-            .map_err(|e| e.to_string())?;
+        Self::start_on(store, config).await
+    }
+
+    /// [`Self::start`] on a store the caller opened (and so locked) already. A part
+    /// that cannot start stops those started before it: nothing outlives the error,
+    /// the store's lock included.
+    ///
+    /// # Errors
+    /// When a part cannot start, naming it.
+    pub async fn start_on(store: SqliteStore, config: ClusterConfig) -> Result<Self, String> {
+        // Every port first: nothing is running yet should one be taken.
         let listener = TcpListener::bind(config.listen)
             .await
             .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
-        let stop = CancellationToken::new();
-        let (metrics, metrics_addr) = match config.metrics_listen {
-            Some(at) => {
-                let l = TcpListener::bind(at)
+        let metrics_listener = match config.metrics_listen {
+            Some(at) => Some(
+                TcpListener::bind(at)
                     .await
-                    .map_err(|e| format!("cannot listen on --metrics-listen={at}: {e}"))?;
-                let bound = l.local_addr().map_err(|e| e.to_string())?;
-                let task = valet_control::admin::spawn(l, plane.clone(), stop.child_token());
-                (Some(task), Some(bound))
-            }
-            None => (None, None),
+                    .map_err(|e| format!("cannot listen on --metrics-listen={at}: {e}"))?,
+            ),
+            None => None,
         };
+        let metrics_addr = match &metrics_listener {
+            Some(l) => Some(l.local_addr().map_err(|e| e.to_string())?),
+            None => None,
+        };
+        let plane = Plane::open(Arc::new(store), config.plane.clone())
+            .await
+            .map_err(|e| e.to_string())?;
+        let stop = CancellationToken::new();
+        let metrics = metrics_listener
+            .map(|l| valet_control::admin::spawn(l, plane.clone(), stop.child_token()));
         let (security, credentials, scheme) = match &config.tls {
             Some(t) => (t.server.clone(), t.client.clone(), "https"),
             None => (Default::default(), Default::default(), "http"),
@@ -148,12 +162,35 @@ impl Cluster {
                 }
             })
         };
-        let mut workers = Vec::new();
+        let mut cluster = Self {
+            plane,
+            addr,
+            metrics_addr,
+            workers: Vec::new(),
+            stop,
+            server,
+            metrics,
+        };
+        if let Err(e) = cluster.start_workers(&config, &credentials, scheme).await {
+            cluster.shutdown().await;
+            return Err(e);
+        }
+        Ok(cluster)
+    }
+
+    /// Starts the workers of every pool and waits until each pool has as many (at
+    /// least: a worker started separately may have joined too).
+    async fn start_workers(
+        &mut self,
+        config: &ClusterConfig,
+        credentials: &valet_proto::auth::ClientCredentials,
+        scheme: &str,
+    ) -> Result<(), String> {
         for spec in &config.pools {
             for i in 1..=spec.workers {
                 let worker = Worker::spawn(WorkerConfig {
                     credentials: credentials.clone(),
-                    control_plane: format!("{scheme}://{addr}"),
+                    control_plane: format!("{scheme}://{}", self.addr),
                     pool: spec.pool.clone(),
                     listen: SocketAddr::from(([127, 0, 0, 1], 0)),
                     snapshot_dir: config.data_dir.join("snapshots"),
@@ -163,27 +200,22 @@ impl Cluster {
                 })
                 .await
                 .map_err(|e| e.to_string())?;
-                workers.push(worker);
+                self.workers.push(worker);
             }
         }
         let pools = config.pools.clone();
-        let complete = plane
+        let complete = self
+            .plane
             .wait_until(JOIN_TIMEOUT, |p| {
-                pools.iter().all(|s| p.pool(&s.pool).0 == s.workers)
+                pools.iter().all(|s| p.pool(&s.pool).0 >= s.workers)
             })
             .await;
         if !complete {
-            return Err("workers did not join their pools".into());
+            return Err(format!(
+                "workers did not join their pools within {JOIN_TIMEOUT:?} (is the control plane refusing their credentials?)"
+            ));
         }
-        Ok(Self {
-            plane,
-            addr,
-            metrics_addr,
-            workers,
-            stop,
-            server,
-            metrics,
-        })
+        Ok(())
     }
 
     /// The control plane's URL (`http://ip:port`).

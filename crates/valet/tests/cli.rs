@@ -457,3 +457,47 @@ fn a_hosting_lease_below_3s_is_refused() {
         }
     }
 }
+
+/// `valet up` refuses, before it starts anything, a control-plane setting its own
+/// workers could not meet (they present the router's credentials): bearer tokens
+/// without `--ateapi-auth jwt`, client certificates without `--ateapi-cert-file`.
+/// Before, it waited 20 s for workers that never joined, then exited 1.
+#[test]
+fn valet_up_refuses_control_plane_auth_its_workers_cannot_meet() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let data = data.to_str().unwrap();
+    for (flags, named) in [
+        (
+            &[
+                "--jwt-public-key-file",
+                "k.pem",
+                "--jwt-audience",
+                "a",
+                "--jwt-issuer",
+                "i",
+            ][..],
+            "--ateapi-token-file",
+        ),
+        (
+            &[
+                "--client-ca-file",
+                "ca.pem",
+                "--tls-cert-file",
+                "c.pem",
+                "--tls-key-file",
+                "k.pem",
+            ][..],
+            "--ateapi-cert-file",
+        ),
+    ] {
+        let mut args = vec!["up", "--tls", "--data-dir", data];
+        args.extend_from_slice(flags);
+        let o = valet(&args, &[]);
+        assert_eq!(o.status.code(), Some(64), "{flags:?}");
+        let lines = stderr_lines(&o);
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert!(lines[0].contains(named), "{}", lines[0]);
+    }
+    assert!(!dir.path().join("data").exists(), "nothing written");
+}

@@ -868,6 +868,19 @@ async fn valet_up_with_tls_serves_the_walkthrough_over_https() {
     // Plaintext to the control plane is refused now.
     let plain = common::client(up.control_plane).list_atespaces(()).await;
     assert!(plain.is_err(), "h2c against a TLS control plane");
+
+    // A second `valet up --tls` on the same data dir is refused before it writes
+    // anything: the running one keeps its certificates.
+    let before = std::fs::read(&ca).unwrap();
+    let second = tokio::process::Command::new(env!("CARGO_BIN_EXE_valet"))
+        .args(["up", "--tls", "--data-dir", s(&data)])
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert_eq!(second.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("in use"), "{stderr}");
+    assert!(std::fs::read(&ca).unwrap() == before, "the CA was replaced");
 }
 
 /// Replaces `path` with `contents` the way deployment tools do: written beside it,

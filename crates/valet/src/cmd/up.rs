@@ -61,6 +61,23 @@ async fn up(
             "invalid configuration: --workers=0: must be >= 1".into(),
         ));
     }
+    // The workers present the router's credentials: what the embedded control plane
+    // asks of its clients, they must bring, or they would never join.
+    let jwt = args.security.jwt_public_key_file.is_some() || args.security.jwt_jwks_file.is_some();
+    if jwt && args.router.ateapi.ateapi_auth != Some(valet_router::config::AteapiAuth::Jwt) {
+        return Err(UpError::Config(
+            "invalid configuration: --jwt-public-key-file/--jwt-jwks-file: the embedded control plane then asks for bearer tokens, which its workers and the router send only with --ateapi-auth jwt and --ateapi-token-file".into(),
+        ));
+    }
+    if args.security.client_ca_file.is_some() && args.router.ateapi.ateapi_cert_file.is_none() {
+        return Err(UpError::Config(
+            "invalid configuration: --client-ca-file: the embedded control plane then asks for client certificates, which its workers and the router present only with --ateapi-cert-file and --ateapi-key-file".into(),
+        ));
+    }
+    // The data dir's lock before anything is written into it (the throwaway TLS files
+    // below): another `valet up` on the same dir keeps its own.
+    let store = valet_control::SqliteStore::open(&args.data_dir)
+        .map_err(|e| UpError::Start(e.to_string()))?;
     let tls = if args.tls {
         // Clients dial the listen addresses as given (`0.0.0.0` included): the
         // certificates name them besides the loopback names.
@@ -131,35 +148,38 @@ async fn up(
     let metrics_listen =
         crate::cmd::control_plane::optional_listen("--metrics-listen", &args.metrics_listen)
             .map_err(UpError::Config)?;
-    let cluster = Cluster::start(ClusterConfig {
-        data_dir: args.data_dir.clone(),
-        listen: args.control_plane_listen,
-        metrics_listen,
-        shutdown_timeout: args.shutdown_timeout,
-        tls: cluster_tls,
-        plane: PlaneConfig {
-            capacity_wait: args.capacity_wait == OnOff::On,
-            idle_suspend_after: args.idle_suspend_after,
-            evict_idle_after: args.evict_idle_after,
-            templates: args.templates.clone(),
-            route_lease: args.leases.route_lease,
-            hosting_lease: args.leases.hosting_lease,
-            ..PlaneConfig::default()
+    let cluster = Cluster::start_on(
+        store,
+        ClusterConfig {
+            data_dir: args.data_dir.clone(),
+            listen: args.control_plane_listen,
+            metrics_listen,
+            shutdown_timeout: args.shutdown_timeout,
+            tls: cluster_tls,
+            plane: PlaneConfig {
+                capacity_wait: args.capacity_wait == OnOff::On,
+                idle_suspend_after: args.idle_suspend_after,
+                evict_idle_after: args.evict_idle_after,
+                templates: args.templates.clone(),
+                route_lease: args.leases.route_lease,
+                hosting_lease: args.leases.hosting_lease,
+                ..PlaneConfig::default()
+            },
+            restore_delay: args.restore_delay,
+            pools: vec![
+                PoolSpec {
+                    pool: "counter".into(),
+                    workers: args.workers,
+                    id_prefix: "up-worker".into(),
+                },
+                PoolSpec {
+                    pool: "echo".into(),
+                    workers: args.echo_workers,
+                    id_prefix: "up-echo".into(),
+                },
+            ],
         },
-        restore_delay: args.restore_delay,
-        pools: vec![
-            PoolSpec {
-                pool: "counter".into(),
-                workers: args.workers,
-                id_prefix: "up-worker".into(),
-            },
-            PoolSpec {
-                pool: "echo".into(),
-                workers: args.echo_workers,
-                id_prefix: "up-echo".into(),
-            },
-        ],
-    })
+    )
     .await
     .map_err(UpError::Start)?;
     let cp_addr = cluster.addr;
