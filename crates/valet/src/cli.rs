@@ -92,8 +92,11 @@ fn parse_hosting_lease(s: &str) -> Result<Duration, String> {
 
 /// A level, or directives `[target=]level` separated by commas; every level one of
 /// [`LOG_LEVELS`] (a bare word that is not a level would silently name a target).
+/// Returns the directives without the blanks around them, which the log filter would
+/// otherwise read as part of a target's name.
 pub(crate) fn parse_log_level(s: &str) -> Result<String, String> {
     let is_level = |l: &str| LOG_LEVELS.contains(&l.to_ascii_lowercase().as_str());
+    let mut directives = Vec::new();
     for d in s.split(',').map(str::trim) {
         let ok = match d.split_once('=') {
             Some((target, level)) => !target.trim().is_empty() && is_level(level.trim()),
@@ -105,8 +108,12 @@ pub(crate) fn parse_log_level(s: &str) -> Result<String, String> {
                 LOG_LEVELS.join(", ")
             ));
         }
+        directives.push(match d.split_once('=') {
+            Some((target, level)) => format!("{}={}", target.trim(), level.trim()),
+            None => d.to_owned(),
+        });
     }
-    Ok(s.to_owned())
+    Ok(directives.join(","))
 }
 
 #[derive(Debug, Subcommand)]
@@ -990,6 +997,25 @@ pub(crate) fn parse_error_exit(e: &clap::Error) -> ExitCode {
                 None => eprintln!("{line}"),
             }
             ExitCode::from(EXIT_CONFIG)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_log_level;
+
+    /// Blanks around directives are dropped (the log filter would read them as part of
+    /// a target's name, and log nothing for it); a word that is not a level is refused.
+    #[test]
+    fn log_levels_are_checked_and_trimmed() {
+        assert_eq!(
+            parse_log_level(" info, valet_router = debug ").as_deref(),
+            Ok("info,valet_router=debug")
+        );
+        assert_eq!(parse_log_level("WARN").as_deref(), Ok("WARN"));
+        for bad in ["", "loud", "info,", "=debug", "valet=loud"] {
+            assert!(parse_log_level(bad).is_err(), "{bad:?}");
         }
     }
 }
