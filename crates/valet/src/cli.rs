@@ -939,7 +939,7 @@ pub(crate) enum ActorCommand {
         #[arg(long, env = "VALET_CTL_ATESPACE")]
         atespace: Option<String>,
         /// Actors per page asked of the server.
-        #[arg(long, env = "VALET_CTL_PAGE_SIZE", default_value_t = 100)]
+        #[arg(long, env = "VALET_CTL_PAGE_SIZE", default_value_t = 100, value_parser = clap::value_parser!(i32).range(1..))]
         page_size: i32,
     },
     /// Suspends a running actor (checkpoint, free its worker).

@@ -501,3 +501,27 @@ fn valet_up_refuses_control_plane_auth_its_workers_cannot_meet() {
     }
     assert!(!dir.path().join("data").exists(), "nothing written");
 }
+
+/// `valet ctl` refuses an actor without an atespace or a name, and a page size below
+/// 1, itself (exit 64), before asking any server.
+#[test]
+fn ctl_checks_its_arguments_before_asking() {
+    let nowhere = "http://127.0.0.1:9";
+    for args in [
+        &["ctl", "--control-plane", nowhere, "actor", "get", "demo/"][..],
+        &["ctl", "--control-plane", nowhere, "actor", "get", "/p1"][..],
+        &[
+            "ctl",
+            "--control-plane",
+            nowhere,
+            "actor",
+            "list",
+            "--page-size",
+            "0",
+        ][..],
+    ] {
+        let o = valet(args, &[]);
+        assert_eq!(o.status.code(), Some(64), "{args:?}");
+        assert_eq!(stderr_lines(&o).len(), 1, "{args:?}");
+    }
+}

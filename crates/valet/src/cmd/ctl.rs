@@ -19,12 +19,20 @@ pub(crate) async fn run(args: CtlArgs) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
+    // A resume that may wait for capacity gets that long besides its deadline.
+    let waits = match &args.command {
+        CtlCommand::Actor(ActorCommand::Resume {
+            wait_for_capacity: Some(w),
+            ..
+        }) => *w,
+        _ => std::time::Duration::ZERO,
+    };
     let mut endpoints = Vec::new();
     for url in &urls {
         match credentials.endpoint(url) {
             Ok(e) => endpoints.push(
                 e.connect_timeout(std::time::Duration::from_secs(3))
-                    .timeout(args.timeout),
+                    .timeout(args.timeout + waits),
             ),
             Err(e) => {
                 eprintln!(
@@ -82,6 +90,7 @@ impl From<tonic::Status> for CtlError {
 fn actor_ref(s: &str) -> Result<ateapi::ActorRef, CtlError> {
     let (atespace, name) = s
         .split_once('/')
+        .filter(|(a, n)| !a.is_empty() && !n.is_empty())
         .ok_or_else(|| CtlError::Usage(format!("actor {s:?}: want <atespace>/<name>")))?;
     Ok(ateapi::ActorRef {
         atespace: atespace.to_owned(),
