@@ -199,6 +199,10 @@ async fn second_resume_joins_the_wait() {
     let a = first.await.unwrap().unwrap().into_inner();
     let b = second.await.unwrap().unwrap().into_inner();
     assert_eq!(a.actor.unwrap().ateom_pod_ip, b.actor.unwrap().ateom_pod_ip);
+    assert!(
+        a.resumed && !b.resumed,
+        "only the call that did the activation says so"
+    );
     assert_eq!(
         sys.plane.stats().activations,
         2,

@@ -118,14 +118,16 @@ impl Plane {
         // A resume that joined a wait whose callers all left just before it joined
         // finds no outcome: it starts over (at most once more).
         for _ in 0..2 {
-            let mut outcome = {
+            // Only the call that started the activation did it (`resumed`); one that
+            // joined it shares its outcome otherwise.
+            let (mut outcome, joined) = {
                 let mut st = self.lock();
                 let row = st.actors.get(key).ok_or_else(|| not_found(key))?;
                 match st.busy(key) {
                     Some(OpKind::Resuming {
                         outcome,
                         joinable: true,
-                    }) => outcome.subscribe(),
+                    }) => (outcome.subscribe(), true),
                     Some(_) => return Err(aborted()),
                     None => match row.status {
                         ActorStatus::Running => {
@@ -160,13 +162,18 @@ impl Plane {
                             );
                             drop(st);
                             self.spawn_activation(op, key.clone(), wait, tx);
-                            rx
+                            (rx, false)
                         }
                     },
                 }
             };
             if let Ok(o) = outcome.wait_for(Option::is_some).await {
-                return o.clone().expect("waited for Some");
+                let o = o.clone().expect("waited for Some");
+                return if joined {
+                    o.map(|(actor, _)| (actor, false))
+                } else {
+                    o
+                };
             }
         }
         Err(Status::unavailable(format!(
