@@ -383,7 +383,107 @@ async fn shutdown_waits_at_most_its_timeout() {
     let reopened = Plane::open(Arc::new(store.clone()), config())
         .await
         .unwrap();
-    assert_eq!(reopened.status_of("demo", "a"), Some(S::Suspended));
+    let opened = Instant::now();
+    assert_eq!(
+        reopened.status_of("demo", "a"),
+        Some(S::Resuming),
+        "its worker may still host it"
+    );
+    assert!(
+        reopened
+            .wait_until(Duration::from_secs(60), |p| p.status_of("demo", "a")
+                == Some(S::Suspended))
+            .await
+    );
+    assert!(
+        opened.elapsed() >= config().hosting_lease,
+        "settled before a hosting lease passed: {:?}",
+        opened.elapsed()
+    );
+}
+
+/// A restart in the middle of a checkpoint (its worker's stream cut, the actor perhaps
+/// still served there) moves the actor only once that worker must have fenced it: a
+/// resume after the restart restores it on another worker no sooner than a hosting
+/// lease after the start. Before, the restart recorded it SUSPENDED at once and the
+/// other worker restored it while the first could still serve it.
+#[tokio::test(start_paused = true)]
+async fn a_checkpoint_cut_by_a_restart_moves_the_actor_once_its_worker_fenced() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a"]).await;
+    let (mut w1, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    restored(&plane, &mut w1, "a").await;
+    let (_suspend, _checkpoint) = suspending(&plane, &mut w1).await;
+    w1.leave();
+    plane.shutdown(Duration::from_secs(1)).await;
+    assert_eq!(
+        store.actor(&key("a")).unwrap().status,
+        ActorStatus::Suspending
+    );
+
+    let reopened = Plane::open(Arc::new(store.clone()), config())
+        .await
+        .unwrap();
+    let opened = Instant::now();
+    let (mut w2, _) = FakeWorker::attach(&reopened, "w2", "counter", app(), None).unwrap();
+    let resume = {
+        let plane = reopened.clone();
+        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
+    };
+    let r = expect(&mut w2, "restore").await;
+    assert!(
+        opened.elapsed() >= config().hosting_lease,
+        "restored elsewhere {:?} after the start",
+        opened.elapsed()
+    );
+    w2.answer(r.id, Ok(()));
+    resume.await.unwrap().unwrap();
+    assert_eq!(reopened.status_of("demo", "a"), Some(S::Running));
+}
+
+/// After a restart, an actor left mid-operation on a worker that attaches again is
+/// settled at once: attaching, the worker is told to drop what it may still host.
+#[tokio::test(start_paused = true)]
+async fn a_half_way_actor_settles_once_its_worker_attaches_again() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a"]).await;
+    let (mut w1, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    restored(&plane, &mut w1, "a").await;
+    let (_suspend, _checkpoint) = suspending(&plane, &mut w1).await;
+    w1.leave();
+    plane.shutdown(Duration::from_secs(1)).await;
+
+    // No route leases to wait out: the settler goes straight to waiting for w1.
+    let no_leases = PlaneConfig {
+        route_lease: Duration::ZERO,
+        ..config()
+    };
+    let reopened = Plane::open(Arc::new(store.clone()), no_leases)
+        .await
+        .unwrap();
+    let opened = Instant::now();
+    // The settler is at it (waiting for w1) before w1 is back.
+    assert!(
+        reopened
+            .wait_until(Duration::from_secs(60), |p| p.is_busy("demo", "a"))
+            .await
+    );
+    let (mut w1, kept) =
+        FakeWorker::attach(&reopened, "w1", "counter", app(), Some(&key("a"))).unwrap();
+    assert!(!kept);
+    expect(&mut w1, "evict").await;
+    assert!(
+        reopened
+            .wait_until(Duration::from_secs(60), |p| p.status_of("demo", "a")
+                == Some(S::Suspended))
+            .await
+    );
+    assert!(
+        opened.elapsed() < config().hosting_lease,
+        "waited out the lease: {:?}",
+        opened.elapsed()
+    );
+    assert_eq!(reopened.pool("counter"), (1, 1), "w1 free again");
 }
 
 /// After a restart with route leases, a worker that re-attaches without the actor the

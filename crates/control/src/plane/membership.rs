@@ -415,10 +415,21 @@ impl Plane {
             ?deadline,
             "waiting out the hosting lease before the actor may run elsewhere"
         );
+        // Or until it attaches again: attaching, it reports what it hosts, and what the
+        // records no longer place on it is evicted before any later command.
+        let within = deadline.saturating_duration_since(tokio::time::Instant::now());
         tokio::select! {
-            () = tokio::time::sleep_until(deadline) => true,
+            _ = self.wait_until(within, |p| p.attached(worker)) => true,
             () = self.inner.shutdown.cancelled() => false,
         }
+    }
+
+    /// Whether `worker` is attached, its stream open.
+    fn attached(&self, worker: &str) -> bool {
+        self.lock()
+            .workers
+            .get(worker)
+            .is_some_and(|w| !w.link.is_closed())
     }
 
     /// Releases `key`, whose worker left, once the worker must have fenced it (see

@@ -374,8 +374,10 @@ impl Plane {
     /// plane.
     ///
     /// Recovery: actors left RESUMING or SUSPENDING go back to SUSPENDED from their
-    /// last snapshot; RUNNING actors keep their worker for `rejoin_grace`, then go back
-    /// to SUSPENDED if it has not re-attached.
+    /// last snapshot once their worker must have fenced them (it re-attached, which
+    /// evicts what it may still host, or a hosting lease passed since the start), as
+    /// after any operation left half-way; RUNNING actors keep their worker for
+    /// `rejoin_grace`, then go back to SUSPENDED if it has not re-attached.
     ///
     /// # Errors
     /// When the store cannot be read or written.
@@ -398,27 +400,26 @@ impl Plane {
             let now = tokio::time::Instant::now();
             (now + config.route_lease, now + config.hosting_lease)
         };
-        let mut recovered = Vec::new();
         let mut state = State {
             atespaces: loaded.atespaces.into_iter().collect(),
             ..State::default()
         };
+        let mut half_way = 0;
         for row in loaded.actors {
-            let row = if row.status.is_transitional() {
+            if row.status.is_transitional() {
+                // Settled by the settler, like any operation left half-way: its worker
+                // may still host the actor (a checkpoint given up, a restore that went
+                // on), so it may run elsewhere only once that worker fenced it.
                 tracing::warn!(
                     actor = %row.key(),
                     was = %row.status,
-                    "recovered actor left mid-operation; back to SUSPENDED from its last snapshot"
+                    worker = ?row.worker,
+                    "recovered actor left mid-operation; back to SUSPENDED once its worker cannot host it"
                 );
-                let back = row.moved(ActorStatus::Suspended, None);
-                recovered.push(back.clone());
-                back
-            } else {
-                row
-            };
+                half_way += 1;
+            }
             state.actors.insert(row.key(), row);
         }
-        store.write(Batch::put(recovered)).await?;
         let plane = Self {
             inner: Arc::new(Inner {
                 state: Mutex::new(state),
@@ -447,6 +448,9 @@ impl Plane {
             .collect();
         plane.spawn_rejoin_deadline(awaiting);
         plane.spawn_settler();
+        if half_way > 0 {
+            plane.inner.unsettled.notify_one();
+        }
         plane.spawn_policies();
         Ok(plane)
     }
