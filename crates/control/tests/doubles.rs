@@ -776,3 +776,67 @@ async fn resumes_of_unknown_actors_keep_nothing_per_name() {
         .unwrap();
     assert_eq!(plane.resume_calls_for("demo", "a"), 0);
 }
+
+/// A resume that may wait for capacity, joining one that may not (held here while the
+/// actor, left mid-restore by a restart, is settled), is not refused with it when no
+/// worker is free: it waits in the queue itself, and gets the next worker freed.
+#[tokio::test(start_paused = true)]
+async fn a_waiting_resume_that_joined_a_refused_one_waits_itself() {
+    let store = MemoryStore::default();
+    let mut half_way = running_on("a", "w9");
+    half_way.status = ActorStatus::Resuming;
+    store
+        .write(Batch {
+            put_atespaces: vec!["demo".into()],
+            put_actors: vec![half_way, running_on("b", "w1")],
+            ..Batch::default()
+        })
+        .await
+        .unwrap();
+    let plane = Plane::open(
+        Arc::new(store.clone()),
+        PlaneConfig {
+            capacity_wait: true,
+            ..config()
+        },
+    )
+    .await
+    .unwrap();
+    let (mut w1, kept) =
+        FakeWorker::attach(&plane, "w1", "counter", app(), Some(&key("b"))).unwrap();
+    assert!(kept);
+    let resume = |wait: Option<Duration>| {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key("a"), wait).await })
+    };
+    let no_wait = resume(None);
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(1), |p| p.resume_calls_for("demo", "a")
+                == 1)
+            .await
+    );
+    let waiting = resume(Some(Duration::from_secs(60)));
+    assert_eq!(
+        no_wait.await.unwrap().unwrap_err().code(),
+        Code::ResourceExhausted,
+        "w1 hosts b"
+    );
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(1), |p| p.waiters("counter") == 1)
+            .await,
+        "the waiting call queued itself"
+    );
+    let (_suspend, c) = {
+        let plane = plane.clone();
+        let suspend = tokio::spawn(async move { plane.suspend_actor(key("b")).await });
+        (suspend, expect(&mut w1, "checkpoint").await)
+    };
+    w1.answer(c.id, Ok(()));
+    let r = expect(&mut w1, "restore").await;
+    w1.answer(r.id, Ok(()));
+    let (actor, resumed) = waiting.await.unwrap().unwrap();
+    assert!(resumed);
+    assert_eq!(actor.status, S::Running as i32);
+}

@@ -169,11 +169,19 @@ impl Plane {
             };
             if let Ok(o) = outcome.wait_for(Option::is_some).await {
                 let o = o.clone().expect("waited for Some");
-                return if joined {
-                    o.map(|(actor, _)| (actor, false))
-                } else {
-                    o
-                };
+                if !joined {
+                    return o;
+                }
+                // A call that may wait for capacity and joined one that may not (or
+                // whose wait ended) is not refused with it: it asks again, and waits in
+                // the queue itself.
+                if wait.is_some()
+                    && o.as_ref()
+                        .is_err_and(|e| e.code() == tonic::Code::ResourceExhausted)
+                {
+                    continue;
+                }
+                return o.map(|(actor, _)| (actor, false));
             }
         }
         Err(Status::unavailable(format!(
