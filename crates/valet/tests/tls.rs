@@ -1216,3 +1216,51 @@ async fn valet_up_takes_the_routers_ingress_flags_and_the_control_planes_tls_fla
         ControlClient::new(creds.connect_lazy(&endpoint, valet_proto::auth::tcp_connector()));
     assert!(c.list_atespaces(()).await.is_ok());
 }
+
+/// A signal while `valet up` is still starting stops it there (exit 0), never held
+/// until the start ends. Here the start would never end by itself: its workers trust
+/// another CA than its control plane's, so they never join. Before, Ctrl-C waited for
+/// the 20 s join timeout, then the process exited 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_signal_during_valet_ups_start_stops_it() {
+    let pki = pki();
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let cp = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_valet"))
+        .args([
+            "up",
+            "--tls",
+            "--ateapi-ca-file",
+            s(&pki.ca),
+            "--control-plane-listen",
+            &cp.to_string(),
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "",
+            "--extproc-listen",
+            "",
+            "--metrics-listen",
+            "",
+            "--data-dir",
+            s(&data),
+        ])
+        .env("VALET_LOG", "error")
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    eventually("its control plane listens", Duration::from_secs(30), || async {
+        tokio::net::TcpStream::connect(cp).await.ok().map(drop)
+    })
+    .await;
+    common::signal(&child, "INT");
+    let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
+        .await
+        .expect("stopped during its start")
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+}

@@ -52,9 +52,33 @@ fn demo_actors(spec: &str) -> Result<Vec<ActorKey>, String> {
 }
 
 async fn up(
-    mut args: UpArgs,
+    args: UpArgs,
     terminated: impl std::future::Future<Output = ()>,
 ) -> Result<(), UpError> {
+    let shutdown_timeout = args.shutdown_timeout;
+    // A signal during the start stops it there (what started stops with the process;
+    // nothing is acknowledged yet): never held until the start ends.
+    let mut terminated = std::pin::pin!(terminated);
+    let (cluster, running) = tokio::select! {
+        started = start(args) => started?,
+        () = &mut terminated => {
+            tracing::info!("stopped during the start");
+            return Ok(());
+        }
+    };
+    println!("press Ctrl-C to stop");
+
+    terminated.await;
+    running.drain().await;
+    cluster.checkpoint_all(shutdown_timeout).await;
+    cluster.shutdown().await;
+    tracing::info!("valet up stopped");
+    Ok(())
+}
+
+/// Everything `valet up` runs, started: its control plane and workers, then its
+/// router.
+async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
     let actors = demo_actors(&args.demo_actors).map_err(UpError::Config)?;
     if args.workers == 0 {
         return Err(UpError::Config(
@@ -251,14 +275,7 @@ async fn up(
     if let Some(admin) = running.addr("admin") {
         println!("status: http://{admin}/statusz   metrics: http://{admin}/metrics");
     }
-    println!("press Ctrl-C to stop");
-
-    terminated.await;
-    running.drain().await;
-    cluster.checkpoint_all(args.shutdown_timeout).await;
-    cluster.shutdown().await;
-    tracing::info!("valet up stopped");
-    Ok(())
+    Ok((cluster, running))
 }
 
 /// `--listen-https` of `valet up --tls` when none is given.
