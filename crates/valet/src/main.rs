@@ -3,6 +3,16 @@
 
 #![forbid(unsafe_code)]
 
+/// `println!` for the lines a long-running command prints (`listening …`), which never
+/// panics when stdout is closed: a reader that took the lines it wanted and left does
+/// not end the process.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 mod admin;
 mod cli;
 mod cmd;

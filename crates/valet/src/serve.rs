@@ -107,7 +107,7 @@ impl RunningRouter {
             stop_admin.clone(),
         );
         for (part, addr) in &listeners {
-            println!("listening {part} {addr}");
+            say!("listening {part} {addr}");
         }
         tracing::info!(
             control_plane = config.control_plane(),

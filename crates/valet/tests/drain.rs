@@ -339,3 +339,45 @@ async fn a_second_sigterm_stops_the_drain_at_once() {
     assert_eq!(r.exit_code(WITHIN).await, Some(143));
     assert_eq!(parked.await.unwrap(), None, "cut short with the process");
 }
+
+/// A router whose stdout is closed (a reader that took the `listening` lines it wanted
+/// and left) serves and stops cleanly. Before, printing its `listening` lines panicked
+/// on the closed pipe and the process exited 101.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_stdout_does_not_end_the_router() {
+    let (out, gone) = std::os::unix::net::UnixStream::pair().unwrap();
+    drop(gone);
+    let listen = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_valet"))
+        .args([
+            "router",
+            "--control-plane",
+            "http://127.0.0.1:9",
+            "--listen",
+            &listen.to_string(),
+            "--admin-listen",
+            "",
+            "--extproc-listen",
+            "",
+        ])
+        .env("VALET_LOG", "error")
+        .stdout(std::process::Stdio::from(std::os::fd::OwnedFd::from(out)))
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    eventually("the router serves", WITHIN, || async {
+        try_http_get(listen, "/", &[("Host", "bad host")])
+            .await
+            .map(drop)
+    })
+    .await;
+    common::signal(&child, "TERM");
+    let status = tokio::time::timeout(WITHIN, child.wait())
+        .await
+        .expect("stopped")
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+}

@@ -1253,9 +1253,11 @@ async fn a_signal_during_valet_ups_start_stops_it() {
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    eventually("its control plane listens", Duration::from_secs(30), || async {
-        tokio::net::TcpStream::connect(cp).await.ok().map(drop)
-    })
+    eventually(
+        "its control plane listens",
+        Duration::from_secs(30),
+        || async { tokio::net::TcpStream::connect(cp).await.ok().map(drop) },
+    )
     .await;
     common::signal(&child, "INT");
     let status = tokio::time::timeout(Duration::from_secs(10), child.wait())

@@ -124,7 +124,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
                 let bound = l
                     .local_addr()
                     .map_or_else(|_| at.to_string(), |a| a.to_string());
-                println!("listening metrics {bound}");
+                say!("listening metrics {bound}");
                 Some(valet_control::admin::spawn_slot(
                     l,
                     slot.clone(),
@@ -149,7 +149,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         }
     };
     if let Ok(bound) = socket.local_addr() {
-        println!("bound control-plane {bound}");
+        say!("bound control-plane {bound}");
     }
     let config = PlaneConfig {
         capacity_wait: args.capacity_wait == OnOff::On,
@@ -247,7 +247,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         let addr = listener
             .local_addr()
             .map_or_else(|_| bound.to_string(), |a| a.to_string());
-        println!("listening control-plane {addr}");
+        say!("listening control-plane {addr}");
         tracing::info!(
             %addr,
             %database,

@@ -66,7 +66,7 @@ async fn up(
             return Ok(());
         }
     };
-    println!("press Ctrl-C to stop");
+    say!("press Ctrl-C to stop");
 
     terminated.await;
     running.drain().await;
@@ -207,9 +207,9 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
     .await
     .map_err(UpError::Start)?;
     let cp_addr = cluster.addr;
-    println!("listening control-plane {cp_addr}");
+    say!("listening control-plane {cp_addr}");
     if let Some(m) = cluster.metrics_addr {
-        println!("listening metrics {m}");
+        say!("listening metrics {m}");
     }
     let plane = cluster.plane.clone();
     let n = args.workers;
@@ -246,7 +246,7 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
         .await
         .map_err(UpError::Start)?;
     let names: Vec<String> = actors.iter().map(ToString::to_string).collect();
-    println!(
+    say!(
         "valet up: pool counter with {n} workers; actors {}; data in {}",
         if names.is_empty() {
             "none".to_owned()
@@ -256,7 +256,7 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
         args.data_dir.display()
     );
     if let (Some(router), Some(first)) = (running.addr("router"), actors.first()) {
-        println!(
+        say!(
             "try: curl -H 'Host: {}.{}.{domain}' http://{router}/",
             first.name(),
             first.atespace()
@@ -265,7 +265,7 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
     if let (Some(https), Some(first), Some(t)) =
         (running.addr("router-https"), actors.first(), &tls)
     {
-        println!(
+        say!(
             "try: curl --cacert {} -H 'Host: {}.{}.{domain}' https://{https}/",
             t.ca.display(),
             first.name(),
@@ -273,7 +273,7 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
         );
     }
     if let Some(admin) = running.addr("admin") {
-        println!("status: http://{admin}/statusz   metrics: http://{admin}/metrics");
+        say!("status: http://{admin}/statusz   metrics: http://{admin}/metrics");
     }
     Ok((cluster, running))
 }

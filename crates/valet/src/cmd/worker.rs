@@ -50,7 +50,7 @@ pub(crate) async fn run(args: WorkerArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    println!("listening worker {}", worker.app_addr());
+    say!("listening worker {}", worker.app_addr());
     tracing::info!(worker = worker.id(), app = %worker.app_addr(), "worker started");
     terminated.await;
     worker.drain(args.drain_timeout).await;
