@@ -114,8 +114,12 @@ pub(crate) fn spawn_probe(
                 let mut probe = tonic::Request::new(());
                 probe.set_timeout(PROBE_TIMEOUT);
                 let mut client = client.clone();
-                let answer =
-                    tokio::time::timeout(PROBE_TIMEOUT, client.list_atespaces(probe)).await;
+                // A stop ends a probe in progress: the router's exit never waits
+                // for an unreachable replica.
+                let answer = tokio::select! {
+                    answer = tokio::time::timeout(PROBE_TIMEOUT, client.list_atespaces(probe)) => answer,
+                    () = stop.cancelled() => return,
+                };
                 reachable = match answer {
                     Ok(Ok(_)) => true,
                     Ok(Err(s)) => {
