@@ -77,6 +77,15 @@ pub(crate) fn parse_target_control_plane(s: &str) -> Result<String, String> {
     valet_router::config::parse_control_plane(s).map_err(|e| e.rule.to_string())
 }
 
+/// A count that must be at least 1.
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("not a whole number: {e}")),
+    }
+}
+
 /// `--hosting-lease`: a duration of at least [`valet_worker::MIN_HOSTING_LEASE`].
 fn parse_hosting_lease(s: &str) -> Result<Duration, String> {
     let lease = parse_duration(s)?;
@@ -316,10 +325,10 @@ pub(crate) struct ScenarioArgs {
     #[arg(long, env = "VALET_SCENARIO_DURATION", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) duration: Option<Duration>,
     /// Requests of the parked-scale scenario.
-    #[arg(long, env = "VALET_SCENARIO_REQUESTS", default_value_t = 10_000)]
+    #[arg(long, env = "VALET_SCENARIO_REQUESTS", default_value_t = 10_000, value_parser = at_least_one)]
     pub(crate) requests: usize,
     /// Runs of the eviction scenario (and workers of its pool).
-    #[arg(long, env = "VALET_SCENARIO_RUNS", default_value_t = 50)]
+    #[arg(long, env = "VALET_SCENARIO_RUNS", default_value_t = 50, value_parser = at_least_one)]
     pub(crate) runs: usize,
     /// The control plane's --evict-idle-after for the eviction scenario and the soak
     /// (the seed's experiments always run with it off).
@@ -330,13 +339,13 @@ pub(crate) struct ScenarioArgs {
     #[arg(long, env = "VALET_SCENARIO_ROUTE_LEASE", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) route_lease: Option<Duration>,
     /// Workers of the soak's pool (its actors: --actors).
-    #[arg(long, env = "VALET_SCENARIO_WORKERS", default_value_t = 2)]
+    #[arg(long, env = "VALET_SCENARIO_WORKERS", default_value_t = 2, value_parser = at_least_one)]
     pub(crate) workers: usize,
     /// Actors of the soak.
-    #[arg(long, env = "VALET_SCENARIO_ACTORS", default_value_t = 8)]
+    #[arg(long, env = "VALET_SCENARIO_ACTORS", default_value_t = 8, value_parser = at_least_one)]
     pub(crate) actors: usize,
     /// Suspended actors the parked-scale requests are spread over (one flight each).
-    #[arg(long, env = "VALET_SCENARIO_PARKED_ACTORS", default_value_t = 100)]
+    #[arg(long, env = "VALET_SCENARIO_PARKED_ACTORS", default_value_t = 100, value_parser = at_least_one)]
     pub(crate) parked_actors: usize,
     /// ext_proc exchanges of the parked-scale scenario's CPU figure (0: skip).
     #[arg(

@@ -525,3 +525,26 @@ fn ctl_checks_its_arguments_before_asking() {
         assert_eq!(stderr_lines(&o).len(), 1, "{args:?}");
     }
 }
+
+/// The load scenarios' counts must be at least 1 (exit 64 naming the flag): before,
+/// `soak --actors 0` panicked in every client and `eviction --runs 0` exited 1.
+#[test]
+fn load_scenario_counts_are_at_least_one() {
+    for flag in [
+        "--actors",
+        "--runs",
+        "--workers",
+        "--requests",
+        "--parked-actors",
+    ] {
+        let o = valet(&["load", "scenario", "soak", flag, "0"], &[]);
+        assert_eq!(o.status.code(), Some(64), "{flag}");
+        let lines = stderr_lines(&o);
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert!(
+            lines[0].contains(flag) && lines[0].contains("at least 1"),
+            "{}",
+            lines[0]
+        );
+    }
+}
