@@ -516,6 +516,12 @@ pub(crate) struct UpArgs {
     #[command(flatten)]
     pub(crate) router: RouterArgs,
 
+    /// Validate the configuration, print the router's effective flags and exit, as
+    /// `valet router --check` (nothing is started or written; not with --tls, whose
+    /// certificates are made at the start).
+    #[arg(long, env = "VALET_UP_CHECK")]
+    pub(crate) check: bool,
+
     /// Workers in pool `counter`.
     #[arg(long, env = "VALET_WORKERS", default_value_t = 2, value_name = "N")]
     pub(crate) workers: usize,

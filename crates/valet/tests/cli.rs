@@ -548,3 +548,28 @@ fn load_scenario_counts_are_at_least_one() {
         );
     }
 }
+
+/// `valet up --check`, as `valet router --check`, prints the router's effective flags
+/// and exits 0 without starting or writing anything; a bad value is exit 64.
+#[test]
+fn valet_up_check_prints_the_effective_flags_and_starts_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let o = valet(
+        &[
+            "up",
+            "--check",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--parked-request-max",
+            "7",
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(0), "{o:?}");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.lines().any(|l| l == "--parked-request-max=7"), "{out}");
+    assert!(!data.exists(), "nothing written");
+    let o = valet(&["up", "--check", "--parked-request-budget", "0s"], &[]);
+    assert_eq!(o.status.code(), Some(64));
+}

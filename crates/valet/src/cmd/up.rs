@@ -14,7 +14,7 @@ pub(crate) async fn run(args: UpArgs) -> ExitCode {
     // Before anything is printed: see `signal::terminated`.
     let terminated = crate::signal::terminated();
     match up(args, terminated).await {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) | Err(UpError::Checked) => ExitCode::SUCCESS,
         Err(UpError::Config(e)) => {
             eprintln!("valet up: {e}");
             ExitCode::from(EXIT_CONFIG)
@@ -29,6 +29,8 @@ pub(crate) async fn run(args: UpArgs) -> ExitCode {
 enum UpError {
     Config(String),
     Start(String),
+    /// `--check`: the configuration is valid and was printed; nothing started.
+    Checked,
 }
 
 fn demo_actors(spec: &str) -> Result<Vec<ActorKey>, String> {
@@ -97,6 +99,28 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
         return Err(UpError::Config(
             "invalid configuration: --client-ca-file: the embedded control plane then asks for client certificates, which its workers and the router present only with --ateapi-cert-file and --ateapi-key-file".into(),
         ));
+    }
+    if args.check {
+        if args.tls {
+            return Err(UpError::Config(
+                "invalid configuration: --check: not with --tls, whose certificates are made at the start".into(),
+            ));
+        }
+        let scheme = if args.security.tls_cert_file.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        args.router.control_plane = format!("{scheme}://{}", args.control_plane_listen);
+        args.ingress.resolve().map_err(UpError::Config)?;
+        let config = args
+            .router
+            .resolve()
+            .map_err(|e| UpError::Config(e.to_string()))?;
+        for (flag, value) in config.effective_flags() {
+            say!("{flag}={value}");
+        }
+        return Err(UpError::Checked);
     }
     // The data dir's lock before anything is written into it (the throwaway TLS files
     // below): another `valet up` on the same dir keeps its own.
