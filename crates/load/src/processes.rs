@@ -81,7 +81,9 @@ impl std::fmt::Debug for Processes {
 /// `program` (a `valet` binary, or a profiler wrapping one) as a part a scenario
 /// starts: only the flags given configure it, no `VALET_…` variable of this process (a
 /// `--route-lease`, a budget, a log level left in the shell) leaks into it; it logs
-/// warnings and is killed when dropped.
+/// warnings and is killed when dropped. Its stdin is a pipe nobody writes to, held by
+/// its `Child`: should this process die without dropping it (SIGKILL), the pipe ends
+/// and the part stops by itself (`VALET_STOP_WITH_PARENT`).
 pub fn part_command(program: impl AsRef<std::ffi::OsStr>) -> Command {
     let mut cmd = Command::new(program);
     for (key, _) in std::env::vars_os() {
@@ -89,7 +91,10 @@ pub fn part_command(program: impl AsRef<std::ffi::OsStr>) -> Command {
             cmd.env_remove(key);
         }
     }
-    cmd.env("VALET_LOG", "warn").kill_on_drop(true);
+    cmd.env("VALET_LOG", "warn")
+        .env("VALET_STOP_WITH_PARENT", "1")
+        .stdin(Stdio::piped())
+        .kill_on_drop(true);
     cmd
 }
 
@@ -97,10 +102,7 @@ pub fn part_command(program: impl AsRef<std::ffi::OsStr>) -> Command {
 fn command(exe: &Path, args: &[String], log: &Path) -> Result<Command, String> {
     let stderr = std::fs::File::create(log).map_err(|e| format!("{}: {e}", log.display()))?;
     let mut cmd = part_command(exe);
-    cmd.args(args)
-        .stdin(Stdio::null())
-        .stderr(stderr)
-        .kill_on_drop(true);
+    cmd.args(args).stderr(stderr).kill_on_drop(true);
     Ok(cmd)
 }
 

@@ -19,12 +19,44 @@ pub(crate) fn terminated_without_force() -> impl Future<Output = ()> + Send + 's
     signals(false)
 }
 
+/// Set by a process that starts `valet` parts of its own (`valet load`) and gives each
+/// a pipe on stdin that it never writes to: when that process is gone (even killed
+/// with SIGKILL), the pipe ends, and the part stops as on SIGTERM instead of running on.
+pub(crate) const STOP_WITH_PARENT: &str = "VALET_STOP_WITH_PARENT";
+
+/// Resolves once stdin ends, when [`STOP_WITH_PARENT`] is set; never otherwise. Read on
+/// a thread of its own, which never holds the process's exit.
+fn parent_gone() -> tokio::sync::oneshot::Receiver<()> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    if std::env::var_os(STOP_WITH_PARENT).is_some() {
+        std::thread::spawn(move || {
+            use std::io::Read as _;
+            let mut stdin = std::io::stdin();
+            let mut buf = [0u8; 64];
+            while matches!(stdin.read(&mut buf), Ok(n) if n > 0) {}
+            let _ = tx.send(());
+        });
+    } else {
+        // Kept, so the receiver waits for good.
+        std::mem::forget(tx);
+    }
+    rx
+}
+
 fn signals(force_on_second: bool) -> impl Future<Output = ()> + Send + 'static {
     use tokio::signal::unix::{SignalKind, signal};
     let term = signal(SignalKind::terminate());
     let int = signal(SignalKind::interrupt());
     let hup = signal(SignalKind::hangup());
+    let parent_gone = parent_gone();
     async move {
+        // Completes only when the parent is gone, which ends the loop below.
+        let parent_gone = async move {
+            if parent_gone.await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        };
+        tokio::pin!(parent_gone);
         let (mut term, mut int, mut hup) = match (term, int, hup) {
             (Ok(t), Ok(i), Ok(h)) => (t, i, h),
             (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
@@ -40,6 +72,9 @@ fn signals(force_on_second: bool) -> impl Future<Output = ()> + Send + 'static {
                     tracing::info!("SIGHUP received: re-reading credentials files");
                     valet_proto::reload::reload_all();
                     continue;
+                }
+                () = &mut parent_gone => {
+                    tracing::warn!("the process that started this one is gone (its pipe on stdin ended): stopping");
                 }
             }
             if !force_on_second {

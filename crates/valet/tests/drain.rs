@@ -381,3 +381,41 @@ async fn a_closed_stdout_does_not_end_the_router() {
         .unwrap();
     assert_eq!(status.code(), Some(0));
 }
+
+/// A part started by `valet load` (VALET_STOP_WITH_PARENT, a pipe on stdin) stops
+/// cleanly by itself once that pipe ends, as when `valet load` is killed with SIGKILL
+/// and cannot stop its parts. Before, such parts ran on for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_part_whose_parent_is_gone_stops() {
+    let listen = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let mut child = valet_load::processes::part_command(env!("CARGO_BIN_EXE_valet"))
+        .args([
+            "router",
+            "--control-plane",
+            "http://127.0.0.1:9",
+            "--listen",
+            &listen.to_string(),
+            "--admin-listen",
+            "",
+            "--extproc-listen",
+            "",
+        ])
+        .spawn()
+        .unwrap();
+    eventually("the router serves", WITHIN, || async {
+        try_http_get(listen, "/", &[("Host", "bad host")])
+            .await
+            .map(drop)
+    })
+    .await;
+    assert!(child.try_wait().unwrap().is_none(), "it runs");
+    drop(child.stdin.take());
+    let status = tokio::time::timeout(WITHIN, child.wait())
+        .await
+        .expect("stopped once its parent was gone")
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+}
