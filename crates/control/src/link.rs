@@ -90,17 +90,29 @@ impl WorkerLink {
             self.forget(id);
             return Err(LinkError::Gone);
         };
-        let sent = tx
-            .send(Ok(WorkerCommand {
+        // The send counts in the timeout: a worker that does not read its stream (a
+        // full queue) holds no operation for longer.
+        let deadline = tokio::time::Instant::now() + timeout;
+        let sent = tokio::time::timeout_at(
+            deadline,
+            tx.send(Ok(WorkerCommand {
                 id,
                 command: Some(command),
-            }))
-            .await;
-        if sent.is_err() {
-            self.forget(id);
-            return Err(LinkError::Gone);
+            })),
+        )
+        .await;
+        match sent {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => {
+                self.forget(id);
+                return Err(LinkError::Gone);
+            }
+            Err(_) => {
+                self.forget(id);
+                return Err(LinkError::Timeout(timeout));
+            }
         }
-        match tokio::time::timeout(timeout, reply_rx).await {
+        match tokio::time::timeout_at(deadline, reply_rx).await {
             Ok(Ok(reply)) if reply.ok => Ok(()),
             Ok(Ok(reply)) if reply.busy => Err(LinkError::Busy),
             Ok(Ok(reply)) if reply.not_hosting => Err(LinkError::NotHosting(reply.error)),
@@ -113,14 +125,23 @@ impl WorkerLink {
         }
     }
 
-    /// Sends a command without waiting for its reply.
+    /// Sends a command without waiting for its reply. A worker whose queue is full
+    /// (it does not read its stream) would miss it, and an evict missed leaves an actor
+    /// on a worker the records call free: its stream is ended instead, so the worker
+    /// attaches again and reports what it hosts.
     pub(crate) fn notify(&self, command: worker_command::Command) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        if let Some(tx) = self.sender() {
-            let _ = tx.try_send(Ok(WorkerCommand {
-                id,
-                command: Some(command),
-            }));
+        let Some(tx) = self.sender() else { return };
+        let sent = tx.try_send(Ok(WorkerCommand {
+            id,
+            command: Some(command),
+        }));
+        if let Err(mpsc::error::TrySendError::Full(_)) = sent {
+            tracing::warn!(
+                "a worker does not read its commands (its queue is full): ending its stream, so it attaches again"
+            );
+            self.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
+            self.close();
         }
     }
 
@@ -150,5 +171,43 @@ impl WorkerLink {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Option<HashMap<u64, oneshot::Sender<Reply>>>> {
         self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use valet_proto::worker::{Detach, Evict};
+
+    fn evict() -> worker_command::Command {
+        worker_command::Command::Evict(Evict { actor: None })
+    }
+
+    /// A command that finds the worker's queue full is never dropped silently: the
+    /// stream ends (what was queued is still delivered), and the worker attaches again.
+    #[tokio::test]
+    async fn a_full_queue_ends_the_stream() {
+        let (tx, mut rx) = mpsc::channel(2);
+        let link = WorkerLink::new(tx);
+        for _ in 0..3 {
+            link.notify(evict());
+        }
+        assert!(link.is_closed());
+        assert!(rx.recv().await.is_some());
+        assert!(rx.recv().await.is_some());
+        assert!(rx.recv().await.is_none(), "the stream ended");
+    }
+
+    /// A call to a worker whose queue stays full ends at its timeout, counted from when
+    /// it was made, not from when the worker took it.
+    #[tokio::test(start_paused = true)]
+    async fn a_call_to_a_worker_that_does_not_read_times_out() {
+        let (tx, _rx) = mpsc::channel(1);
+        let link = WorkerLink::new(tx);
+        link.notify(worker_command::Command::Detach(Detach {}));
+        let started = tokio::time::Instant::now();
+        let answer = link.call(evict(), Duration::from_secs(5)).await;
+        assert!(matches!(answer, Err(LinkError::Timeout(_))), "{answer:?}");
+        assert_eq!(started.elapsed(), Duration::from_secs(5));
     }
 }
