@@ -402,13 +402,9 @@ async fn shutdown_waits_at_most_its_timeout() {
     );
 }
 
-/// A restart in the middle of a checkpoint (its worker's stream cut, the actor perhaps
-/// still served there) moves the actor only once that worker must have fenced it: a
-/// resume after the restart restores it on another worker no sooner than a hosting
-/// lease after the start. Before, the restart recorded it SUSPENDED at once and the
-/// other worker restored it while the first could still serve it.
-#[tokio::test(start_paused = true)]
-async fn a_checkpoint_cut_by_a_restart_moves_the_actor_once_its_worker_fenced() {
+/// The record of a plane stopped in the middle of `demo/a`'s checkpoint on `w1`, whose
+/// stream was cut first: `a` is SUSPENDING on `w1`.
+async fn checkpoint_cut_by_a_restart() -> MemoryStore {
     let store = MemoryStore::default();
     let plane = plane_with(&store, &["a"]).await;
     let (mut w1, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
@@ -420,6 +416,17 @@ async fn a_checkpoint_cut_by_a_restart_moves_the_actor_once_its_worker_fenced() 
         store.actor(&key("a")).unwrap().status,
         ActorStatus::Suspending
     );
+    store
+}
+
+/// A restart in the middle of a checkpoint (its worker's stream cut, the actor perhaps
+/// still served there) moves the actor only once that worker must have fenced it: a
+/// resume after the restart restores it on another worker no sooner than a hosting
+/// lease after the start. Before, the restart recorded it SUSPENDED at once and the
+/// other worker restored it while the first could still serve it.
+#[tokio::test(start_paused = true)]
+async fn a_checkpoint_cut_by_a_restart_moves_the_actor_once_its_worker_fenced() {
+    let store = checkpoint_cut_by_a_restart().await;
 
     let reopened = Plane::open(Arc::new(store.clone()), config())
         .await
@@ -445,13 +452,7 @@ async fn a_checkpoint_cut_by_a_restart_moves_the_actor_once_its_worker_fenced() 
 /// settled at once: attaching, the worker is told to drop what it may still host.
 #[tokio::test(start_paused = true)]
 async fn a_half_way_actor_settles_once_its_worker_attaches_again() {
-    let store = MemoryStore::default();
-    let plane = plane_with(&store, &["a"]).await;
-    let (mut w1, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
-    restored(&plane, &mut w1, "a").await;
-    let (_suspend, _checkpoint) = suspending(&plane, &mut w1).await;
-    w1.leave();
-    plane.shutdown(Duration::from_secs(1)).await;
+    let store = checkpoint_cut_by_a_restart().await;
 
     // No route leases to wait out: the settler goes straight to waiting for w1.
     let no_leases = PlaneConfig {

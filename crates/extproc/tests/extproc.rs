@@ -25,6 +25,16 @@ async fn serve(
     flags: &[&str],
     cp: Arc<dyn ControlPlane>,
 ) -> (Router, ExternalProcessorClient<Channel>) {
+    let (router, client, server) = serve_kept(flags, cp).await;
+    std::mem::forget(server);
+    (router, client)
+}
+
+/// [`serve`], with the server for the test to close.
+async fn serve_kept(
+    flags: &[&str],
+    cp: Arc<dyn ControlPlane>,
+) -> (Router, ExternalProcessorClient<Channel>, ExtProcServer) {
     let config = RouterArgs::try_parse_flags(flags)
         .unwrap()
         .resolve()
@@ -38,8 +48,7 @@ async fn serve(
             .connect()
             .await
             .unwrap();
-    std::mem::forget(server);
-    (router, ExternalProcessorClient::new(channel))
+    (router, ExternalProcessorClient::new(channel), server)
 }
 
 async fn scripted(flags: &[&str]) -> (Router, ExternalProcessorClient<Channel>, Calls) {
@@ -474,20 +483,8 @@ async fn an_unreadable_message_ends_the_stream_with_an_error() {
 #[tokio::test]
 async fn a_stream_open_at_close_ends_with_an_error() {
     let (cp, _calls) = Scripted::new();
-    let config = RouterArgs::try_parse_flags(&[] as &[&str])
-        .unwrap()
-        .resolve()
-        .unwrap();
-    let router = Router::new(Arc::new(config), cp, Arc::new(Metrics::new()));
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let mut server = ExtProcServer::spawn(listener, router).unwrap();
-    let channel =
-        tonic::transport::Endpoint::from_shared(format!("http://{}", server.local_addr()))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
-    let mut s = Stream::open(&ExternalProcessorClient::new(channel)).await;
+    let (_router, client, mut server) = serve_kept(&[], cp).await;
+    let mut s = Stream::open(&client).await;
     server.close().await;
     let end = s.rx.message().await;
     assert!(

@@ -340,18 +340,14 @@ async fn a_second_sigterm_stops_the_drain_at_once() {
     assert_eq!(parked.await.unwrap(), None, "cut short with the process");
 }
 
-/// A router whose stdout is closed (a reader that took the `listening` lines it wanted
-/// and left) serves and stops cleanly. Before, printing its `listening` lines panicked
-/// on the closed pipe and the process exited 101.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_closed_stdout_does_not_end_the_router() {
-    let (out, gone) = std::os::unix::net::UnixStream::pair().unwrap();
-    drop(gone);
+/// `valet router` with only its HTTP data plane, on a free port, in front of a
+/// control plane that is not there, as `cmd` starts it; and that port.
+fn lone_router(mut cmd: tokio::process::Command) -> (tokio::process::Child, std::net::SocketAddr) {
     let listen = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap();
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_valet"))
+    let child = cmd
         .args([
             "router",
             "--control-plane",
@@ -363,17 +359,34 @@ async fn a_closed_stdout_does_not_end_the_router() {
             "--extproc-listen",
             "",
         ])
-        .env("VALET_LOG", "error")
-        .stdout(std::process::Stdio::from(std::os::fd::OwnedFd::from(out)))
         .kill_on_drop(true)
         .spawn()
         .unwrap();
+    (child, listen)
+}
+
+/// Waits until the router on `listen` answers (a 404 for a host that is no actor's).
+async fn serves(listen: std::net::SocketAddr) {
     eventually("the router serves", WITHIN, || async {
         try_http_get(listen, "/", &[("Host", "bad host")])
             .await
             .map(drop)
     })
     .await;
+}
+
+/// A router whose stdout is closed (a reader that took the `listening` lines it wanted
+/// and left) serves and stops cleanly. Before, printing its `listening` lines panicked
+/// on the closed pipe and the process exited 101.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_stdout_does_not_end_the_router() {
+    let (out, gone) = std::os::unix::net::UnixStream::pair().unwrap();
+    drop(gone);
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_valet"));
+    cmd.env("VALET_LOG", "error")
+        .stdout(std::process::Stdio::from(std::os::fd::OwnedFd::from(out)));
+    let (mut child, listen) = lone_router(cmd);
+    serves(listen).await;
     common::signal(&child, "TERM");
     let status = tokio::time::timeout(WITHIN, child.wait())
         .await
@@ -387,30 +400,10 @@ async fn a_closed_stdout_does_not_end_the_router() {
 /// and cannot stop its parts. Before, such parts ran on for good.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_part_whose_parent_is_gone_stops() {
-    let listen = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
-    let mut child = valet_load::processes::part_command(env!("CARGO_BIN_EXE_valet"))
-        .args([
-            "router",
-            "--control-plane",
-            "http://127.0.0.1:9",
-            "--listen",
-            &listen.to_string(),
-            "--admin-listen",
-            "",
-            "--extproc-listen",
-            "",
-        ])
-        .spawn()
-        .unwrap();
-    eventually("the router serves", WITHIN, || async {
-        try_http_get(listen, "/", &[("Host", "bad host")])
-            .await
-            .map(drop)
-    })
-    .await;
+    let (mut child, listen) = lone_router(valet_load::processes::part_command(env!(
+        "CARGO_BIN_EXE_valet"
+    )));
+    serves(listen).await;
     assert!(child.try_wait().unwrap().is_none(), "it runs");
     drop(child.stdin.take());
     let status = tokio::time::timeout(WITHIN, child.wait())
