@@ -86,10 +86,15 @@ impl PlaneMetrics {
         self.revocation.record(took.as_secs_f64(), &[]);
     }
 
-    pub(crate) fn resumed(&self, result: &Result<(ateapi::Actor, bool), Status>, took: Duration) {
+    pub(crate) fn resumed(
+        &self,
+        result: &Result<(ateapi::Actor, ResumeHow), Status>,
+        took: Duration,
+    ) {
         let outcome = match result {
-            Ok((_, true)) => "resumed",
-            Ok((_, false)) => "running",
+            Ok((_, ResumeHow::Activated)) => "resumed",
+            Ok((_, ResumeHow::Joined)) => "joined",
+            Ok((_, ResumeHow::Running)) => "running",
             Err(s) => match s.code() {
                 Code::ResourceExhausted => "no_room",
                 Code::Aborted => "aborted",
@@ -216,4 +221,15 @@ mod tests {
             "{text}"
         );
     }
+}
+
+/// How a successful `ResumeActor` came about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ResumeHow {
+    /// This call did the activation (`resumed`).
+    Activated,
+    /// It shared another call's activation.
+    Joined,
+    /// The actor was running already (the fast path).
+    Running,
 }

@@ -203,6 +203,16 @@ async fn second_resume_joins_the_wait() {
         a.resumed && !b.resumed,
         "only the call that did the activation says so"
     );
+    let metrics = sys.plane.render_metrics();
+    for outcome in ["resumed", "joined"] {
+        assert!(
+            metrics
+                .lines()
+                .any(|l| l.starts_with("valet_control_resumes_total{")
+                    && l.contains(&format!("outcome=\"{outcome}\""))),
+            "{outcome}: {metrics}"
+        );
+    }
     assert_eq!(
         sys.plane.stats().activations,
         2,

@@ -199,6 +199,10 @@ pub fn bootstrap(config: &RouterConfig, envoy: EnvoyListeners) -> Result<Value, 
                                             "timeout": secs(decision),
                                         },
                                         "failure_mode_allow": false,
+                                        // A stream the router ends with an error (it
+                                        // shuts down) is a 503, as parking.md's verdict
+                                        // for a router shutting down, not Envoy's 500.
+                                        "status_on_error": { "code": 503 },
                                         "message_timeout": secs(decision),
                                         "processing_mode": {
                                             "request_header_mode": "SEND",

@@ -106,6 +106,7 @@ fn derived_values_for_flag_sets() {
         assert_eq!(ext["message_timeout"].as_str(), Some(*timeout), "{flags:?}");
         assert_eq!(ext["grpc_service"]["timeout"].as_str(), Some(*timeout));
         assert_eq!(ext["failure_mode_allow"].as_bool(), Some(false));
+        assert_eq!(ext["status_on_error"]["code"].as_i64(), Some(503));
         assert_eq!(
             ext["mutation_rules"]["allow_all_routing"].as_bool(),
             Some(true)

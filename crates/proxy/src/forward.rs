@@ -46,17 +46,19 @@ enum Unread {
     Failed,
 }
 
-/// Reads `body` whole, each frame within `idle` of the last, until the drain's
-/// cut-off at the latest.
+/// Reads `body` whole: each frame within `idle` of the last, all of it within
+/// `within`, and before the drain's cut-off.
 async fn read_whole(
     mut body: RequestBody,
-    idle: Duration,
+    (idle, within): (Duration, Duration),
     tunnels: &Tunnels,
 ) -> Result<Bytes, Unread> {
     let mut all = Vec::new();
+    let until = tokio::time::Instant::now() + within;
     loop {
+        let by = until.min(tokio::time::Instant::now() + idle);
         let frame = tokio::select! {
-            frame = tokio::time::timeout(idle, body.frame()) => frame.map_err(|_| Unread::Stalled)?,
+            frame = tokio::time::timeout_at(by, body.frame()) => frame.map_err(|_| Unread::Stalled)?,
             () = tunnels.closing() => return Err(Unread::CutOff),
         };
         match frame {
@@ -173,15 +175,16 @@ impl Outgoing {
     /// Prepares `req` (from `host`, client `peer`): hop-by-hop headers stripped, the
     /// upgrade taken, `x-forwarded-for` extended, cookies in one field; a small body
     /// is read whole so the request can be replayed. Its frames must come within
-    /// `idle` of each other (a client that stalls mid-body gets the 504 verdict rather
-    /// than holding the request), and before the drain's cut-off.
+    /// `idle` of each other and all of it within `within` (a client that
+    /// stalls or trickles gets the 504 verdict rather than holding the request), and
+    /// before the drain's cut-off.
     pub(crate) async fn new(
         req: Request<RequestBody>,
         failure: Failure,
         route: &Route,
         host: &str,
         peer: SocketAddr,
-        idle: Duration,
+        (idle, within): (Duration, Duration),
         tunnels: &Tunnels,
     ) -> Result<Self, (Response<Body>, &'static str)> {
         let (mut parts, body) = req.into_parts();
@@ -229,7 +232,7 @@ impl Outgoing {
             OutgoingBody::Held(Bytes::new())
         } else if small {
             let actor = route.actor.clone();
-            let denial = match read_whole(body, idle, tunnels).await {
+            let denial = match read_whole(body, (idle, within), tunnels).await {
                 Ok(all) => return Ok(Self::held(parts, all, client_upgrade, failure)),
                 Err(Unread::Stalled) => Denial::CallerDeadline(actor),
                 Err(Unread::CutOff) => Denial::ShuttingDown(actor),

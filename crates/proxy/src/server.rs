@@ -34,6 +34,9 @@ pub struct Limits {
     /// it has no request open. Then it is closed (HTTP/2: GOAWAY). Over HTTP/2 it is
     /// also the interval of keep-alive pings (each may go unanswered 20 s).
     pub idle_timeout: Duration,
+    /// Longest a small request body (read whole, so a 421 can replay it) may take to
+    /// arrive in all, however steadily it trickles.
+    pub small_body_within: Duration,
 }
 
 impl Default for Limits {
@@ -42,6 +45,7 @@ impl Default for Limits {
             max_headers: 100,
             max_header_bytes: 64 * 1024,
             idle_timeout: Duration::from_secs(30),
+            small_body_within: Duration::from_secs(120),
         }
     }
 }
@@ -876,7 +880,7 @@ async fn handle(
                     route,
                     &host,
                     peer,
-                    shared.limits.idle_timeout,
+                    (shared.limits.idle_timeout, shared.limits.small_body_within),
                     &shared.tunnels,
                 )
                 .await

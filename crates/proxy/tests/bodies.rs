@@ -411,6 +411,54 @@ async fn a_client_stalled_mid_body_gets_504_after_the_idle_timeout() {
     assert!(text.ends_with("actor demo/p1 request timed out"), "{text}");
 }
 
+/// A small body that trickles in, each byte well within the idle timeout, still gets
+/// the 504 verdict once it has taken longer than `small_body_within` in all: a client
+/// cannot hold a request for as long as it likes one byte at a time.
+#[tokio::test]
+async fn a_trickling_small_body_gets_504_after_its_total_bound() {
+    let upstream = collecting_upstream().await;
+    let (_router, server) = serve_with(
+        Arc::new(AlwaysRunning { port: upstream }),
+        &[],
+        Limits {
+            idle_timeout: Duration::from_secs(30),
+            small_body_within: Duration::from_millis(500),
+            ..Limits::default()
+        },
+    )
+    .await;
+    let s = TcpStream::connect(server.local_addr()).await.unwrap();
+    let (mut rd, mut wr) = s.into_split();
+    wr.write_all(
+        format!(
+            "POST / HTTP/1.1\r\nHost: {}\r\nContent-Length: 100\r\nConnection: close\r\n\r\n",
+            host("p1")
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let trickle = tokio::spawn(async move {
+        for _ in 0..100 {
+            // The client's own pace (the whole body would take 10 s), not a
+            // synchronization.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if wr.write_all(b"x").await.is_err() {
+                break;
+            }
+        }
+    });
+    let mut out = Vec::new();
+    tokio::time::timeout(WAIT, rd.read_to_end(&mut out))
+        .await
+        .expect("answered before the body was whole")
+        .unwrap();
+    trickle.abort();
+    let text = String::from_utf8_lossy(&out);
+    assert!(text.starts_with("HTTP/1.1 504 "), "{text}");
+    assert!(text.ends_with("actor demo/p1 request timed out"), "{text}");
+}
+
 /// A small body that keeps coming, slowly, is read whole and delivered even when it
 /// takes longer than the request's decision deadline: routed already, the request is
 /// past deciding. Before, it got 504 at that deadline.
@@ -421,7 +469,9 @@ async fn a_slow_small_upload_is_delivered_past_the_decision_deadline() {
         Arc::new(AlwaysRunning { port: upstream }),
         &["--parked-request-budget", "100ms"],
         Limits {
-            idle_timeout: Duration::from_secs(2),
+            // Far above the client's pace below, so a loaded machine's delays do not
+            // turn its gaps into stalls.
+            idle_timeout: Duration::from_secs(5),
             ..Limits::default()
         },
     )

@@ -810,7 +810,7 @@ pub(crate) struct LeaseArgs {
 
     /// A worker whose hosting renewals go unanswered this long fences its actor; an
     /// actor whose worker left may run elsewhere only this long after its last renewal.
-    /// At least 3s: workers renew every second, and the control plane routes to an
+    /// At least 4s: workers renew every second, and the control plane routes to an
     /// actor only while its worker renewed within half the lease.
     #[arg(long, env = "VALET_HOSTING_LEASE", default_value = "15s", value_parser = parse_hosting_lease, value_name = "DURATION")]
     pub(crate) hosting_lease: Duration,

@@ -442,15 +442,15 @@ fn load_run_rates_are_checked() {
 /// would answer `Unavailable` for a running actor between renewals) is refused, by the
 /// control plane and by `valet up`.
 #[test]
-fn a_hosting_lease_below_3s_is_refused() {
+fn a_hosting_lease_below_4s_is_refused() {
     for cmd in ["control-plane", "up"] {
-        for lease in ["0", "2s"] {
+        for lease in ["0", "3s"] {
             let o = valet(&[cmd, "--hosting-lease", lease], &[]);
             assert_eq!(o.status.code(), Some(64), "{cmd} {lease}");
             let lines = stderr_lines(&o);
             assert_eq!(lines.len(), 1, "{lines:?}");
             assert!(
-                lines[0].contains("--hosting-lease") && lines[0].contains("at least 3s"),
+                lines[0].contains("--hosting-lease") && lines[0].contains("at least 4s"),
                 "{}",
                 lines[0]
             );
@@ -570,6 +570,12 @@ fn valet_up_check_prints_the_effective_flags_and_starts_nothing() {
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(out.lines().any(|l| l == "--parked-request-max=7"), "{out}");
     assert!(!data.exists(), "nothing written");
-    let o = valet(&["up", "--check", "--parked-request-budget", "0s"], &[]);
-    assert_eq!(o.status.code(), Some(64));
+    for bad in [
+        &["--parked-request-budget", "0s"][..],
+        &["--metrics-listen", "bogus"][..],
+    ] {
+        let mut args = vec!["up", "--check"];
+        args.extend_from_slice(bad);
+        assert_eq!(valet(&args, &[]).status.code(), Some(64), "{bad:?}");
+    }
 }

@@ -168,7 +168,7 @@ async fn running_actors_ride_out_a_control_plane_sigkill() {
 async fn a_worker_cut_off_fences_its_actor_before_it_moves() {
     let dir = tempfile::tempdir().unwrap();
     let snaps = dir.path().join("snapshots");
-    let flags = ["--route-lease", "1s", "--hosting-lease", "3s"];
+    let flags = ["--route-lease", "1s", "--hosting-lease", "4s"];
     let cp = control_plane(&dir.path().join("data"), "127.0.0.1:0", &flags).await;
     let c = client(cp.addr);
     let (proxied, cut) = common::netfault::blackhole_proxy(cp.addr).await;
@@ -242,7 +242,7 @@ async fn a_stale_route_to_a_moved_actor_is_resolved_again() {
         "--rejoin-grace",
         "1s",
         "--hosting-lease",
-        "3s",
+        "4s",
     ];
     let cp = control_plane(&data, "127.0.0.1:0", &flags).await;
     let addr = cp.addr;

@@ -197,7 +197,7 @@ async fn killed_control_plane_loses_nothing_acknowledged() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let snaps = dir.path().join("snapshots");
-    let grace = ["--rejoin-grace", "2s", "--hosting-lease", "3s"];
+    let grace = ["--rejoin-grace", "2s", "--hosting-lease", "4s"];
     let cp = control_plane(&data, "127.0.0.1:0", &grace).await;
     let addr = cp.addr;
     let c = client(addr);

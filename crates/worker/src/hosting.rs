@@ -17,8 +17,8 @@ use crate::app::Slot;
 pub(crate) const RENEW_EVERY: Duration = Duration::from_secs(1);
 /// The shortest hosting lease that works with renewals every [`RENEW_EVERY`]: the
 /// control plane routes to an actor only while its worker renewed within half the
-/// lease, so half of it must outlast a renewal and its answer with room to spare.
-pub const MIN_HOSTING_LEASE: Duration = Duration::from_secs(3);
+/// lease, so half of it must cover two renewals (one may be late).
+pub const MIN_HOSTING_LEASE: Duration = Duration::from_secs(4);
 /// The hosting lease assumed until a control plane names one.
 pub(crate) const DEFAULT_HOSTING_LEASE: Duration = Duration::from_secs(15);
 

@@ -18,6 +18,7 @@ use super::{
     slot_of,
 };
 use crate::link::LinkError;
+use crate::metrics::ResumeHow;
 use crate::model::{ActorKey, ActorStatus, Template};
 use crate::store::{ActorRow, Batch};
 
@@ -95,7 +96,8 @@ impl Plane {
         let wait = wait_for_capacity.filter(|d| !d.is_zero() && self.config().capacity_wait);
         let result = self.resume(&key, wait).await;
         self.metrics().resumed(&result, started.elapsed());
-        let (actor, resumed) = result?;
+        let (actor, how) = result?;
+        let resumed = how == ResumeHow::Activated;
         let grant = holder.and_then(|h| {
             let mut st = self.lock();
             let leasable = st.busy(&key).is_none()
@@ -114,10 +116,15 @@ impl Plane {
         Ok((actor, resumed, grant))
     }
 
-    async fn resume(&self, key: &ActorKey, wait: Option<Duration>) -> Outcome {
+    async fn resume(
+        &self,
+        key: &ActorKey,
+        wait: Option<Duration>,
+    ) -> Result<(ateapi::Actor, ResumeHow), Status> {
         // A resume that joined a wait whose callers all left just before it joined
-        // finds no outcome: it starts over (at most once more).
-        for _ in 0..2 {
+        // finds no outcome: it starts over (once more at most).
+        let mut abandoned = 0;
+        loop {
             // Only the call that started the activation did it (`resumed`); one that
             // joined it shares its outcome otherwise.
             let (mut outcome, joined) = {
@@ -140,7 +147,7 @@ impl Plane {
                             if let Some(a) = st.activity.get_mut(key) {
                                 a.touch();
                             }
-                            return Ok((actor, false));
+                            return Ok((actor, ResumeHow::Running));
                         }
                         ActorStatus::Crashed => return Err(crashed()),
                         ActorStatus::Suspended
@@ -170,23 +177,26 @@ impl Plane {
             if let Ok(o) = outcome.wait_for(Option::is_some).await {
                 let o = o.clone().expect("waited for Some");
                 if !joined {
-                    return o;
+                    return o.map(|(actor, _)| (actor, ResumeHow::Activated));
                 }
                 // A call that may wait for capacity and joined one that may not (or
-                // whose wait ended) is not refused with it: it asks again, and waits in
-                // the queue itself.
+                // whose wait ended) is not refused with it: it asks again (each time
+                // after another activation's end), and waits in the queue itself.
                 if wait.is_some()
                     && o.as_ref()
                         .is_err_and(|e| e.code() == tonic::Code::ResourceExhausted)
                 {
                     continue;
                 }
-                return o.map(|(actor, _)| (actor, false));
+                return o.map(|(actor, _)| (actor, ResumeHow::Joined));
+            }
+            abandoned += 1;
+            if abandoned == 2 {
+                return Err(Status::unavailable(format!(
+                    "the resume of actor {key} was abandoned; try again"
+                )));
             }
         }
-        Err(Status::unavailable(format!(
-            "the resume of actor {key} was abandoned; try again"
-        )))
     }
 
     fn spawn_activation(

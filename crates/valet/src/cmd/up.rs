@@ -100,6 +100,20 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
             "invalid configuration: --client-ca-file: the embedded control plane then asks for client certificates, which its workers and the router present only with --ateapi-cert-file and --ateapi-key-file".into(),
         ));
     }
+    // The embedded control plane's server side: its own flags (files read, nothing
+    // written); with --tls, the throwaway certificate for what they leave out, below.
+    let mut server = args
+        .security
+        .resolve()
+        .map_err(|e| UpError::Config(e.to_string()))?;
+    if server.jwt.is_some() && server.tls.is_none() && !args.tls {
+        return Err(UpError::Config(
+            "invalid configuration: --jwt-public-key-file/--jwt-jwks-file: bearer tokens need TLS (--tls, or --tls-cert-file and --tls-key-file)".into(),
+        ));
+    }
+    let metrics_listen =
+        crate::cmd::control_plane::optional_listen("--metrics-listen", &args.metrics_listen)
+            .map_err(UpError::Config)?;
     if args.check {
         if args.tls {
             return Err(UpError::Config(
@@ -143,12 +157,6 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
     } else {
         None
     };
-    // The embedded control plane's server side: its own flags, with --tls the
-    // throwaway certificate for what they leave out.
-    let mut server = args
-        .security
-        .resolve()
-        .map_err(|e| UpError::Config(e.to_string()))?;
     if let Some(t) = &tls
         && server.tls.is_none()
     {
@@ -156,11 +164,6 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
             valet_control::auth::server_tls(&t.cp_cert, &t.cp_key, None)
                 .map_err(|e| UpError::Start(e.to_string()))?,
         );
-    }
-    if server.jwt.is_some() && server.tls.is_none() {
-        return Err(UpError::Config(
-            "invalid configuration: --jwt-public-key-file/--jwt-jwks-file: bearer tokens need TLS (--tls, or --tls-cert-file and --tls-key-file)".into(),
-        ));
     }
     let scheme = if server.tls.is_some() {
         "https"
@@ -193,9 +196,6 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
         args.ingress.ingress_tls_key_file = Some(t.ingress_key.clone());
     }
     let https = args.ingress.resolve().map_err(UpError::Config)?;
-    let metrics_listen =
-        crate::cmd::control_plane::optional_listen("--metrics-listen", &args.metrics_listen)
-            .map_err(UpError::Config)?;
     let cluster = Cluster::start_on(
         store,
         ClusterConfig {
