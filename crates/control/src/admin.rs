@@ -59,39 +59,60 @@ pub fn spawn_slot(
     serve_http(listener, app, stop, "control-plane metrics server")
 }
 
-/// How long an admin server waits, once told to stop, for its connections to finish
-/// before it stops without them.
-pub const ADMIN_CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+/// The bounds of an admin server's connections.
+#[derive(Debug, Clone, Copy)]
+pub struct AdminLimits {
+    /// How long, once told to stop, it waits for its connections to finish before it
+    /// stops without them.
+    pub close_grace: std::time::Duration,
+    /// How long a connection may take to send a request's head, also the first one
+    /// and the next one on a kept-alive connection; it is closed after that.
+    pub header_timeout: std::time::Duration,
+    /// How many connections it serves at once; past that, new ones wait in the listen
+    /// backlog until one closes (at most `header_timeout` for an idle one).
+    pub max_connections: usize,
+}
 
-/// How long an admin connection may take to send a request's head, also the first one
-/// and the next one on a kept-alive connection; it is closed after that.
-pub const ADMIN_HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// How many connections an admin server serves at once; past that, new ones wait in
-/// the listen backlog until one closes (at most [`ADMIN_HEADER_TIMEOUT`] for an idle
-/// one).
-pub const ADMIN_MAX_CONNECTIONS: usize = 128;
+impl AdminLimits {
+    /// Every admin server's: a 2 s grace, 10 s for a head, 128 connections.
+    pub const DEFAULT: Self = Self {
+        close_grace: std::time::Duration::from_secs(2),
+        header_timeout: std::time::Duration::from_secs(10),
+        max_connections: 128,
+    };
+}
 
 /// The largest request head an admin server reads (hyper's smallest read buffer).
 const ADMIN_MAX_HEAD: usize = 8 * 1024;
 
 /// Serves `app` on `listener` (an admin server: probes, `/metrics`, `/statusz`) over
-/// HTTP/1.1 until `stop`; then lets its connections finish for [`ADMIN_CLOSE_GRACE`]
-/// and ends those still open, so that one that never finishes its request cannot hold
-/// the process's shutdown. Every connection is bounded: [`ADMIN_HEADER_TIMEOUT`] to
-/// send a head, [`ADMIN_MAX_HEAD`] for its size, [`ADMIN_MAX_CONNECTIONS`] at once.
+/// HTTP/1.1 until `stop`, within [`AdminLimits::DEFAULT`]; then lets its connections
+/// finish for the grace and ends those still open, so that one that never finishes its
+/// request cannot hold the process's shutdown. Every connection is bounded: the time
+/// to send a head, its size ([`ADMIN_MAX_HEAD`]), how many at once.
 pub fn serve_http(
     listener: TcpListener,
     app: axum::Router,
     stop: CancellationToken,
     what: &'static str,
 ) -> tokio::task::JoinHandle<()> {
+    serve_http_within(listener, app, stop, what, AdminLimits::DEFAULT)
+}
+
+/// [`serve_http`] within `limits`.
+pub fn serve_http_within(
+    listener: TcpListener,
+    app: axum::Router,
+    stop: CancellationToken,
+    what: &'static str,
+    limits: AdminLimits,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut http = hyper::server::conn::http1::Builder::new();
         http.timer(hyper_util::rt::TokioTimer::new())
-            .header_read_timeout(ADMIN_HEADER_TIMEOUT)
+            .header_read_timeout(limits.header_timeout)
             .max_buf_size(ADMIN_MAX_HEAD);
-        let permits = std::sync::Arc::new(tokio::sync::Semaphore::new(ADMIN_MAX_CONNECTIONS));
+        let permits = std::sync::Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
         // Owns every connection's task: those still open after the grace are ended
         // when it drops.
         let mut connections = tokio::task::JoinSet::new();
@@ -144,7 +165,7 @@ pub fn serve_http(
         }
         drop(listener);
         let finished = async { while connections.join_next().await.is_some() {} };
-        if tokio::time::timeout(ADMIN_CLOSE_GRACE, finished)
+        if tokio::time::timeout(limits.close_grace, finished)
             .await
             .is_err()
         {
@@ -190,11 +211,19 @@ async fn readyz(State(slot): State<PlaneSlot>) -> Response {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     use tokio::net::TcpStream;
 
-    async fn probes() -> (
+    /// Far longer than anything here takes on a loaded machine.
+    const BOUND: Duration = Duration::from_secs(30);
+
+    /// A `/healthz` server within `limits`, on the real clock.
+    async fn probes(
+        limits: AdminLimits,
+    ) -> (
         std::net::SocketAddr,
         CancellationToken,
         tokio::task::JoinHandle<()>,
@@ -202,7 +231,8 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let stop = CancellationToken::new();
-        let served = spawn_slot(listener, PlaneSlot::default(), stop.clone());
+        let app = axum::Router::new().route("/healthz", get(|| async { "ok\n" }));
+        let served = serve_http_within(listener, app, stop.clone(), "test", limits);
         (addr, stop, served)
     }
 
@@ -219,38 +249,42 @@ mod tests {
     /// Reads until the server closes `tcp`, bounded.
     async fn closed(tcp: &mut TcpStream) -> bool {
         let mut rest = Vec::new();
-        tokio::time::timeout(Duration::from_secs(600), tcp.read_to_end(&mut rest))
+        tokio::time::timeout(BOUND, tcp.read_to_end(&mut rest))
             .await
             .is_ok()
     }
 
-    use std::time::Duration;
-
     /// A connection that never finishes its request head, or stays idle after an
-    /// answer, is closed after [`ADMIN_HEADER_TIMEOUT`], not held open for good.
-    #[tokio::test(start_paused = true)]
+    /// answer, is closed after the header timeout, not held open for good.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_silent_admin_connection_is_closed_after_the_header_timeout() {
-        let (addr, _stop, _served) = probes().await;
+        let limits = AdminLimits {
+            header_timeout: Duration::from_millis(200),
+            ..AdminLimits::DEFAULT
+        };
+        let (addr, _stop, _served) = probes(limits).await;
         let mut half = TcpStream::connect(addr).await.unwrap();
         half.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
             .await
             .unwrap();
-        let since = tokio::time::Instant::now();
         assert!(closed(&mut half).await, "the half-sent request was kept");
-        assert!(since.elapsed() >= ADMIN_HEADER_TIMEOUT);
 
         let mut idle = TcpStream::connect(addr).await.unwrap();
         assert!(healthz(&mut idle).await.starts_with("HTTP/1.1 200"));
         assert!(closed(&mut idle).await, "the idle connection was kept");
     }
 
-    /// Past [`ADMIN_MAX_CONNECTIONS`], a new connection is served only once another
+    /// Past its connection limit, a new connection is served only once another
     /// closes.
-    #[tokio::test(start_paused = true)]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn admin_connections_are_capped() {
-        let (addr, _stop, _served) = probes().await;
+        let limits = AdminLimits {
+            max_connections: 4,
+            ..AdminLimits::DEFAULT
+        };
+        let (addr, _stop, _served) = probes(limits).await;
         let mut held = Vec::new();
-        for _ in 0..ADMIN_MAX_CONNECTIONS {
+        for _ in 0..limits.max_connections {
             let mut tcp = TcpStream::connect(addr).await.unwrap();
             // Answered: the server took the connection (and keeps it alive).
             assert!(healthz(&mut tcp).await.starts_with("HTTP/1.1 200"));
@@ -260,12 +294,11 @@ mod tests {
             let mut tcp = TcpStream::connect(addr).await.unwrap();
             healthz(&mut tcp).await
         });
-        // Well within the held connections' header timeout.
-        let within = ADMIN_HEADER_TIMEOUT / 4;
-        tokio::time::sleep(within).await;
+        // Not a synchronization: however long it waits, it must not be served.
+        tokio::time::sleep(Duration::from_millis(300)).await;
         assert!(!late.is_finished(), "served past the cap");
         drop(held.pop());
-        let answer = tokio::time::timeout(within, late).await;
+        let answer = tokio::time::timeout(BOUND, late).await;
         assert!(
             answer
                 .as_ref()
@@ -274,19 +307,23 @@ mod tests {
         );
     }
 
-    /// Once told to stop, the server lets an answer in progress finish, then ends every
-    /// connection still open within [`ADMIN_CLOSE_GRACE`].
-    #[tokio::test(start_paused = true)]
+    /// Once told to stop, the server ends every connection still open within its
+    /// grace, and stops listening.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_stopped_admin_server_ends_its_connections() {
-        let (addr, stop, served) = probes().await;
+        let limits = AdminLimits {
+            close_grace: Duration::from_millis(200),
+            ..AdminLimits::DEFAULT
+        };
+        let (addr, stop, served) = probes(limits).await;
         let mut half = TcpStream::connect(addr).await.unwrap();
         half.write_all(b"GET /healthz HTTP/1.1\r\n").await.unwrap();
         let mut kept = TcpStream::connect(addr).await.unwrap();
         assert!(healthz(&mut kept).await.starts_with("HTTP/1.1 200"));
         stop.cancel();
-        tokio::time::timeout(ADMIN_CLOSE_GRACE * 2, served)
+        tokio::time::timeout(BOUND, served)
             .await
-            .expect("the server stopped within its grace")
+            .expect("the server stopped")
             .unwrap();
         assert!(closed(&mut kept).await);
         assert!(closed(&mut half).await);
