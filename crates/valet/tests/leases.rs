@@ -227,6 +227,8 @@ async fn a_worker_cut_off_fences_its_actor_before_it_moves() {
     }
     let (code, body) = common::http_get(w1.addr, "/", &[("x-actor-ref", "demo/p1")]).await;
     assert_eq!(code, 421, "w1 fenced its actor: {body}");
+    let (code, body) = common::http_get(w1.addr, "/whoami", &[("x-actor-ref", "demo/p1")]).await;
+    assert_eq!(code, 421, "w1 fenced /whoami as well: {body}");
 }
 
 /// A route to an actor that moved while the control plane was down (its worker

@@ -260,10 +260,10 @@ pub(crate) async fn handle(
         let status = StatusCode::SERVICE_UNAVAILABLE;
         return Ok(text(status, "no actor hosted\n".into()));
     };
-    match path {
-        "/readyz" => return Ok(text(StatusCode::OK, "ok\n".into())),
-        "/whoami" => return Ok(text(StatusCode::OK, format!("{}\n", hosted.actor))),
-        _ => {}
+    // The app's own readiness, whatever the fence; every request for the actor
+    // (`/whoami` included) goes through the fence.
+    if path == "/readyz" {
+        return Ok(text(StatusCode::OK, "ok\n".into()));
     }
     let Some(in_flight) = hosted.traffic.enter() else {
         return Ok(text(
@@ -274,6 +274,10 @@ pub(crate) async fn handle(
             ),
         ));
     };
+    if path == "/whoami" {
+        drop(in_flight);
+        return Ok(text(StatusCode::OK, format!("{}\n", hosted.actor)));
+    }
     let resp = serve(req, &hosted, in_flight, &tunnels).await;
     Ok(resp)
 }

@@ -83,6 +83,7 @@ impl HostingLease {
         stop: CancellationToken,
     ) {
         let mut rx = self.state.subscribe();
+        let mut hosted = slot.subscribe();
         loop {
             let s = *rx.borrow_and_update();
             if !s.cut_off {
@@ -93,7 +94,7 @@ impl HostingLease {
                             continue;
                         }
                         self.state.send_modify(|s| s.cut_off = true);
-                        if let Some(h) = slot.borrow().clone() {
+                        if let Some(h) = hosted.borrow_and_update().clone() {
                             tracing::warn!(%worker, actor = %h.actor, lease = ?s.lease, "no hosting renewal answered in time; the actor is fenced until the control plane keeps it here");
                             h.traffic.set_cut_off(true);
                         }
@@ -103,11 +104,77 @@ impl HostingLease {
                     () = stop.cancelled() => return,
                 }
             } else {
+                // An actor installed while the lease is out (a restore that ran on
+                // after its stream ended) is fenced too: the control plane may have
+                // placed it elsewhere meanwhile.
                 tokio::select! {
                     r = rx.changed() => if r.is_err() { return },
+                    r = hosted.changed() => {
+                        if r.is_err() {
+                            return;
+                        }
+                        if let Some(h) = hosted.borrow_and_update().clone()
+                            && self.is_cut_off()
+                        {
+                            tracing::warn!(%worker, actor = %h.actor, "actor restored while the hosting lease is out; fenced until the control plane keeps it here");
+                            h.traffic.set_cut_off(true);
+                        }
+                    }
                     () = stop.cancelled() => return,
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::app::{App, Hosted};
+
+    fn hosted(actor: &str) -> Arc<Hosted> {
+        Arc::new(Hosted::new(
+            actor.into(),
+            App::Counter,
+            actor.into(),
+            0,
+            std::path::PathBuf::from("/nonexistent/counter"),
+        ))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_actor_installed_after_the_lease_ran_out_is_fenced() {
+        let lease = HostingLease::new();
+        let slot: Slot = Arc::new(watch::Sender::new(None));
+        let stop = CancellationToken::new();
+        let dog =
+            tokio::spawn(Arc::clone(&lease).watchdog(Arc::clone(&slot), "w1".into(), stop.clone()));
+        let mut state = lease.state.subscribe();
+        tokio::time::timeout(DEFAULT_HOSTING_LEASE * 2, state.wait_for(|s| s.cut_off))
+            .await
+            .expect("the lease runs out")
+            .expect("lease alive");
+        // A restore that ran on after the stream ended installs its actor now.
+        let late = hosted("demo/p1");
+        slot.send_replace(Some(Arc::clone(&late)));
+        let mut gauge = late.traffic.watch();
+        tokio::time::timeout(Duration::from_secs(1), gauge.wait_for(|g| g.cut_off))
+            .await
+            .expect("the late actor is fenced")
+            .expect("traffic alive");
+        assert!(
+            late.traffic.enter().is_none(),
+            "a fenced actor takes no request"
+        );
+
+        // A welcome that keeps it lowers the lease's fence; a later actor is not fenced.
+        lease.welcomed(DEFAULT_HOSTING_LEASE, Instant::now());
+        let next = hosted("demo/p2");
+        slot.send_replace(Some(Arc::clone(&next)));
+        tokio::task::yield_now().await;
+        tokio::task::yield_now().await;
+        assert!(next.traffic.enter().is_some());
+        stop.cancel();
+        dog.await.expect("watchdog ends");
     }
 }

@@ -880,7 +880,9 @@ fn prepare_restore(dir: &Path, revert: bool) -> std::io::Result<u64> {
     if revert {
         match read_counter(&dir.join("good").join("counter")) {
             Ok(Some(n)) => write_durably(&counter, n.to_string().as_bytes())?,
-            Ok(None) | Err(_) => match std::fs::remove_file(&counter) {
+            // A revert to an unreadable snapshot fails: it never silently starts over.
+            Err(e) => return Err(e),
+            Ok(None) => match std::fs::remove_file(&counter) {
                 Ok(()) => app::sync_dir_of(&counter)?,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => return Err(e),
@@ -889,16 +891,29 @@ fn prepare_restore(dir: &Path, revert: bool) -> std::io::Result<u64> {
     }
     // The app refuses to start on a corrupt data directory.
     read_counter(&counter)?;
-    let memory = match std::fs::read_to_string(dir.join("memory")) {
-        Ok(s) => s.trim().parse().unwrap_or(0),
-        Err(_) => 0,
-    };
-    Ok(memory)
+    // No memory file: the last snapshot kept the data only.
+    let memory_file = dir.join("memory");
+    match std::fs::read_to_string(&memory_file) {
+        Ok(s) => s.trim().parse().map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("corrupt memory snapshot {}", memory_file.display()),
+            )
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
+        Err(e) => Err(e),
+    }
 }
 
 /// Writes a snapshot: the memory count for a full one (dropped for a data one), and
 /// the data directory's counter as the last good snapshot.
 fn take_snapshot(dir: &Path, full: bool, memory: u64) -> std::io::Result<()> {
+    // The app's last write to its data directory (a rename) is made durable before
+    // the checkpoint is acknowledged: a restore reads that directory.
+    let data = dir.join("data");
+    if data.exists() {
+        app::sync_dir_of(&data.join("counter"))?;
+    }
     let memory_file = dir.join("memory");
     if full {
         write_durably(&memory_file, memory.to_string().as_bytes())?;
@@ -920,6 +935,41 @@ fn take_snapshot(dir: &Path, full: bool, memory: u64) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A restore never starts an actor over from an unreadable snapshot: a corrupt
+    /// last good data snapshot (on revert) or memory snapshot is an error.
+    #[test]
+    fn a_restore_from_an_unreadable_snapshot_fails() {
+        let dir = tempfile::tempdir().unwrap();
+        let actor = dir.path();
+        std::fs::create_dir_all(actor.join("data")).unwrap();
+        std::fs::create_dir_all(actor.join("good")).unwrap();
+        std::fs::write(actor.join("data").join("counter"), "7").unwrap();
+        std::fs::write(actor.join("good").join("counter"), "5").unwrap();
+        std::fs::write(actor.join("memory"), "3").unwrap();
+        assert_eq!(prepare_restore(actor, false).unwrap(), 3);
+        assert_eq!(prepare_restore(actor, true).unwrap(), 3);
+        assert_eq!(
+            std::fs::read_to_string(actor.join("data").join("counter")).unwrap(),
+            "5",
+            "reverted to the last good snapshot"
+        );
+
+        std::fs::write(actor.join("good").join("counter"), "garbage").unwrap();
+        let e = prepare_restore(actor, true).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{e}");
+        assert_eq!(
+            std::fs::read_to_string(actor.join("data").join("counter")).unwrap(),
+            "5",
+            "the data is left as it was"
+        );
+
+        std::fs::write(actor.join("memory"), "garbage").unwrap();
+        let e = prepare_restore(actor, false).unwrap_err();
+        assert!(e.to_string().contains("corrupt memory snapshot"), "{e}");
+        std::fs::remove_file(actor.join("memory")).unwrap();
+        assert_eq!(prepare_restore(actor, false).unwrap(), 0, "a data snapshot");
+    }
 
     /// A renewal carries the token when it changed, and an unchanged one again every
     /// 10 s: the control plane may have refused it (a key it had not loaded yet)
