@@ -150,6 +150,24 @@ pub fn jwt_verifier(
     })
 }
 
+/// The PEM blocks of `text`, each from its `-----BEGIN` line to the end of its
+/// `-----END …-----` marker.
+fn pem_blocks(text: &str) -> Vec<&str> {
+    const BEGIN: &str = "-----BEGIN ";
+    const END: &str = "-----END ";
+    let mut blocks = Vec::new();
+    let mut rest = text;
+    while let Some(start) = rest.find(BEGIN) {
+        let from = &rest[start..];
+        let Some(end) = from.find(END) else { break };
+        let after = &from[end + END.len()..];
+        let len = end + END.len() + after.find("-----").map_or(after.len(), |i| i + 5);
+        blocks.push(&from[..len]);
+        rest = &from[len..];
+    }
+    blocks
+}
+
 /// One verification key and the algorithms it may verify.
 struct Key {
     kid: Option<String>,
@@ -201,21 +219,44 @@ impl JwtVerifier {
     ) -> Result<Self, SecurityError> {
         let flag = "--jwt-public-key-file";
         let bytes = read(flag, path)?;
-        let key = DecodingKey::from_rsa_pem(&bytes)
-            .map(|k| (k, RSA))
-            .or_else(|_| DecodingKey::from_ec_pem(&bytes).map(|k| (k, EC)))
-            .or_else(|_| DecodingKey::from_ed_pem(&bytes).map(|k| (k, ED)))
-            .map_err(|_| SecurityError {
-                flag,
-                path: path.to_owned(),
-                why: "no RSA, EC or Ed25519 public key in PEM".into(),
-            })?;
+        let refused = |why: String| SecurityError {
+            flag,
+            path: path.to_owned(),
+            why,
+        };
+        let text = std::str::from_utf8(&bytes)
+            .map_err(|_| refused("no RSA, EC or Ed25519 public key in PEM".into()))?;
+        let blocks = pem_blocks(text);
+        if blocks.is_empty() {
+            return Err(refused("no RSA, EC or Ed25519 public key in PEM".into()));
+        }
+        // Every block is a key (several: a rotation's overlap); one that is not is an
+        // error, never skipped.
+        let keys = blocks
+            .iter()
+            .enumerate()
+            .map(|(i, block)| {
+                let pem = block.as_bytes();
+                DecodingKey::from_rsa_pem(pem)
+                    .map(|k| (k, RSA))
+                    .or_else(|_| DecodingKey::from_ec_pem(pem).map(|k| (k, EC)))
+                    .or_else(|_| DecodingKey::from_ed_pem(pem).map(|k| (k, ED)))
+                    .map(|(key, algorithms)| Key {
+                        kid: None,
+                        key,
+                        algorithms,
+                    })
+                    .map_err(|_| {
+                        refused(format!(
+                            "PEM block {} of {} is not an RSA, EC or Ed25519 public key",
+                            i + 1,
+                            blocks.len()
+                        ))
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
-            keys: vec![Key {
-                kid: None,
-                key: key.0,
-                algorithms: key.1,
-            }],
+            keys,
             audience,
             issuer,
             leeway: LEEWAY,
@@ -510,6 +551,47 @@ mod tests {
         assert_eq!(v.verify(&token), Ok(until + LEEWAY));
         let v = v.with_leeway(Duration::ZERO);
         assert_eq!(v.verify(&token), Ok(until));
+    }
+
+    /// A public key file may hold several keys (a rotation's overlap): a token
+    /// signed by any of them verifies; a block that is no key refuses the file.
+    #[test]
+    fn every_key_of_a_public_key_file_verifies() {
+        let dir = tempfile::tempdir().unwrap();
+        let (old, new) = (
+            rcgen::KeyPair::generate().unwrap(),
+            rcgen::KeyPair::generate().unwrap(),
+        );
+        let path = dir.path().join("keys.pem");
+        std::fs::write(
+            &path,
+            format!("{}\n{}", old.public_key_pem(), new.public_key_pem()),
+        )
+        .unwrap();
+        let v = JwtVerifier::from_public_key_file(&path, Some("valet".into()), Some("test".into()))
+            .unwrap();
+        for pair in [&old, &new] {
+            let key = EncodingKey::from_ec_pem(pair.serialize_pem().as_bytes()).unwrap();
+            v.verify(&token(&key, "any")).unwrap();
+        }
+        assert!(
+            v.verify(&token(&ec_key(), "any")).is_err(),
+            "an unknown key"
+        );
+
+        std::fs::write(
+            &path,
+            format!(
+                "{}-----BEGIN NONSENSE-----\nAAAA\n-----END NONSENSE-----\n",
+                old.public_key_pem()
+            ),
+        )
+        .unwrap();
+        let e = JwtVerifier::from_public_key_file(&path, None, None).unwrap_err();
+        assert!(e.why.contains("PEM block 2 of 2"), "{e}");
+        std::fs::write(&path, "no pem here").unwrap();
+        let e = JwtVerifier::from_public_key_file(&path, None, None).unwrap_err();
+        assert!(e.why.contains("no RSA, EC or Ed25519 public key"), "{e}");
     }
 
     #[test]

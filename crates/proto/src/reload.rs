@@ -46,8 +46,8 @@ struct Inner<T> {
 }
 
 /// A value built from files, rebuilt when they change. Cloning shares it; the watcher
-/// (started by the first [`Reloading::load`] inside a tokio runtime) ends once every
-/// clone is dropped.
+/// (started when it is made inside a tokio runtime, else by the first
+/// [`Reloading::load`] inside one) ends once every clone is dropped.
 pub struct Reloading<T>(Arc<Inner<T>>);
 
 impl<T> Clone for Reloading<T> {
@@ -83,7 +83,7 @@ impl<T: Send + Sync + 'static> Reloading<T> {
         // Read before building: a change in between is seen by the first poll.
         let seen = snapshot(&files);
         let first = build()?;
-        Ok(Self(Arc::new(Inner {
+        let value = Self(Arc::new(Inner {
             what,
             files,
             build: Box::new(move || build().map_err(|e| e.to_string())),
@@ -91,7 +91,11 @@ impl<T: Send + Sync + 'static> Reloading<T> {
             seen: Mutex::new(Some(seen)),
             watching: AtomicBool::new(false),
             attempts: AtomicU64::new(0),
-        })))
+        }));
+        // Watched from now on (inside a runtime): a value first used long after the
+        // start (a standby's, at its takeover) is as fresh as its files.
+        value.watch();
+        Ok(value)
     }
 
     /// A value from no file: never rebuilt.
@@ -243,6 +247,20 @@ mod tests {
         })
         .await;
         assert_eq!(*value.load(), 7);
+    }
+
+    /// A value nobody has loaded yet follows its files all the same: its first use
+    /// (a standby's, at takeover) gets what the files hold then.
+    #[tokio::test]
+    async fn a_value_never_loaded_follows_its_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("n");
+        std::fs::write(&path, "1").unwrap();
+        let p = path.clone();
+        let value = Reloading::new("number", vec![path.clone()], move || parse(&p)).unwrap();
+        std::fs::write(&path, "2").unwrap();
+        until(|| value.attempts() > 0).await;
+        assert_eq!(*value.load(), 2);
     }
 
     #[test]

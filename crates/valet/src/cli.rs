@@ -739,8 +739,8 @@ pub(crate) struct ServerSecurityArgs {
         requires = "tls_cert_file"
     )]
     pub(crate) client_ca_file: Option<PathBuf>,
-    /// PEM public key (RSA, EC or Ed25519) that bearer tokens must be signed with;
-    /// every call then needs `authorization: Bearer <JWT>` (exp required, nbf checked,
+    /// PEM public key (RSA, EC or Ed25519) that bearer tokens must be signed with (or
+    /// several, one after the other: a token signed by any of them verifies); every call then needs `authorization: Bearer <JWT>` (exp required, nbf checked,
     /// aud and iss required: --jwt-audience, --jwt-issuer). Asymmetric algorithms
     /// only: never `none`, never HMAC.
     #[arg(
@@ -903,7 +903,9 @@ pub(crate) struct CtlArgs {
     #[command(flatten)]
     pub(crate) ateapi: valet_router::config::AteapiArgs,
 
-    /// Deadline of each call.
+    /// Deadline of each call. With several --control-plane URLs the next is asked only
+    /// when one cannot be reached, never after a call got no answer in time (it may be
+    /// carried out all the same).
     #[arg(long, env = "VALET_CTL_TIMEOUT", default_value = "30s", value_parser = parse_duration, value_name = "DURATION", global = true)]
     pub(crate) timeout: Duration,
 

@@ -526,6 +526,84 @@ fn ctl_checks_its_arguments_before_asking() {
     }
 }
 
+/// A `valet ctl` call that got no answer within `--timeout` is reported as such and
+/// never sent to the next replica (the first may still carry it out); one that cannot
+/// connect is.
+#[test]
+fn ctl_fails_over_only_when_a_replica_cannot_be_reached() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    // A replica that accepts and never answers, and one that counts its connections.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_addr = silent.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for c in silent.incoming() {
+            held.push(c);
+        }
+    });
+    let counting = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let counting_addr = counting.local_addr().unwrap();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let seen = Arc::clone(&connections);
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for c in counting.incoming() {
+            seen.fetch_add(1, Ordering::SeqCst);
+            held.push(c);
+        }
+    });
+    let both = format!("http://{silent_addr},http://{counting_addr}");
+    let o = valet(
+        &[
+            "ctl",
+            "--control-plane",
+            &both,
+            "--timeout",
+            "1s",
+            "atespace",
+            "list",
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    let lines = stderr_lines(&o);
+    assert!(
+        lines.len() == 1
+            && lines[0].contains("DEADLINE_EXCEEDED")
+            && lines[0].contains("--timeout"),
+        "{lines:?}"
+    );
+    assert_eq!(
+        connections.load(Ordering::SeqCst),
+        0,
+        "not asked of the next replica"
+    );
+
+    // A replica that refuses connections is passed over.
+    let refused = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let refused_addr = refused.local_addr().unwrap();
+    drop(refused);
+    let both = format!("http://{refused_addr},http://{counting_addr}");
+    let o = valet(
+        &[
+            "ctl",
+            "--control-plane",
+            &both,
+            "--timeout",
+            "1s",
+            "atespace",
+            "list",
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(1), "{:?}", stderr_lines(&o));
+    assert!(
+        connections.load(Ordering::SeqCst) >= 1,
+        "the next replica was asked"
+    );
+}
+
 /// The load scenarios' counts must be at least 1 (exit 64 naming the flag): before,
 /// `soak --actors 0` panicked in every client and `eviction --runs 0` exited 1.
 #[test]

@@ -30,10 +30,7 @@ pub(crate) async fn run(args: CtlArgs) -> ExitCode {
     let mut endpoints = Vec::new();
     for url in &urls {
         match credentials.endpoint(url) {
-            Ok(e) => endpoints.push(
-                e.connect_timeout(std::time::Duration::from_secs(3))
-                    .timeout(args.timeout + waits),
-            ),
+            Ok(e) => endpoints.push(e.connect_timeout(std::time::Duration::from_secs(3))),
             Err(e) => {
                 eprintln!(
                     "valet ctl: invalid configuration: --control-plane={}: {e}",
@@ -44,13 +41,22 @@ pub(crate) async fn run(args: CtlArgs) -> ExitCode {
         }
     }
     // Replicas in turn, while the one asked cannot be reached (an answer, even
-    // `Unavailable`, is the replica's own and is reported).
+    // `Unavailable`, is the replica's own and is reported). A call that got no answer
+    // in time is not asked again elsewhere: the replica may be carrying it out.
+    let within = args.timeout + waits;
     let mut result = Err(CtlError::Usage("no control plane".into()));
     for (i, endpoint) in endpoints.iter().enumerate() {
         let client = ControlClient::new(
             credentials.connect_lazy(endpoint, valet_proto::auth::tcp_connector()),
         );
-        result = execute(client, &args).await;
+        result = tokio::time::timeout(within, execute(client, &args))
+            .await
+            .unwrap_or_else(|_| {
+                Err(CtlError::Rpc(tonic::Status::deadline_exceeded(format!(
+                    "no answer from {} within {within:?} (--timeout); the command may still be carried out",
+                    urls[i]
+                ))))
+            });
         let unavailable = matches!(&result, Err(CtlError::Rpc(s)) if valet_router::control::is_transport_failure(s));
         if !unavailable || i + 1 == endpoints.len() {
             break;
