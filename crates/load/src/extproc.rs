@@ -66,9 +66,9 @@ pub async fn decide(
     })
     .await
     .map_err(|_| tonic::Status::internal("stream closed"))?;
-    let response = inbound
-        .message()
-        .await?
+    let response = tokio::time::timeout(crate::generate::NO_ANSWER_AFTER, inbound.message())
+        .await
+        .map_err(|_| tonic::Status::deadline_exceeded("no answer from the ext_proc server"))??
         .ok_or_else(|| tonic::Status::unknown("stream ended without an answer"))?;
     drop(tx);
     match response.response {

@@ -235,15 +235,14 @@ impl Progress {
                 );
                 loop {
                     tick.tick().await;
-                    let (sent, done) = (
-                        counters.0.load(Ordering::Relaxed),
-                        counters.1.load(Ordering::Relaxed),
-                    );
+                    // Answered first: a request counted in between is in flight.
+                    let done = counters.1.load(Ordering::Relaxed);
+                    let sent = counters.0.load(Ordering::Relaxed);
                     eprintln!(
                         "{label}: {:>4.0}s/{:.0}s  sent {sent}  answered {done}  in flight {}",
                         start.elapsed().as_secs_f64(),
                         total.as_secs_f64(),
-                        sent - done
+                        sent.saturating_sub(done)
                     );
                 }
             })
@@ -252,7 +251,15 @@ impl Progress {
     }
 
     fn stop(self) {
-        if let Some(t) = self.task {
+        drop(self);
+    }
+}
+
+/// A run dropped before its end (interrupted, or timed out by its caller) stops
+/// printing too.
+impl Drop for Progress {
+    fn drop(&mut self) {
+        if let Some(t) = self.task.take() {
             t.abort();
         }
     }
@@ -261,6 +268,29 @@ impl Progress {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A run dropped before its end leaves no progress task printing behind it.
+    #[tokio::test(start_paused = true)]
+    async fn a_dropped_run_stops_its_progress_lines() {
+        let schedule = schedule(1.0, Duration::from_secs(10));
+        let actors = ["demo/a".to_owned()];
+        let run = open_loop("t", &schedule, &actors, |_| {
+            std::future::pending::<(u16, String)>()
+        });
+        assert!(
+            tokio::time::timeout(Duration::from_secs(2), run)
+                .await
+                .is_err()
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(
+            tokio::runtime::Handle::current()
+                .metrics()
+                .num_alive_tasks(),
+            0,
+            "nothing left running"
+        );
+    }
 
     #[test]
     fn schedule_is_evenly_spaced() {

@@ -351,23 +351,7 @@ pub async fn overflow(sys: &System, budget: Duration, free_at: Duration) -> Resu
         let ok =
             s.ok.map(|l| format!("median {}, slowest {}", secs(l.median), secs(l.max)))
                 .unwrap_or_default();
-        let failed = Latencies::of(
-            batch
-                .iter()
-                .filter(|r| r.status != 200)
-                .map(Record::latency)
-                .collect(),
-        );
-        let _ = writeln!(
-            text,
-            "{round}: {} of {} returned 200 ({ok}); {} returned 503{}",
-            s.count(200),
-            s.total,
-            s.count(503),
-            failed
-                .map(|l| format!(" after {} to {}", secs(l.min), secs(l.max)))
-                .unwrap_or_default()
-        );
+        let _ = writeln!(text, "{round}: {}", overflow_line(&batch, &s, &ok));
         if sys.resume_calls_for("demo/o1").is_some() {
             let _ = writeln!(
                 text,
@@ -462,9 +446,10 @@ pub async fn fast_path(
     sides.push(("worker", &direct));
     for (name, recs) in &sides {
         let s = Summary::of(recs.iter());
-        let l = s.all.ok_or("no requests")?;
+        // Served requests only: quick failures must not pass for throughput.
+        let l = s.ok.ok_or_else(|| format!("{name}: no request served"))?;
         let ms = |d: Duration| format!("{:.3}ms", d.as_secs_f64() * 1000.0);
-        let rate = s.total as f64 / duration.as_secs_f64();
+        let rate = s.count(200) as f64 / duration.as_secs_f64();
         rates.push((*name, rate, l.p99));
         let _ = writeln!(
             text,
@@ -534,6 +519,7 @@ pub async fn eviction(
     }
     // Every holder idle at least the threshold (the last one served is the youngest).
     let youngest = holders.last().ok_or("no workers")?;
+    let idle_by = Instant::now() + evict_after + Duration::from_secs(30);
     loop {
         if sys
             .idle_for(youngest)
@@ -541,6 +527,12 @@ pub async fn eviction(
             .is_some_and(|d| d >= evict_after)
         {
             break;
+        }
+        if Instant::now() >= idle_by {
+            return Err(format!(
+                "the control plane never reported {youngest} idle for {} (is it reachable?)",
+                secs(evict_after)
+            ));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -580,4 +572,59 @@ pub async fn eviction(
         records,
         budget_s: None,
     })
+}
+
+/// One overflow round's outcome: the 200s, the 503s (and when they came), and any
+/// other status apart (a transport failure is not a 503).
+fn overflow_line(batch: &[Record], s: &Summary, ok: &str) -> String {
+    let refused = Latencies::of(
+        batch
+            .iter()
+            .filter(|r| r.status == 503)
+            .map(Record::latency)
+            .collect(),
+    );
+    let other = s.total - s.count(200) - s.count(503);
+    format!(
+        "{} of {} returned 200 ({ok}); {} returned 503{}{}",
+        s.count(200),
+        s.total,
+        s.count(503),
+        refused
+            .map(|l| format!(" after {} to {}", secs(l.min), secs(l.max)))
+            .unwrap_or_default(),
+        if other > 0 {
+            format!("; {other} failed otherwise")
+        } else {
+            String::new()
+        }
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(status: u16, ms: u64) -> Record {
+        Record {
+            label: "t".into(),
+            actor: "demo/a".into(),
+            start: Duration::ZERO,
+            end: Duration::from_millis(ms),
+            status,
+            body: String::new(),
+        }
+    }
+
+    /// The 503s' range covers the 503s only: a connection reset at 10 ms is a
+    /// failure of its own, not an early 503.
+    #[test]
+    fn the_overflow_line_keeps_503s_and_other_failures_apart() {
+        let batch = [record(200, 100), record(503, 5100), record(0, 10)];
+        let s = Summary::of(batch.iter());
+        assert_eq!(
+            overflow_line(&batch, &s, "ok"),
+            "1 of 3 returned 200 (ok); 1 returned 503 after 5.100s to 5.100s; 1 failed otherwise"
+        );
+    }
 }

@@ -59,7 +59,9 @@ enum Outcome {
     Broken,
 }
 
-/// One GET over a fresh connection, given up after `give_up` if set.
+/// One GET over a fresh connection, given up after `give_up` if set; one the router
+/// never answers is broken after [`crate::generate::NO_ANSWER_AFTER`] (the soak ends,
+/// and its books say so, instead of hanging).
 async fn request(router: SocketAddr, host: &str, give_up: Option<Duration>) -> (Outcome, String) {
     let exchange = async {
         let mut s = tokio::net::TcpStream::connect(router).await.ok()?;
@@ -77,7 +79,10 @@ async fn request(router: SocketAddr, host: &str, give_up: Option<Duration>) -> (
             Ok(a) => a,
             Err(_) => return (Outcome::Abandoned, String::new()),
         },
-        None => exchange.await,
+        None => tokio::time::timeout(crate::generate::NO_ANSWER_AFTER, exchange)
+            .await
+            .ok()
+            .flatten(),
     };
     match answered {
         Some((status, body)) => (Outcome::Answered(status), body),
@@ -366,4 +371,30 @@ fn books(
         Err(problems.join("; "))
     };
     (text, verdict)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A request the router accepts and never answers is counted broken after
+    /// [`crate::generate::NO_ANSWER_AFTER`]: the soak ends and says so.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_never_answered_is_broken_in_the_end() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let holder = tokio::spawn(async move {
+            let (conn, _) = listener.accept().await.unwrap();
+            std::future::pending::<()>().await;
+            drop(conn);
+        });
+        let outcome = tokio::time::timeout(
+            Duration::from_secs(3600),
+            request(addr, "soak1.demo.x", None),
+        )
+        .await
+        .expect("the request ends");
+        assert!(matches!(outcome.0, Outcome::Broken), "{:?}", outcome.0);
+        holder.abort();
+    }
 }

@@ -604,6 +604,36 @@ fn ctl_fails_over_only_when_a_replica_cannot_be_reached() {
     );
 }
 
+/// A scenario says it is still running every 5 s (its report comes only at the end).
+#[test]
+fn a_long_scenario_prints_progress() {
+    let out = tempfile::tempdir().unwrap();
+    let o = valet(
+        &[
+            "load",
+            "scenario",
+            "steady",
+            "--capacity-wait",
+            "on",
+            "--duration",
+            "6s",
+            "--restore-delay",
+            "10ms",
+            "--out",
+            out.path().to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{:?}", stderr_lines(&o));
+    let lines = stderr_lines(&o);
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("valet load scenario steady-capacity-wait-on: running for 5s")),
+        "{lines:?}"
+    );
+}
+
 /// The load scenarios' counts must be at least 1 (exit 64 naming the flag): before,
 /// `soak --actors 0` panicked in every client and `eviction --runs 0` exited 1.
 #[test]

@@ -11,6 +11,8 @@ use valet_load::scenario::{self, Report};
 use valet_load::system::{System, SystemOpts};
 use valet_load::{Summary, chart};
 
+use clap::ValueEnum as _;
+
 use crate::EXIT_CONFIG;
 use crate::cli::{
     CapacityWait, DemoArgs, LoadCommand, LoadRunArgs, Scenario, ScenarioArgs, TargetArgs,
@@ -258,7 +260,13 @@ async fn run_scenario(args: ScenarioArgs) -> Result<(), Failure> {
         } else {
             format!("{cluster}-capacity-wait-off")
         };
-        let report = match args.scenario {
+        let name = args
+            .scenario
+            .to_possible_value()
+            .map_or_else(String::new, |v| v.get_name().to_owned());
+        let what = format!("valet load scenario {name}{tag}");
+        let report = with_progress(&what, async {
+            Ok::<_, Failure>(match args.scenario {
             Scenario::Timeline => {
                 let sys = system(t, &opts(t, 2, cw, &[])).await?;
                 let r = scenario::timeline(&sys, t.budget, 9, Duration::from_millis(2370)).await;
@@ -355,10 +363,30 @@ async fn run_scenario(args: ScenarioArgs) -> Result<(), Failure> {
                         .await;
                 finish(sys, r).await?
             }
-        };
+            })
+        })
+        .await?;
         publish(&report, &tag, &args.out)?;
     }
     Ok(())
+}
+
+/// How often a scenario says it is still running.
+const PROGRESS_EVERY: Duration = Duration::from_secs(5);
+
+/// Runs `work`, with a line on stderr every [`PROGRESS_EVERY`] while it runs: a
+/// scenario prints its report only once it ends.
+async fn with_progress<T>(what: &str, work: impl std::future::Future<Output = T>) -> T {
+    let start = tokio::time::Instant::now();
+    let mut tick = tokio::time::interval_at(start + PROGRESS_EVERY, PROGRESS_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut work = std::pin::pin!(work);
+    loop {
+        tokio::select! {
+            r = &mut work => return r,
+            _ = tick.tick() => eprintln!("{what}: running for {:.0}s", start.elapsed().as_secs_f64()),
+        }
+    }
 }
 
 pub(crate) async fn demo_parking(args: DemoArgs) -> ExitCode {
@@ -366,7 +394,7 @@ pub(crate) async fn demo_parking(args: DemoArgs) -> ExitCode {
         eprintln!("valet demo parking: {e}");
         return ExitCode::from(EXIT_CONFIG);
     }
-    let result = until_terminated(async {
+    let result = until_terminated(with_progress("valet demo parking", async {
         let t = &args.target;
         let tag = if t.cluster { "-cluster" } else { "" };
         println!(
@@ -384,7 +412,7 @@ pub(crate) async fn demo_parking(args: DemoArgs) -> ExitCode {
         publish(&steady, tag, &args.out)?;
         sys.shutdown().await;
         Ok(())
-    })
+    }))
     .await;
     match result {
         Ok(()) => ExitCode::SUCCESS,
