@@ -211,7 +211,21 @@ impl FakeWorker {
         app: SocketAddr,
         hosting: Option<&ActorKey>,
     ) -> Result<(Self, bool), Status> {
-        Self::join(plane, id, pool, app, hosting, false)
+        Self::join(plane, id, pool, app, hosting, false, 0)
+    }
+
+    /// [`Self::attach`] as the worker process `incarnation` (`Join.incarnation`).
+    ///
+    /// # Errors
+    /// The plane's refusal of the join.
+    pub fn attach_as(
+        plane: &Plane,
+        id: &str,
+        pool: &str,
+        app: SocketAddr,
+        incarnation: u64,
+    ) -> Result<Self, Status> {
+        Self::join(plane, id, pool, app, None, false, incarnation).map(|(w, _)| w)
     }
 
     /// [`Self::attach`] for a worker that re-attaches in the middle of its drain.
@@ -224,7 +238,7 @@ impl FakeWorker {
         pool: &str,
         app: SocketAddr,
     ) -> Result<Self, Status> {
-        Self::join(plane, id, pool, app, None, true).map(|(w, _)| w)
+        Self::join(plane, id, pool, app, None, true, 0).map(|(w, _)| w)
     }
 
     fn join(
@@ -234,6 +248,7 @@ impl FakeWorker {
         app: SocketAddr,
         hosting: Option<&ActorKey>,
         draining: bool,
+        incarnation: u64,
     ) -> Result<(Self, bool), Status> {
         let (tx, rx) = mpsc::channel(64);
         let link = Arc::new(WorkerLink::new(tx));
@@ -247,6 +262,7 @@ impl FakeWorker {
                 snapshot_key: String::new(),
             }),
             draining,
+            incarnation,
         };
         let kept = plane.worker_joined(&join, Arc::clone(&link))?;
         Ok((

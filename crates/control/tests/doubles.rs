@@ -841,3 +841,30 @@ async fn a_waiting_resume_that_joined_a_refused_one_waits_itself() {
     assert!(resumed);
     assert_eq!(actor.status, S::Running as i32);
 }
+
+/// A second process attached under a live worker's id is refused (ALREADY_EXISTS):
+/// two processes would take turns hosting its actor. The same process re-attaching
+/// replaces its stream; once the first stops renewing for the hosting lease, another
+/// process may take the id.
+#[tokio::test(start_paused = true)]
+async fn a_second_process_with_a_live_workers_id_is_refused() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &[]).await;
+    let first = FakeWorker::attach_as(&plane, "w1", "counter", app(), 1).unwrap();
+    let e = FakeWorker::attach_as(&plane, "w1", "counter", app(), 2).unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists, "{e}");
+    assert!(e.message().contains("--worker-id"), "{e}");
+
+    // The same process again (its old stream died on its side): replaced.
+    let mut again = FakeWorker::attach_as(&plane, "w1", "counter", app(), 1).unwrap();
+    drop(first);
+    tokio::time::sleep(config().hosting_lease / 2).await;
+    again.renew();
+    let e = FakeWorker::attach_as(&plane, "w1", "counter", app(), 2).unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists, "still renewing: {e}");
+
+    // Silent for a hosting lease: it has fenced its actor, another process may attach.
+    tokio::time::sleep(config().hosting_lease).await;
+    let _second = FakeWorker::attach_as(&plane, "w1", "counter", app(), 2).unwrap();
+    assert!(again.next().await.is_none(), "the replaced stream is ended");
+}

@@ -239,6 +239,7 @@ impl Worker {
         let drain = Drain::default();
         let agent = Agent {
             id: id.clone(),
+            incarnation: rand::random::<u64>().max(1),
             config,
             app_addr,
             slot: Arc::clone(&slot),
@@ -440,6 +441,8 @@ async fn report_activity(
 
 struct Agent {
     id: String,
+    /// This process among any others given the same id (`Join.incarnation`).
+    incarnation: u64,
     config: WorkerConfig,
     app_addr: SocketAddr,
     slot: Slot,
@@ -509,6 +512,9 @@ impl Agent {
             }
             match attached {
                 Ok(()) => backoff = Duration::from_millis(100),
+                Err(e) if e.code() == tonic::Code::AlreadyExists => {
+                    tracing::error!(worker = %self.id, control_plane = %endpoint.uri(), error = %e.message(), "another worker process is attached with this worker id; retrying until it leaves")
+                }
                 Err(e) if e.code() == tonic::Code::Unauthenticated => {
                     tracing::warn!(worker = %self.id, control_plane = %endpoint.uri(), error = %e.message(), "the control plane refused the worker's bearer token; attaching again with the token file's current one")
                 }
@@ -560,6 +566,7 @@ impl Agent {
             app_address: self.app_addr.to_string(),
             hosting,
             draining,
+            incarnation: self.incarnation,
         };
         let joined_at = tokio::time::Instant::now();
         tx.send(wk::WorkerEvent {

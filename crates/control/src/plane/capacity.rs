@@ -223,6 +223,7 @@ mod tests {
             link: Arc::new(WorkerLink::new(tokio::sync::mpsc::channel(1).0)),
             last_renewal: tokio::time::Instant::now(),
             leaving: false,
+            incarnation: 0,
         }
     }
 

@@ -74,11 +74,28 @@ impl Plane {
         let draining = join.draining.then(|| Arc::clone(&link));
         let (kept, stale, free) = {
             let mut st = self.lock();
+            // Another process attached under this id while it lives (renews within the
+            // hosting lease): two processes would take turns hosting its actor.
+            if let Some(other) = st.workers.get(&id)
+                && other.incarnation != 0
+                && join.incarnation != 0
+                && other.incarnation != join.incarnation
+                && !other.link.is_closed()
+                && other.last_renewal.elapsed() < self.config().hosting_lease
+            {
+                return Err(Status::already_exists(format!(
+                    "worker id {} is attached by another live process; give each worker its own --worker-id",
+                    model::shown(&id)
+                )));
+            }
             let previous = st.workers.remove(&id);
             // Back: what it hosts is decided below, not by a lease running out.
             st.departed.remove(&id);
             if let Some(old) = &previous {
-                old.link.close();
+                // This worker's earlier stream (it re-attached): ended from this side.
+                old.link.end(Status::aborted(
+                    "the worker attached again on another stream",
+                ));
             }
             let kept = hosting.filter(|k| {
                 st.actors.get(k).is_some_and(|r| {
@@ -128,6 +145,7 @@ impl Plane {
                     link,
                     last_renewal: tokio::time::Instant::now(),
                     leaving,
+                    incarnation: join.incarnation,
                 },
             );
             self.inner.stats.attachments.fetch_add(1, Ordering::Relaxed);

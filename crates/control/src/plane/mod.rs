@@ -162,6 +162,8 @@ pub(crate) struct WorkerRec {
     pub(crate) last_renewal: tokio::time::Instant,
     /// It asked to drain: once vacated, its slot is [`Slot::Leaving`], never free.
     pub(crate) leaving: bool,
+    /// The process attached as this worker (`Join.incarnation`; 0: unknown).
+    pub(crate) incarnation: u64,
 }
 
 impl WorkerRec {
