@@ -165,8 +165,11 @@ enum OutgoingBody {
 
 /// What one send to a worker came to.
 pub(crate) enum Sent {
-    /// The worker's answer (or the data plane's own verdict for a failed send).
+    /// The worker's answer.
     Answer(Response<Body>),
+    /// No answer from the worker: the data plane's own verdict (the worker could not
+    /// be reached, the client's body was malformed or it left, the drain cut it off).
+    Denied(Verdict),
     /// The worker does not host the actor (any more): 421.
     Moved,
 }
@@ -333,8 +336,7 @@ impl Outgoing {
         let answer = tokio::select! {
             r = client.request(req) => r,
             () = tunnels.closing() => {
-                let late = Verdict::of(&Denial::ShuttingDown(route.actor.clone()));
-                return Sent::Answer(render(&late));
+                return Sent::Denied(Verdict::of(&Denial::ShuttingDown(route.actor.clone())));
             }
         };
         let mut resp = match answer {
@@ -356,7 +358,7 @@ impl Outgoing {
                         Denial::WorkerUnreachable(route.actor.clone())
                     }
                 };
-                return Sent::Answer(render(&Verdict::of(&denial)));
+                return Sent::Denied(Verdict::of(&denial));
             }
         };
         if resp.status() == StatusCode::MISDIRECTED_REQUEST {

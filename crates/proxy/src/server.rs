@@ -930,8 +930,10 @@ async fn send(
     deadline: Instant,
     parked: bool,
 ) -> (Response<Body>, Option<SocketAddr>, &'static str) {
-    if let Sent::Answer(resp) = out.send(&shared.client, &shared.tunnels, route).await {
-        return (resp, Some(route.addr), "routed");
+    match out.send(&shared.client, &shared.tunnels, route).await {
+        Sent::Answer(resp) => return (resp, Some(route.addr), "routed"),
+        Sent::Denied(v) => return denied_after_route(shared, &v, route.addr),
+        Sent::Moved => {}
     }
     shared.router.forget_route(&route.actor, route.addr);
     let moved = Verdict::of(&Denial::ActorMoved(route.actor.clone()));
@@ -958,6 +960,7 @@ async fn send(
     match decided {
         Decision::Route(again) => match out.send(&shared.client, &shared.tunnels, &again).await {
             Sent::Answer(resp) => (resp, Some(again.addr), "routed"),
+            Sent::Denied(v) => denied_after_route(shared, &v, again.addr),
             Sent::Moved => {
                 shared.router.forget_route(&again.actor, again.addr);
                 (render(&moved), Some(again.addr), moved.reason())
@@ -965,6 +968,20 @@ async fn send(
         },
         Decision::Deny(_, v) => (render(&v), None, v.reason()),
     }
+}
+
+/// A routed request the data plane answered itself: counted by its own status and
+/// verdict (the decision counted it routed), and shown so on the status page.
+fn denied_after_route(
+    shared: &Shared,
+    v: &Verdict,
+    worker: SocketAddr,
+) -> (Response<Body>, Option<SocketAddr>, &'static str) {
+    shared
+        .router
+        .metrics()
+        .answered_after_route(v.status().as_u16(), v.reason());
+    (render(v), Some(worker), v.reason())
 }
 
 #[cfg(test)]

@@ -92,22 +92,39 @@ async fn header_limits_answer_431() {
     assert!(body.ends_with("bytes (limit 1024)"), "{body}");
 }
 
+/// The 502 is counted by its own status and verdict and shown so on the status page
+/// (the decision before it counted the request routed).
 #[tokio::test]
 async fn unreachable_worker_answers_502() {
-    let addr = serve(
+    let router = router_of(
         Arc::new(AlwaysRunning {
             port: closed_port(),
         }),
         &[],
+    );
+    let server = HttpServer::spawn(
+        TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        router.clone(),
         Limits::default(),
     )
-    .await;
+    .unwrap();
     let (status, body) = raw(
-        addr,
+        server.local_addr(),
         &format!("GET / HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n"),
     )
     .await;
     assert_eq!((status, body.as_str()), (502, "actor demo/p1 unreachable"));
+    assert_eq!(
+        router.metrics().sample(
+            "atenet_router_requests_answered_after_route_total",
+            &[("status", "502"), ("verdict", "worker_unreachable")]
+        ),
+        1.0
+    );
+    let recent = router.recent_requests();
+    assert_eq!(recent.len(), 1);
+    assert_eq!(recent[0].verdict, "worker_unreachable");
+    assert_eq!(recent[0].status, 502);
 }
 
 /// `OPTIONS *` is about the server, not an actor: the router answers it itself (before,

@@ -63,6 +63,7 @@ pub struct Metrics {
     resume_attempts: Counter<u64>,
     resume_in_progress: UpDownCounter<i64>,
     replays: Counter<u64>,
+    after_route: Counter<u64>,
     leases: UpDownCounter<i64>,
     lease_renewals: Counter<u64>,
     /// `route.cached{lease=valid}` and `{lease=stale}`, resolved once.
@@ -177,6 +178,12 @@ impl Metrics {
                     "Requests sent through the pipeline again after the worker answered 421 (the actor moved).",
                 )
                 .build(),
+            after_route: meter
+                .u64_counter("atenet.router.requests.answered_after_route")
+                .with_description(
+                    "Routed requests the data plane answered itself (the worker could not be reached, a malformed body, the drain's cut-off), by status and verdict; requests_total counted them routed.",
+                )
+                .build(),
             leases: meter
                 .i64_up_down_counter("atenet.router.leases.active")
                 .with_description("Route leases in the route cache.")
@@ -274,6 +281,17 @@ impl Metrics {
     /// Counts a request sent through the pipeline again (its actor moved).
     pub fn replayed(&self) {
         self.replays.add(1, &[]);
+    }
+
+    /// Counts a routed request the data plane answered itself (status, verdict).
+    pub fn answered_after_route(&self, status: u16, verdict: &'static str) {
+        self.after_route.add(
+            1,
+            &[
+                KeyValue::new("status", i64::from(status)),
+                KeyValue::new("verdict", verdict),
+            ],
+        );
     }
 
     /// Records whether the control plane answers.
