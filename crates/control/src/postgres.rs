@@ -45,12 +45,21 @@ const HEARTBEAT: Duration = Duration::from_secs(1);
 const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
 /// The lock session's TCP keepalives on the server: idle seconds, interval, count
 /// (about 10 s to drop a vanished replica's session, and with it the lock).
+/// With them, a server-side `tcp_user_timeout`: keepalives probe only an idle
+/// connection, and data sent and never acknowledged (a reply to a host that died)
+/// would otherwise hold the session, and the lock, for the OS's 15 minutes.
 const SERVER_KEEPALIVE: &str = "SET tcp_keepalives_idle = 4; SET tcp_keepalives_interval = 2; \
-     SET tcp_keepalives_count = 3";
+     SET tcp_keepalives_count = 3; SET tcp_user_timeout = 10000";
 /// Bounds on every pooled session: no statement, and no transaction left idle (a
 /// replica cut off mid-write), holds the epoch row's lock against a takeover for long.
-const SESSION_LIMITS: &str =
-    "-c statement_timeout=10000 -c idle_in_transaction_session_timeout=10000";
+/// Commits are synchronous whatever the server's, database's or role's default: a
+/// write is acknowledged only once it is durable.
+const SESSION_LIMITS: &str = "-c statement_timeout=10000 -c idle_in_transaction_session_timeout=10000 \
+     -c synchronous_commit=on";
+/// How long the active replica may fail to open any pooled connection (its role lost
+/// LOGIN, its password was rotated, the server is full) before it steps down, so that
+/// a replica that can connect takes over; its lock session alone kept it active.
+const POOL_FAILING_MAX: Duration = Duration::from_secs(10);
 
 /// PostgreSQL's migrations: `MIGRATIONS[v - 1]` brings version `v - 1` to `v` (see
 /// [`SCHEMA_VERSION`]).
@@ -77,8 +86,13 @@ const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
          epoch BIGINT NOT NULL
      );
      INSERT INTO valet_active (id, epoch) VALUES (1, 0);",
+    // Records that place one worker on several actors (older versions could write
+    // them) go back to SUSPENDED (4) first, as a restart would release them.
     // Deferred: a batch that moves a worker between actors is checked at commit.
-    "ALTER TABLE actors ADD CONSTRAINT actors_one_per_worker UNIQUE (worker)
+    "UPDATE actors SET status = 4, worker = NULL, version = version + 1
+         WHERE worker IN (SELECT worker FROM actors WHERE worker IS NOT NULL
+                          GROUP BY worker HAVING count(*) > 1);
+     ALTER TABLE actors ADD CONSTRAINT actors_one_per_worker UNIQUE (worker)
          DEFERRABLE INITIALLY DEFERRED;",
 ];
 
@@ -92,6 +106,8 @@ pub struct PostgresStore {
     /// Keeps the advisory lock's connection (and so the lock) alive; the probes ask
     /// on it.
     active: std::sync::Arc<Client>,
+    /// Since when no pooled connection could be opened, if none could at the last try.
+    pool_failing_since: std::sync::Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -166,6 +182,8 @@ impl PostgresStore {
             config.connect_timeout(CONNECT_TIMEOUT);
         }
         config.application_name("valet control-plane");
+        // Every session writes: with several hosts in the URL, only a primary will do.
+        config.target_session_attrs(tokio_postgres::config::TargetSessionAttrs::ReadWrite);
         // The URL's own options (`-c search_path=…`, say) stay, with the limits after.
         let options = match config.get_options() {
             Some(own) if !own.trim().is_empty() => format!("{own} {SESSION_LIMITS}"),
@@ -249,17 +267,33 @@ impl PostgresStore {
             .batch_execute("SET statement_timeout = 0")
             .await
             .map_err(err)?;
+        // The epoch goes up before the schema changes (when there is an epoch yet):
+        // the replaced replica's writes are fenced first, so it never writes into a
+        // schema its version does not know.
         let take_over = async {
-            migrate(&client, &database).await?;
-            let epoch: i64 = client
-                .query_one(
-                    "UPDATE valet_active SET epoch = epoch + 1 WHERE id = 1 RETURNING epoch",
-                    &[],
-                )
+            let bump = async {
+                client
+                    .query_one(
+                        "UPDATE valet_active SET epoch = epoch + 1 WHERE id = 1 RETURNING epoch",
+                        &[],
+                    )
+                    .await
+                    .map(|r| r.get::<_, i64>(0))
+                    .map_err(err)
+            };
+            let fenced: bool = client
+                .query_one("SELECT to_regclass('valet_active') IS NOT NULL", &[])
                 .await
                 .map_err(err)?
                 .get(0);
-            Ok::<_, StoreError>(epoch)
+            if fenced {
+                let epoch = bump.await?;
+                migrate(&client, &database).await?;
+                Ok::<_, StoreError>(epoch)
+            } else {
+                migrate(&client, &database).await?;
+                bump.await
+            }
         };
         let epoch = tokio::time::timeout(TAKE_OVER_WITHIN, take_over)
             .await
@@ -313,6 +347,7 @@ impl PostgresStore {
             database,
             lost,
             active: client,
+            pool_failing_since: std::sync::Arc::default(),
         })
     }
 
@@ -320,6 +355,29 @@ impl PostgresStore {
     /// may take over, so this one must stop.
     pub fn lost(&self) -> CancellationToken {
         self.lost.clone()
+    }
+
+    /// The setting `name` as a pooled session and the lock's session see it, in that
+    /// order (for tests and diagnostics).
+    ///
+    /// # Errors
+    /// The database's error.
+    pub async fn settings(&self, name: &str) -> Result<(String, String), StoreError> {
+        let ask = "SELECT current_setting($1)";
+        let pooled: String = self
+            .client()
+            .await?
+            .query_one(ask, &[&name])
+            .await
+            .map_err(self.err())?
+            .get(0);
+        let lock: String = self
+            .active
+            .query_one(ask, &[&name])
+            .await
+            .map_err(self.err())?
+            .get(0);
+        Ok((pooled, lock))
     }
 
     /// The epoch this replica writes under.
@@ -431,13 +489,37 @@ impl PostgresStore {
         Ok(())
     }
 
+    /// Notes whether a pooled connection could be had; after [`POOL_FAILING_MAX`] of
+    /// failed connects and no success, steps down (`lost`). A pool busy with writes
+    /// (a wait that timed out) says nothing about connecting.
+    fn note_pool<T>(&self, got: &Result<T, deadpool_postgres::PoolError>) {
+        use deadpool_postgres::PoolError;
+        let mut since = self
+            .pool_failing_since
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match got {
+            Ok(_) => *since = None,
+            Err(PoolError::Backend(e)) => {
+                let first = *since.get_or_insert_with(tokio::time::Instant::now);
+                if first.elapsed() >= POOL_FAILING_MAX && !self.lost.is_cancelled() {
+                    tracing::error!(database = %self.database, why = %why(e), "no new database connection for {POOL_FAILING_MAX:?}: stepping down so that a replica that can connect serves");
+                    self.lost.cancel();
+                }
+            }
+            Err(_) => {}
+        }
+    }
+
     fn err(&self) -> impl Fn(tokio_postgres::Error) -> StoreError + '_ {
         |e| store_error(&self.database, &e)
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
         use deadpool_postgres::PoolError;
-        self.pool.get().await.map_err(|e| match e {
+        let got = self.pool.get().await;
+        self.note_pool(&got);
+        got.map_err(|e| match e {
             PoolError::Backend(e) => store_error(&self.database, &e),
             PoolError::Timeout(_) => StoreError::Lost {
                 database: self.database.clone(),
@@ -683,7 +765,18 @@ impl Store for PostgresStore {
                     self.database
                 )));
             }
-            Ok(())
+            // Whether a pooled connection can still be had (an idle one, or a new
+            // one). Never waits for a pool busy with writes: that is no failure.
+            let pool = self.pool.status();
+            if (pool.available > 0 || pool.size < pool.max_size)
+                && let Ok(got) = tokio::time::timeout(HEARTBEAT_TIMEOUT, self.pool.get()).await
+            {
+                self.note_pool(&got);
+                if let Err(deadpool_postgres::PoolError::Backend(e)) = got {
+                    return Err(store_error(&self.database, &e));
+                }
+            }
+            self.still_active()
         })
     }
 }

@@ -188,7 +188,13 @@ const SQLITE_MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
          revert_pending INTEGER NOT NULL DEFAULT 0,
          PRIMARY KEY (atespace, name)
      ) STRICT;",
-    "CREATE UNIQUE INDEX actors_one_per_worker ON actors (worker);",
+    // Records that place one worker on several actors (older versions could write
+    // them) go back to SUSPENDED (4) from their last snapshot, as a restart would
+    // release them, before the constraint forbids it.
+    "UPDATE actors SET status = 4, worker = NULL, version = version + 1
+         WHERE worker IN (SELECT worker FROM actors WHERE worker IS NOT NULL
+                          GROUP BY worker HAVING count(*) > 1);
+     CREATE UNIQUE INDEX actors_one_per_worker ON actors (worker);",
 ];
 
 /// Brings the SQLite database to [`SCHEMA_VERSION`] (`PRAGMA user_version`), each
@@ -586,11 +592,31 @@ mod tests {
             c.execute_batch(SQLITE_MIGRATIONS[0]).unwrap();
             c.execute("INSERT INTO atespaces (name) VALUES ('demo')", [])
                 .unwrap();
+            // Older versions could record one worker for two actors: such records
+            // are released, not a reason to refuse the upgrade.
+            for (name, worker) in [("a", "w1"), ("b", "w1"), ("c", "w2")] {
+                c.execute(
+                    "INSERT INTO actors VALUES ('demo', ?1, 'u', 'default', 'counter', 'counter', 2, 1, ?2, '', 0)",
+                    [name, worker],
+                )
+                .unwrap();
+            }
         }
         let store = SqliteStore::open(dir.path()).unwrap();
+        let loaded = store.load().await.unwrap();
+        assert_eq!(loaded.atespaces, vec!["demo".to_owned()]);
+        let placed: Vec<(String, ActorStatus, Option<String>)> = loaded
+            .actors
+            .iter()
+            .map(|a| (a.name.clone(), a.status, a.worker.clone()))
+            .collect();
         assert_eq!(
-            store.load().await.unwrap().atespaces,
-            vec!["demo".to_owned()]
+            placed,
+            [
+                ("a".into(), ActorStatus::Suspended, None),
+                ("b".into(), ActorStatus::Suspended, None),
+                ("c".into(), ActorStatus::Running, Some("w2".into())),
+            ]
         );
         let version: i64 = store
             .run(|c| c.pragma_query_value(None, "user_version", |r| r.get(0)))

@@ -450,3 +450,156 @@ async fn readiness_does_not_wait_for_a_pooled_connection() {
     }
     conn.abort();
 }
+
+/// An active replica that can no longer open pooled connections (its role lost LOGIN)
+/// steps down, and a standby that can connect takes over: before, its lock session
+/// kept it active and ready while every write failed, and the standby waited forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_active_replica_that_cannot_connect_any_more_steps_down() {
+    let pg = TempPostgres::start_async().await;
+    let url = pg.url();
+    sql(&url, "CREATE ROLE valet LOGIN SUPERUSER").await;
+    let as_valet = url.replacen("postgres://postgres@", "postgres://valet@", 1);
+    let active = PostgresStore::open(&as_valet).await.unwrap();
+    active.write(Batch::put([row("p1")])).await.unwrap();
+    let standby = tokio::spawn({
+        let url = url.clone();
+        async move { PostgresStore::open(&url).await }
+    });
+    standby_waiting(&url).await;
+    // Its pooled sessions end and no new one may open; its lock session lives on.
+    sql(
+        &url,
+        "ALTER ROLE valet NOLOGIN; \
+         SELECT pg_terminate_backend(a.pid) FROM pg_stat_activity a \
+         WHERE a.usename = 'valet' AND NOT EXISTS (SELECT 1 FROM pg_locks l \
+         WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted)",
+    )
+    .await;
+    // Its probes (readiness) see it, and within POOL_FAILING_MAX it steps down.
+    let stepped_down = async {
+        while !active.lost().is_cancelled() {
+            assert!(
+                active.ping().await.is_err(),
+                "not ready while it cannot connect"
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), stepped_down)
+        .await
+        .expect("the replica steps down");
+    let next = tokio::time::timeout(Duration::from_secs(30), standby)
+        .await
+        .expect("the standby takes over")
+        .unwrap()
+        .unwrap();
+    assert_eq!(next.epoch(), active.epoch() + 1);
+    next.write(Batch::put([row("p2")])).await.unwrap();
+}
+
+/// Every session of the store commits synchronously whatever the server's default
+/// (the throwaway server runs with `synchronous_commit=off`), and the lock's session
+/// gives up on unacknowledged data after 10 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stores_sessions_commit_synchronously() {
+    let pg = TempPostgres::start_async().await;
+    let url = pg.url();
+    let store = PostgresStore::open(&url).await.unwrap();
+    store.write(Batch::put([row("p1")])).await.unwrap();
+    let (pooled, _) = store.settings("synchronous_commit").await.unwrap();
+    assert_eq!(pooled, "on");
+    let (_, lock) = store.settings("tcp_user_timeout").await.unwrap();
+    assert_eq!(lock, "10000", "milliseconds");
+}
+
+/// A database at schema version 1 whose records place one worker on two actors (older
+/// versions could write that) is upgraded: those actors go back to SUSPENDED, not a
+/// reason to refuse every start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_schema_with_a_worker_on_two_actors_is_upgraded() {
+    let pg = TempPostgres::start_async().await;
+    let url = pg.url();
+    drop(PostgresStore::open(&url).await.unwrap());
+    sql(
+        &url,
+        "ALTER TABLE actors DROP CONSTRAINT actors_one_per_worker; \
+         UPDATE valet_schema SET version = 1",
+    )
+    .await;
+    for (name, worker) in [("a", "w1"), ("b", "w1"), ("c", "w2")] {
+        sql(
+            &url,
+            &format!(
+                "INSERT INTO atespaces (name) VALUES ('demo') ON CONFLICT DO NOTHING; \
+                 INSERT INTO actors (atespace, name, uid, template_namespace, template, pool, \
+                 status, version, worker, selector, revert_pending) VALUES ('demo', '{name}', \
+                 'u', 'default', 'counter', 'counter', 2, 1, '{worker}', '', false)"
+            ),
+        )
+        .await;
+    }
+    let store = PostgresStore::open(&url).await.unwrap();
+    let placed: Vec<(String, ActorStatus, Option<String>)> = store
+        .load()
+        .await
+        .unwrap()
+        .actors
+        .into_iter()
+        .map(|a| (a.name, a.status, a.worker))
+        .collect();
+    assert_eq!(
+        placed,
+        [
+            ("a".into(), ActorStatus::Suspended, None),
+            ("b".into(), ActorStatus::Suspended, None),
+            ("c".into(), ActorStatus::Running, Some("w2".into())),
+        ]
+    );
+}
+
+/// Taking over fences the replaced replica (the epoch goes up, waiting for its writes
+/// in progress) before the schema changes: it never writes into a schema it does not
+/// know.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_fences_the_replaced_replica_before_it_migrates() {
+    let pg = TempPostgres::start_async().await;
+    let url = pg.url();
+    drop(PostgresStore::open(&url).await.unwrap());
+    sql(
+        &url,
+        "ALTER TABLE actors DROP CONSTRAINT actors_one_per_worker; \
+         UPDATE valet_schema SET version = 1",
+    )
+    .await;
+    // A write of the replaced replica in progress.
+    let (held, conn) = epoch_row_locked(&url, "FOR SHARE").await;
+    let opening = tokio::spawn({
+        let url = url.clone();
+        async move { PostgresStore::open(&url).await }
+    });
+    let waiting = "SELECT count(*) FROM pg_stat_activity \
+         WHERE wait_event_type = 'Lock' AND application_name = 'valet control-plane'";
+    until_count(
+        &url,
+        waiting,
+        1,
+        "the takeover waits for the write in progress",
+    )
+    .await;
+    let constraint = "SELECT count(*) FROM pg_constraint WHERE conname = 'actors_one_per_worker'";
+    assert_eq!(
+        count(&url, constraint).await,
+        0,
+        "not migrated before the fence"
+    );
+    held.batch_execute("COMMIT").await.unwrap();
+    let store = tokio::time::timeout(Duration::from_secs(30), opening)
+        .await
+        .expect("the takeover ends")
+        .unwrap()
+        .unwrap();
+    assert_eq!(count(&url, constraint).await, 1, "migrated after it");
+    drop(store);
+    conn.abort();
+}
