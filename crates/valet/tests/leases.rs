@@ -231,6 +231,87 @@ async fn a_worker_cut_off_fences_its_actor_before_it_moves() {
     assert_eq!(code, 421, "w1 fenced /whoami as well: {body}");
 }
 
+/// A worker cut off from the control plane ends its actor's open WebSocket at its
+/// hosting lease, as it fences new requests: from then on the control plane may run
+/// the actor elsewhere (before, the tunnel went on echoing indefinitely).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_cut_off_closes_its_actors_open_connections() {
+    use futures_util::{SinkExt as _, StreamExt as _};
+    use tokio_tungstenite::tungstenite::Message;
+    let dir = tempfile::tempdir().unwrap();
+    let snaps = dir.path().join("snapshots");
+    let cp = control_plane(
+        &dir.path().join("data"),
+        "127.0.0.1:0",
+        &["--hosting-lease", "4s"],
+    )
+    .await;
+    let c = client(cp.addr);
+    let (proxied, cut) = common::netfault::blackhole_proxy(cp.addr).await;
+    let w1 = Proc::start(
+        "worker",
+        &[
+            "worker",
+            "--control-plane",
+            &proxied,
+            "--snapshot-dir",
+            snaps.to_str().unwrap(),
+            "--worker-id",
+            "e1",
+            "--pool",
+            "echo",
+        ],
+    )
+    .await;
+    workers_joined(&c, 1).await;
+    c.clone()
+        .create_atespace(ateapi::CreateAtespaceRequest {
+            name: "demo".into(),
+        })
+        .await
+        .unwrap();
+    c.clone()
+        .create_actor(ateapi::CreateActorRequest {
+            actor_ref: common::aref("demo/ws"),
+            actor_template_namespace: "default".into(),
+            actor_template_name: "echo".into(),
+            worker_selector: None,
+        })
+        .await
+        .unwrap();
+    resume(&c, "demo/ws").await.unwrap();
+    let tcp = tokio::net::TcpStream::connect(w1.addr).await.unwrap();
+    let req = http::Request::builder()
+        .uri(format!("ws://{}/chat", w1.addr))
+        .header("host", w1.addr.to_string())
+        .header("x-actor-ref", "demo/ws")
+        .header("connection", "Upgrade")
+        .header("upgrade", "websocket")
+        .header("sec-websocket-version", "13")
+        .header(
+            "sec-websocket-key",
+            tokio_tungstenite::tungstenite::handshake::client::generate_key(),
+        )
+        .body(())
+        .unwrap();
+    let (mut ws, _) = tokio_tungstenite::client_async(req, tcp).await.unwrap();
+    ws.send(Message::text("hi")).await.unwrap();
+    assert_eq!(ws.next().await.unwrap().unwrap(), Message::text("hi"));
+
+    cut.send_replace(true);
+    let closed = async {
+        loop {
+            match ws.next().await {
+                None | Some(Err(_) | Ok(Message::Close(_))) => return,
+                Some(Ok(_)) => {}
+            }
+        }
+    };
+    tokio::time::timeout(WITHIN, closed)
+        .await
+        .expect("the worker closes the tunnel once its lease runs out");
+}
+
 /// A route to an actor that moved while the control plane was down (its worker
 /// restarted empty) is resolved again: the worker's 421 never reaches the client.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

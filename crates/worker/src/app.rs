@@ -220,7 +220,16 @@ impl hyper::body::Body for Guarded {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
+        // An actor cut off or gone from this worker sends nothing more: its response
+        // ends short (checked as each frame comes).
+        if self._in_flight.is_stopped() {
+            return Poll::Ready(None);
+        }
+        let frame = Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(frame, Poll::Ready(Some(_))) && self._in_flight.is_stopped() {
+            return Poll::Ready(None);
+        }
+        frame
     }
 
     fn is_end_stream(&self) -> bool {
@@ -390,25 +399,32 @@ fn websocket_echo(
     };
     let accept = tokio_tungstenite::tungstenite::handshake::derive_accept_key(key.as_bytes());
     tunnels.spawn(async move {
-        // The open connection counts as a request in flight until it closes.
-        let _in_flight = in_flight;
-        let upgraded = match hyper::upgrade::on(req).await {
-            Ok(u) => u,
-            Err(e) => {
-                tracing::debug!(error = %e, "websocket upgrade failed");
-                return;
+        // The open connection counts as a request in flight until it closes, or until
+        // the actor is cut off or gone from this worker.
+        let echo = async {
+            let upgraded = match hyper::upgrade::on(req).await {
+                Ok(u) => u,
+                Err(e) => {
+                    tracing::debug!(error = %e, "websocket upgrade failed");
+                    return;
+                }
+            };
+            let mut ws = tokio_tungstenite::WebSocketStream::from_raw_socket(
+                TokioIo::new(upgraded),
+                tokio_tungstenite::tungstenite::protocol::Role::Server,
+                None,
+            )
+            .await;
+            while let Some(Ok(msg)) = ws.next().await {
+                if (msg.is_text() || msg.is_binary()) && ws.send(msg).await.is_err() {
+                    break;
+                }
             }
         };
-        let mut ws = tokio_tungstenite::WebSocketStream::from_raw_socket(
-            TokioIo::new(upgraded),
-            tokio_tungstenite::tungstenite::protocol::Role::Server,
-            None,
-        )
-        .await;
-        while let Some(Ok(msg)) = ws.next().await {
-            if (msg.is_text() || msg.is_binary()) && ws.send(msg).await.is_err() {
-                break;
-            }
+        // Dropping the connection closes it.
+        tokio::select! {
+            () = echo => {}
+            () = in_flight.stopped() => {}
         }
     });
     Response::builder()

@@ -75,7 +75,9 @@ impl HostingLease {
         let _ = rx.wait_for(|s| s.cut_off).await;
     }
 
-    /// Fences the hosted actor whenever the lease runs out, until `stop`.
+    /// Fences the hosted actor whenever the lease runs out (and any actor installed
+    /// while it is out), and ends the traffic of an actor that leaves the slot, until
+    /// `stop`. The one place that decides when an actor's traffic stops.
     pub(crate) async fn watchdog(
         self: Arc<Self>,
         slot: Slot,
@@ -84,44 +86,51 @@ impl HostingLease {
     ) {
         let mut rx = self.state.subscribe();
         let mut hosted = slot.subscribe();
+        let mut current = hosted.borrow_and_update().clone();
         loop {
             let s = *rx.borrow_and_update();
-            if !s.cut_off {
-                let deadline = s.answered + s.lease;
-                tokio::select! {
-                    () = tokio::time::sleep_until(deadline) => {
-                        if rx.has_changed().unwrap_or(false) {
-                            continue;
-                        }
-                        self.state.send_modify(|s| s.cut_off = true);
-                        if let Some(h) = hosted.borrow_and_update().clone() {
-                            tracing::warn!(%worker, actor = %h.actor, lease = ?s.lease, "no hosting renewal answered in time; the actor is fenced until the control plane keeps it here");
-                            h.traffic.set_cut_off(true);
-                        }
+            let deadline = (!s.cut_off).then(|| s.answered + s.lease);
+            let runs_out = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(d).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = runs_out => {
+                    if rx.has_changed().unwrap_or(false) {
                         continue;
                     }
-                    r = rx.changed() => if r.is_err() { return },
-                    () = stop.cancelled() => return,
-                }
-            } else {
-                // An actor installed while the lease is out (a restore that ran on
-                // after its stream ended) is fenced too: the control plane may have
-                // placed it elsewhere meanwhile.
-                tokio::select! {
-                    r = rx.changed() => if r.is_err() { return },
-                    r = hosted.changed() => {
-                        if r.is_err() {
-                            return;
-                        }
-                        if let Some(h) = hosted.borrow_and_update().clone()
-                            && self.is_cut_off()
-                        {
-                            tracing::warn!(%worker, actor = %h.actor, "actor restored while the hosting lease is out; fenced until the control plane keeps it here");
-                            h.traffic.set_cut_off(true);
-                        }
+                    self.state.send_modify(|s| s.cut_off = true);
+                    if let Some(h) = &current {
+                        tracing::warn!(%worker, actor = %h.actor, lease = ?s.lease, "no hosting renewal answered in time; the actor is fenced until the control plane keeps it here");
+                        h.traffic.set_cut_off(true);
                     }
-                    () = stop.cancelled() => return,
                 }
+                r = rx.changed() => if r.is_err() { return },
+                r = hosted.changed() => {
+                    if r.is_err() {
+                        return;
+                    }
+                    let next = hosted.borrow_and_update().clone();
+                    // The actor that left: its streams and connections end now.
+                    if let Some(old) = &current
+                        && next.as_ref().is_none_or(|n| !Arc::ptr_eq(n, old))
+                    {
+                        old.traffic.set_gone();
+                    }
+                    // An actor installed while the lease is out (a restore that ran on
+                    // after its stream ended) is fenced too: the control plane may have
+                    // placed it elsewhere meanwhile.
+                    if let Some(h) = &next
+                        && self.is_cut_off()
+                    {
+                        tracing::warn!(%worker, actor = %h.actor, "actor restored while the hosting lease is out; fenced until the control plane keeps it here");
+                        h.traffic.set_cut_off(true);
+                    }
+                    current = next;
+                }
+                () = stop.cancelled() => return,
             }
         }
     }
@@ -174,6 +183,38 @@ mod tests {
         tokio::task::yield_now().await;
         tokio::task::yield_now().await;
         assert!(next.traffic.enter().is_some());
+        stop.cancel();
+        dog.await.expect("watchdog ends");
+    }
+
+    /// What is in flight for an actor (a stream, an upgraded connection) ends when the
+    /// actor leaves the slot, and when the lease runs out: the control plane may place
+    /// it elsewhere from then on.
+    #[tokio::test(start_paused = true)]
+    async fn traffic_in_flight_stops_when_the_actor_leaves_or_the_lease_runs_out() {
+        let lease = HostingLease::new();
+        let first = hosted("demo/p1");
+        let slot: Slot = Arc::new(watch::Sender::new(Some(Arc::clone(&first))));
+        let stop = CancellationToken::new();
+        let dog =
+            tokio::spawn(Arc::clone(&lease).watchdog(Arc::clone(&slot), "w1".into(), stop.clone()));
+        tokio::task::yield_now().await;
+        let streaming = first.traffic.enter().expect("admitted");
+        assert!(!streaming.is_stopped());
+        // Evicted: the slot empties.
+        slot.send_replace(None);
+        tokio::time::timeout(Duration::from_secs(1), streaming.stopped())
+            .await
+            .expect("the evicted actor's stream stops");
+        assert!(first.traffic.enter().is_none());
+
+        let second = hosted("demo/p2");
+        slot.send_replace(Some(Arc::clone(&second)));
+        tokio::task::yield_now().await;
+        let streaming = second.traffic.enter().expect("admitted");
+        tokio::time::timeout(DEFAULT_HOSTING_LEASE * 2, streaming.stopped())
+            .await
+            .expect("the stream stops when the lease runs out");
         stop.cancel();
         dog.await.expect("watchdog ends");
     }

@@ -18,6 +18,16 @@ pub(crate) struct Gauge {
     /// The hosting lease ran out (no renewal answered in time): new requests are
     /// turned away until the control plane keeps the actor here again.
     pub(crate) cut_off: bool,
+    /// The actor left this worker (evicted, released, replaced): for good.
+    pub(crate) gone: bool,
+}
+
+impl Gauge {
+    /// Whether requests in flight must end now, streams and upgraded connections
+    /// included: the control plane may place the actor elsewhere.
+    pub(crate) fn stopped(&self) -> bool {
+        self.cut_off || self.gone
+    }
 }
 
 /// How a checkpoint fences the actor.
@@ -44,7 +54,7 @@ impl Traffic {
     pub(crate) fn enter(self: &Arc<Self>) -> Option<InFlight> {
         let mut admitted = false;
         self.gauge.send_if_modified(|g| {
-            if g.fenced || g.cut_off {
+            if g.fenced || g.stopped() {
                 return false;
             }
             g.in_flight += 1;
@@ -104,6 +114,12 @@ impl Traffic {
             .send_if_modified(|g| std::mem::replace(&mut g.cut_off, cut_off) != cut_off);
     }
 
+    /// The actor left this worker: nothing more gets in, and what is in flight ends.
+    pub(crate) fn set_gone(&self) {
+        self.gauge
+            .send_if_modified(|g| !std::mem::replace(&mut g.gone, true));
+    }
+
     /// Lowers the fence (the checkpoint did not happen after all).
     pub(crate) fn unfence(&self) {
         self.gauge
@@ -114,6 +130,19 @@ impl Traffic {
 /// A request in flight; it ends when dropped.
 #[derive(Debug)]
 pub(crate) struct InFlight(Arc<Traffic>);
+
+impl InFlight {
+    /// Whether it must end now (see [`Gauge::stopped`]).
+    pub(crate) fn is_stopped(&self) -> bool {
+        self.0.gauge.borrow().stopped()
+    }
+
+    /// Resolves once it must end (see [`Gauge::stopped`]).
+    pub(crate) async fn stopped(&self) {
+        let mut changes = self.0.gauge.subscribe();
+        let _ = changes.wait_for(Gauge::stopped).await;
+    }
+}
 
 impl Drop for InFlight {
     fn drop(&mut self) {
