@@ -163,6 +163,25 @@ pub enum AteapiAuth {
 }
 
 impl AteapiArgs {
+    /// The flags given, with their values (paths and names, never a file's content).
+    pub fn given(&self) -> Vec<(&'static str, String)> {
+        let mode = self
+            .ateapi_auth
+            .map(|m| if m == AteapiAuth::Jwt { "jwt" } else { "mtls" }.to_owned());
+        let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
+        [
+            ("--ateapi-auth", mode),
+            ("--ateapi-ca-file", path(&self.ateapi_ca_file)),
+            ("--ateapi-cert-file", path(&self.ateapi_cert_file)),
+            ("--ateapi-key-file", path(&self.ateapi_key_file)),
+            ("--ateapi-server-name", self.ateapi_server_name.clone()),
+            ("--ateapi-token-file", path(&self.ateapi_token_file)),
+        ]
+        .into_iter()
+        .filter_map(|(flag, value)| value.map(|v| (flag, v)))
+        .collect()
+    }
+
     /// The credentials for `url` (already checked to be `http://` or `https://`),
     /// every file read now.
     ///
@@ -177,19 +196,7 @@ impl AteapiArgs {
         };
         if url.starts_with("http://") {
             // Any TLS or token flag on a plaintext URL is a mistake, never ignored.
-            let mode = self
-                .ateapi_auth
-                .map(|m| if m == AteapiAuth::Jwt { "jwt" } else { "mtls" }.to_owned());
-            let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
-            let given = [
-                ("--ateapi-auth", mode),
-                ("--ateapi-ca-file", path(&self.ateapi_ca_file)),
-                ("--ateapi-cert-file", path(&self.ateapi_cert_file)),
-                ("--ateapi-key-file", path(&self.ateapi_key_file)),
-                ("--ateapi-server-name", self.ateapi_server_name.clone()),
-                ("--ateapi-token-file", path(&self.ateapi_token_file)),
-            ];
-            if let Some((flag, Some(value))) = given.into_iter().find(|(_, v)| v.is_some()) {
+            if let Some((flag, value)) = self.given().into_iter().next() {
                 return Err(ConfigError::new(
                     flag,
                     value,
@@ -382,9 +389,19 @@ pub struct RouterConfig {
     parked_bytes_max: u64,
     drain_delay: Duration,
     drain_timeout: Duration,
+    /// Flags given beside the router's own (`--ateapi-*`, the HTTPS listener's), for
+    /// the effective flags.
+    more_flags: Vec<(&'static str, String)>,
 }
 
 impl RouterConfig {
+    /// Adds flags that configure the router from outside this config (the HTTPS
+    /// listener's) to [`Self::effective_flags`].
+    pub fn with_flags(mut self, flags: Vec<(&'static str, String)>) -> Self {
+        self.more_flags.extend(flags);
+        self
+    }
+
     /// The built-in HTTP data plane's address, if on.
     pub fn listen(&self) -> Option<SocketAddr> {
         self.listen
@@ -502,6 +519,9 @@ impl RouterConfig {
             ("--drain-delay", fmt_duration(self.drain_delay)),
             ("--drain-timeout", fmt_duration(self.drain_timeout)),
         ]
+        .into_iter()
+        .chain(self.more_flags.iter().cloned())
+        .collect()
     }
 }
 
@@ -744,6 +764,7 @@ impl RouterArgs {
             parked_bytes_max: p.parked_bytes_max,
             drain_delay: p.drain_delay,
             drain_timeout,
+            more_flags: self.ateapi.given(),
         })
     }
 }

@@ -449,33 +449,37 @@ pub(crate) struct IngressArgs {
 }
 
 impl IngressArgs {
+    /// The flags given, with their values (paths, never a file's content).
+    pub(crate) fn given(&self) -> Vec<(&'static str, String)> {
+        let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
+        [
+            (
+                "--listen-https",
+                (!self.listen_https.is_empty()).then(|| self.listen_https.clone()),
+            ),
+            ("--ingress-tls-cert-file", path(&self.ingress_tls_cert_file)),
+            ("--ingress-tls-key-file", path(&self.ingress_tls_key_file)),
+            (
+                "--ingress-client-ca-file",
+                path(&self.ingress_client_ca_file),
+            ),
+            (
+                "--ingress-allowed-spiffe-ids",
+                self.ingress_allowed_spiffe_ids.clone(),
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(flag, value)| value.map(|v| (flag, v)))
+        .collect()
+    }
+
     /// The HTTPS listener's address and TLS, when on; every file read now.
     pub(crate) fn resolve(
         &self,
     ) -> Result<Option<(std::net::SocketAddr, valet_proxy::tls::IngressTls)>, String> {
         use valet_proxy::tls::{IngressCert, IngressTls, SpiffeAllowlist};
         if self.listen_https.is_empty() {
-            let given = [
-                (
-                    "--ingress-tls-cert-file",
-                    self.ingress_tls_cert_file
-                        .as_ref()
-                        .map(|p| p.display().to_string()),
-                ),
-                (
-                    "--ingress-client-ca-file",
-                    self.ingress_client_ca_file
-                        .as_ref()
-                        .map(|p| p.display().to_string()),
-                ),
-                (
-                    "--ingress-allowed-spiffe-ids",
-                    self.ingress_allowed_spiffe_ids.clone(),
-                ),
-            ]
-            .into_iter()
-            .find_map(|(flag, value)| value.map(|v| (flag, v)));
-            if let Some((flag, value)) = given {
+            if let Some((flag, value)) = self.given().into_iter().next() {
                 return Err(format!(
                     "invalid configuration: {flag}={value}: needs an HTTPS listener (--listen-https is empty)"
                 ));

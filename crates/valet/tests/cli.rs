@@ -661,6 +661,25 @@ fn load_scenario_counts_are_at_least_one() {
 /// and exits 0 without starting or writing anything; a bad value is exit 64.
 #[test]
 fn valet_up_check_prints_the_effective_flags_and_starts_nothing() {
+    // The HTTPS listener's flags are effective flags too (on /statusz as well).
+    let o = valet(
+        &[
+            "router",
+            "--check",
+            "--control-plane",
+            "http://127.0.0.1:7070",
+            "--listen-https",
+            "127.0.0.1:0",
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(0), "{o:?}");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.lines().any(|l| l == "--listen-https=127.0.0.1:0"),
+        "{out}"
+    );
+
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let o = valet(

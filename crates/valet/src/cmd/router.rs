@@ -10,7 +10,7 @@ pub(crate) async fn run(cmd: RouterCmd) -> ExitCode {
     // Before anything is printed: see `signal::terminated`.
     let terminated = crate::signal::terminated();
     let config = match cmd.args.resolve() {
-        Ok(c) => c,
+        Ok(c) => c.with_flags(cmd.ingress.given()),
         Err(e) => {
             eprintln!("valet router: {e}");
             return ExitCode::from(EXIT_CONFIG);

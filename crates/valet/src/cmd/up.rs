@@ -130,7 +130,8 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
         let config = args
             .router
             .resolve()
-            .map_err(|e| UpError::Config(e.to_string()))?;
+            .map_err(|e| UpError::Config(e.to_string()))?
+            .with_flags(args.ingress.given());
         for (flag, value) in config.effective_flags() {
             say!("{flag}={value}");
         }
@@ -264,7 +265,8 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
     let config = args
         .router
         .resolve()
-        .map_err(|e| UpError::Config(e.to_string()))?;
+        .map_err(|e| UpError::Config(e.to_string()))?
+        .with_flags(args.ingress.given());
     let domain = config.actor_domain().to_string();
     let running = RunningRouter::start(config, https)
         .await
