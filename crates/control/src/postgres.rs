@@ -60,6 +60,11 @@ const SESSION_LIMITS: &str = "-c statement_timeout=10000 -c idle_in_transaction_
 /// LOGIN, its password was rotated, the server is full) before it steps down, so that
 /// a replica that can connect takes over; its lock session alone kept it active.
 const POOL_FAILING_MAX: Duration = Duration::from_secs(10);
+/// Connect failures further apart than this start [`POOL_FAILING_MAX`] over (longer
+/// than a readiness probe's period, so probes alone keep the count).
+const POOL_FAILING_GAP: Duration = Duration::from_secs(30);
+/// How long the readiness probe waits for a pooled connection (one being opened).
+const PROBE_POOL_WAIT: Duration = Duration::from_millis(500);
 
 /// PostgreSQL's migrations: `MIGRATIONS[v - 1]` brings version `v - 1` to `v` (see
 /// [`SCHEMA_VERSION`]).
@@ -106,8 +111,10 @@ pub struct PostgresStore {
     /// Keeps the advisory lock's connection (and so the lock) alive; the probes ask
     /// on it.
     active: std::sync::Arc<Client>,
-    /// Since when no pooled connection could be opened, if none could at the last try.
-    pool_failing_since: std::sync::Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
+    /// Since when, and until when, no pooled connection could be opened, while every
+    /// try since has failed.
+    pool_failing:
+        std::sync::Arc<std::sync::Mutex<Option<(tokio::time::Instant, tokio::time::Instant)>>>,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -347,7 +354,7 @@ impl PostgresStore {
             database,
             lost,
             active: client,
-            pool_failing_since: std::sync::Arc::default(),
+            pool_failing: std::sync::Arc::default(),
         })
     }
 
@@ -490,24 +497,34 @@ impl PostgresStore {
     }
 
     /// Notes whether a pooled connection could be had; after [`POOL_FAILING_MAX`] of
-    /// failed connects and no success, steps down (`lost`). A pool busy with writes
-    /// (a wait that timed out) says nothing about connecting.
+    /// failed connects (each within [`POOL_FAILING_GAP`] of the one before) and no
+    /// success, steps down (`lost`). A pool busy with writes (a wait that timed out)
+    /// says nothing about connecting.
     fn note_pool<T>(&self, got: &Result<T, deadpool_postgres::PoolError>) {
-        use deadpool_postgres::PoolError;
-        let mut since = self
-            .pool_failing_since
+        use deadpool_postgres::{PoolError, TimeoutType};
+        let mut failing = self
+            .pool_failing
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        match got {
-            Ok(_) => *since = None,
-            Err(PoolError::Backend(e)) => {
-                let first = *since.get_or_insert_with(tokio::time::Instant::now);
-                if first.elapsed() >= POOL_FAILING_MAX && !self.lost.is_cancelled() {
-                    tracing::error!(database = %self.database, why = %why(e), "no new database connection for {POOL_FAILING_MAX:?}: stepping down so that a replica that can connect serves");
-                    self.lost.cancel();
-                }
+        let why = match got {
+            Ok(_) => {
+                *failing = None;
+                return;
             }
-            Err(_) => {}
+            Err(PoolError::Backend(e)) => why(e),
+            Err(e @ PoolError::Timeout(TimeoutType::Create)) => e.to_string(),
+            Err(_) => return,
+        };
+        let now = tokio::time::Instant::now();
+        let first = match *failing {
+            Some((first, last)) if now.duration_since(last) < POOL_FAILING_GAP => first,
+            // Isolated failures far apart are no outage.
+            _ => now,
+        };
+        *failing = Some((first, now));
+        if now.duration_since(first) >= POOL_FAILING_MAX && !self.lost.is_cancelled() {
+            tracing::error!(database = %self.database, %why, "no new database connection for {POOL_FAILING_MAX:?}: stepping down so that a replica that can connect serves");
+            self.lost.cancel();
         }
     }
 
@@ -769,7 +786,7 @@ impl Store for PostgresStore {
             // one). Never waits for a pool busy with writes: that is no failure.
             let pool = self.pool.status();
             if (pool.available > 0 || pool.size < pool.max_size)
-                && let Ok(got) = tokio::time::timeout(HEARTBEAT_TIMEOUT, self.pool.get()).await
+                && let Ok(got) = tokio::time::timeout(PROBE_POOL_WAIT, self.pool.get()).await
             {
                 self.note_pool(&got);
                 if let Err(deadpool_postgres::PoolError::Backend(e)) = got {

@@ -868,3 +868,29 @@ async fn a_second_process_with_a_live_workers_id_is_refused() {
     let _second = FakeWorker::attach_as(&plane, "w1", "counter", app(), 2).unwrap();
     assert!(again.next().await.is_none(), "the replaced stream is ended");
 }
+
+/// A process whose stream ended may still serve its actor until its hosting lease
+/// runs out: another process with its id is refused until then, and the actor stays
+/// on the record (before, the newcomer got in and the actor was released at once).
+#[tokio::test(start_paused = true)]
+async fn a_second_process_is_refused_while_the_first_may_still_serve() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["p1"]).await;
+    let mut first = FakeWorker::attach_as(&plane, "w1", "counter", app(), 1).unwrap();
+    restored(&plane, &mut first, "p1").await;
+    first.leave();
+    let e = FakeWorker::attach_as(&plane, "w1", "counter", app(), 2).unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists, "{e}");
+    let p1 = plane.get_actor(&key("p1")).unwrap();
+    assert_eq!(
+        p1.status(),
+        S::Running,
+        "still placed on w1 while it may serve"
+    );
+    // A worker that names no incarnation (an older one) is let in as before, and
+    // keeps the actor it reports.
+    let (mut back, kept) =
+        FakeWorker::attach(&plane, "w1", "counter", app(), Some(&key("p1"))).unwrap();
+    assert!(kept);
+    drop(back.next());
+}

@@ -886,7 +886,13 @@ async fn handle(
                 .await
                 {
                     Ok(mut out) => send(shared, &mut out, route, &host, deadline, parked).await,
-                    Err((resp, verdict)) => (resp, Some(route.addr), verdict),
+                    Err((resp, verdict)) => {
+                        shared
+                            .router
+                            .metrics()
+                            .answered_after_route(resp.status().as_u16(), verdict);
+                        (resp, Some(route.addr), verdict)
+                    }
                 }
             })
             .await
@@ -938,7 +944,7 @@ async fn send(
     shared.router.forget_route(&route.actor, route.addr);
     let moved = Verdict::of(&Denial::ActorMoved(route.actor.clone()));
     if !out.replayable() {
-        return (render(&moved), Some(route.addr), moved.reason());
+        return denied_after_route(shared, &moved, route.addr);
     }
     shared.router.metrics().replayed();
     // Should the replay park, the body it holds is charged to the lot's bytes
@@ -963,7 +969,7 @@ async fn send(
             Sent::Denied(v) => denied_after_route(shared, &v, again.addr),
             Sent::Moved => {
                 shared.router.forget_route(&again.actor, again.addr);
-                (render(&moved), Some(again.addr), moved.reason())
+                denied_after_route(shared, &moved, again.addr)
             }
         },
         Decision::Deny(_, v) => (render(&v), None, v.reason()),

@@ -261,7 +261,7 @@ async fn uploads_larger_than_the_lot_wait_and_are_served_whole() {
 #[tokio::test]
 async fn malformed_chunked_body_is_400() {
     let upstream = collecting_upstream().await;
-    let (_router, server) = serve(Arc::new(AlwaysRunning { port: upstream }), &[]).await;
+    let (router, server) = serve(Arc::new(AlwaysRunning { port: upstream }), &[]).await;
     let mut s = TcpStream::connect(server.local_addr()).await.unwrap();
     s.write_all(
         format!(
@@ -285,6 +285,14 @@ async fn malformed_chunked_body_is_400() {
     assert!(
         body.starts_with("actor demo/p1: malformed request body: "),
         "{body}"
+    );
+    // Decided routed, answered by the data plane itself: counted so.
+    assert_eq!(
+        router.metrics().sample(
+            "atenet_router_requests_answered_after_route_total",
+            &[("status", "400"), ("verdict", "malformed_body")]
+        ),
+        1.0
     );
 }
 

@@ -907,8 +907,9 @@ pub(crate) struct CtlArgs {
     #[command(flatten)]
     pub(crate) ateapi: valet_router::config::AteapiArgs,
 
-    /// Deadline of each call. With several --control-plane URLs the next is asked only
-    /// when one cannot be reached, never after a call got no answer in time (it may be
+    /// Deadline of the whole command, connecting included (with --wait-for-capacity,
+    /// that long more). With several --control-plane URLs the next is asked only when
+    /// one cannot be reached, never after a call got no answer in time (it may be
     /// carried out all the same).
     #[arg(long, env = "VALET_CTL_TIMEOUT", default_value = "30s", value_parser = parse_duration, value_name = "DURATION", global = true)]
     pub(crate) timeout: Duration,

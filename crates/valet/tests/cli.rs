@@ -629,7 +629,7 @@ fn a_long_scenario_prints_progress() {
     assert!(
         lines
             .iter()
-            .any(|l| l.starts_with("valet load scenario steady-capacity-wait-on: running for 5s")),
+            .any(|l| l.starts_with("valet load scenario steady-capacity-wait-on: running for ")),
         "{lines:?}"
     );
 }

@@ -237,6 +237,7 @@ async fn a_worker_cut_off_fences_its_actor_before_it_moves() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_cut_off_closes_its_actors_open_connections() {
     use futures_util::{SinkExt as _, StreamExt as _};
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     use tokio_tungstenite::tungstenite::Message;
     let dir = tempfile::tempdir().unwrap();
     let snaps = dir.path().join("snapshots");
@@ -297,6 +298,26 @@ async fn a_worker_cut_off_closes_its_actors_open_connections() {
     let (mut ws, _) = tokio_tungstenite::client_async(req, tcp).await.unwrap();
     ws.send(Message::text("hi")).await.unwrap();
     assert_eq!(ws.next().await.unwrap().unwrap(), Message::text("hi"));
+    // And an upload echoed as it streams (chunked both ways).
+    let mut upload = tokio::net::TcpStream::connect(w1.addr).await.unwrap();
+    upload
+        .write_all(
+            b"POST /echo HTTP/1.1\r\nHost: w\r\nx-actor-ref: demo/ws\r\n\
+              Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n",
+        )
+        .await
+        .unwrap();
+    let mut seen = Vec::new();
+    while !String::from_utf8_lossy(&seen).contains("hello") {
+        let mut buf = [0u8; 1024];
+        let n = upload.read(&mut buf).await.unwrap();
+        assert!(
+            n > 0,
+            "the echo ended early: {}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&buf[..n]);
+    }
 
     cut.send_replace(true);
     let closed = async {
@@ -310,6 +331,19 @@ async fn a_worker_cut_off_closes_its_actors_open_connections() {
     tokio::time::timeout(WITHIN, closed)
         .await
         .expect("the worker closes the tunnel once its lease runs out");
+    // The upload's echo is cut, not ended as if complete: the next chunk is never
+    // echoed and no last chunk comes.
+    let _ = upload.write_all(b"5\r\nworld\r\n").await;
+    let mut rest = Vec::new();
+    tokio::time::timeout(WITHIN, upload.read_to_end(&mut rest))
+        .await
+        .expect("the connection ends")
+        .ok();
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(
+        !rest.contains("world") && !rest.contains("0\r\n\r\n"),
+        "the echo went on or ended cleanly: {rest:?}"
+    );
 }
 
 /// A route to an actor that moved while the control plane was down (its worker

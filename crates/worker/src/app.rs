@@ -192,7 +192,10 @@ impl Tunnels {
 pub(crate) type Slot = Arc<tokio::sync::watch::Sender<Option<Arc<Hosted>>>>;
 
 /// The body of every app response.
-pub(crate) type Body = BoxBody<Bytes, hyper::Error>;
+pub(crate) type Body = BoxBody<Bytes, BoxError>;
+
+/// A response body's error: the client's body broke, or the actor's stream was cut.
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 fn text(status: StatusCode, body: String) -> Response<Body> {
     Response::builder()
@@ -207,27 +210,34 @@ fn text(status: StatusCode, body: String) -> Response<Body> {
 }
 
 /// A response body that keeps its request in flight until it is sent (or dropped).
+/// A streamed one (`cut`) is cut short, as an error, once its actor is cut off or
+/// gone from this worker: hyper then aborts it rather than ending it as if complete.
 struct Guarded {
     inner: Body,
-    _in_flight: InFlight,
+    in_flight: InFlight,
+    cut: bool,
 }
 
 impl hyper::body::Body for Guarded {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        // An actor cut off or gone from this worker sends nothing more: its response
-        // ends short (checked as each frame comes).
-        if self._in_flight.is_stopped() {
-            return Poll::Ready(None);
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        // Checked as each frame comes (and before the first).
+        let stopped = |g: &Self| g.cut && g.in_flight.is_stopped();
+        if stopped(&self) {
+            return Poll::Ready(Some(
+                Err("the actor was cut off or left this worker".into()),
+            ));
         }
         let frame = Pin::new(&mut self.inner).poll_frame(cx);
-        if matches!(frame, Poll::Ready(Some(_))) && self._in_flight.is_stopped() {
-            return Poll::Ready(None);
+        if matches!(frame, Poll::Ready(Some(Ok(_)))) && stopped(&self) {
+            return Poll::Ready(Some(
+                Err("the actor was cut off or left this worker".into()),
+            ));
         }
         frame
     }
@@ -324,12 +334,25 @@ async fn serve(
     guarded(resp, in_flight)
 }
 
-/// `resp` with its request in flight until its body is sent.
+/// `resp` with its request in flight until its body is sent (a response made whole
+/// before it is sent: never cut).
 fn guarded(resp: Response<Body>, in_flight: InFlight) -> Response<Body> {
     resp.map(|inner| {
         BodyExt::boxed(Guarded {
             inner,
-            _in_flight: in_flight,
+            in_flight,
+            cut: false,
+        })
+    })
+}
+
+/// [`guarded`] for a streamed response: cut once its actor is cut off or gone.
+fn streamed(resp: Response<Body>, in_flight: InFlight) -> Response<Body> {
+    resp.map(|inner| {
+        BodyExt::boxed(Guarded {
+            inner,
+            in_flight,
+            cut: true,
         })
     })
 }
@@ -358,16 +381,16 @@ fn echo(req: Request<Incoming>, in_flight: InFlight, tunnels: &Tunnels) -> Respo
             .header(http::header::CONTENT_LENGTH, n)
             .body(pattern_body(n))
             .expect("static parts are valid");
-        return guarded(resp, in_flight);
+        return streamed(resp, in_flight);
     }
     let mut builder = Response::builder().header("x-echo-method", req.method().as_str());
     if let Some(len) = req.headers().get(http::header::CONTENT_LENGTH) {
         builder = builder.header(http::header::CONTENT_LENGTH, len.clone());
     }
     let resp = builder
-        .body(req.into_body().boxed())
+        .body(req.into_body().map_err(Into::into).boxed())
         .expect("static parts are valid");
-    guarded(resp, in_flight)
+    streamed(resp, in_flight)
 }
 
 /// `n` bytes of the repeating pattern `0, 1, ..., 250`, streamed in 64 KiB frames.
@@ -381,7 +404,7 @@ fn pattern_body(n: u64) -> Body {
     const CHUNK: u64 = 64 * 1024;
     let frames = (0..n.div_ceil(CHUNK)).map(move |i| {
         let len = CHUNK.min(n - i * CHUNK) as usize;
-        Ok::<_, hyper::Error>(Frame::data(Bytes::from(pattern(i * CHUNK, len))))
+        Ok::<_, BoxError>(Frame::data(Bytes::from(pattern(i * CHUNK, len))))
     });
     BodyExt::boxed(StreamBody::new(futures_util::stream::iter(frames)))
 }

@@ -88,7 +88,12 @@ impl HostingLease {
         let mut hosted = slot.subscribe();
         let mut current = hosted.borrow_and_update().clone();
         loop {
+            // The actor's fence follows the lease: raised when it runs out, lowered
+            // when the control plane keeps the actor (a welcome).
             let s = *rx.borrow_and_update();
+            if let Some(h) = &current {
+                h.traffic.set_cut_off(s.cut_off);
+            }
             let deadline = (!s.cut_off).then(|| s.answered + s.lease);
             let runs_out = async {
                 match deadline {
@@ -98,13 +103,14 @@ impl HostingLease {
             };
             tokio::select! {
                 () = runs_out => {
-                    if rx.has_changed().unwrap_or(false) {
-                        continue;
-                    }
-                    self.state.send_modify(|s| s.cut_off = true);
-                    if let Some(h) = &current {
+                    // Decided on the state itself: an answer that came meanwhile wins.
+                    let ran_out = self.state.send_if_modified(|s| {
+                        let out = !s.cut_off && s.answered + s.lease <= Instant::now();
+                        s.cut_off |= out;
+                        out
+                    });
+                    if ran_out && let Some(h) = &current {
                         tracing::warn!(%worker, actor = %h.actor, lease = ?s.lease, "no hosting renewal answered in time; the actor is fenced until the control plane keeps it here");
-                        h.traffic.set_cut_off(true);
                     }
                 }
                 r = rx.changed() => if r.is_err() { return },
@@ -120,13 +126,12 @@ impl HostingLease {
                         old.traffic.set_gone();
                     }
                     // An actor installed while the lease is out (a restore that ran on
-                    // after its stream ended) is fenced too: the control plane may have
-                    // placed it elsewhere meanwhile.
+                    // after its stream ended) is fenced too (at the loop's top): the
+                    // control plane may have placed it elsewhere meanwhile.
                     if let Some(h) = &next
                         && self.is_cut_off()
                     {
                         tracing::warn!(%worker, actor = %h.actor, "actor restored while the hosting lease is out; fenced until the control plane keeps it here");
-                        h.traffic.set_cut_off(true);
                     }
                     current = next;
                 }
@@ -185,6 +190,36 @@ mod tests {
         assert!(next.traffic.enter().is_some());
         stop.cancel();
         dog.await.expect("watchdog ends");
+    }
+
+    /// A welcome that lands as the lease runs out leaves the actor served: the fence
+    /// follows the lease's state, decided in one place.
+    #[tokio::test(start_paused = true)]
+    async fn a_welcome_after_the_lease_ran_out_lowers_the_actors_fence() {
+        let lease = HostingLease::new();
+        let actor = hosted("demo/p1");
+        let slot: Slot = Arc::new(watch::Sender::new(Some(Arc::clone(&actor))));
+        let stop = CancellationToken::new();
+        let dog =
+            tokio::spawn(Arc::clone(&lease).watchdog(Arc::clone(&slot), "w1".into(), stop.clone()));
+        let mut state = lease.state.subscribe();
+        tokio::time::timeout(DEFAULT_HOSTING_LEASE * 2, state.wait_for(|s| s.cut_off))
+            .await
+            .unwrap()
+            .unwrap();
+        let mut gauge = actor.traffic.watch();
+        tokio::time::timeout(Duration::from_secs(1), gauge.wait_for(|g| g.cut_off))
+            .await
+            .unwrap()
+            .unwrap();
+        lease.welcomed(DEFAULT_HOSTING_LEASE, Instant::now());
+        tokio::time::timeout(Duration::from_secs(1), gauge.wait_for(|g| !g.cut_off))
+            .await
+            .expect("the fence is lowered with the lease")
+            .unwrap();
+        assert!(actor.traffic.enter().is_some());
+        stop.cancel();
+        dog.await.unwrap();
     }
 
     /// What is in flight for an actor (a stream, an upgraded connection) ends when the

@@ -513,7 +513,7 @@ impl Agent {
             match attached {
                 Ok(()) => backoff = Duration::from_millis(100),
                 Err(e) if e.code() == tonic::Code::AlreadyExists => {
-                    tracing::error!(worker = %self.id, control_plane = %endpoint.uri(), error = %e.message(), "another worker process is attached with this worker id; retrying until it leaves")
+                    tracing::warn!(worker = %self.id, control_plane = %endpoint.uri(), error = %e.message(), "the control plane counts another process with this worker id as live (for up to its hosting lease after that one left); retrying")
                 }
                 Err(e) if e.code() == tonic::Code::Unauthenticated => {
                     tracing::warn!(worker = %self.id, control_plane = %endpoint.uri(), error = %e.message(), "the control plane refused the worker's bearer token; attaching again with the token file's current one")
@@ -656,9 +656,7 @@ impl Agent {
                         tracing::warn!(worker = %self.id, "control plane did not keep our actor; evicting");
                         self.slot.send_replace(None);
                     }
-                    if let Some(h) = self.slot.borrow().as_ref() {
-                        h.traffic.set_cut_off(false);
-                    }
+                    // The hosting watchdog lowers the actor's fence with the lease.
                     let lease = w
                         .hosting_lease
                         .and_then(|d| Duration::try_from(d).ok())

@@ -83,8 +83,13 @@ impl Traffic {
         let mut changes = self.gauge.subscribe();
         loop {
             let mut raised = false;
+            let mut stopped = false;
             self.gauge.send_if_modified(|g| {
-                let idle = g.in_flight == 0
+                // Cut off or gone: no checkpoint starts (it could land after the
+                // control plane moved the actor).
+                stopped = g.stopped();
+                let idle = !stopped
+                    && g.in_flight == 0
                     && match how {
                         Fence::IdleSince(mark) => g.mark == mark,
                         Fence::WaitIdle => true,
@@ -98,10 +103,14 @@ impl Traffic {
             if raised {
                 return Ok(());
             }
-            if matches!(how, Fence::IdleSince(_)) {
+            if stopped || matches!(how, Fence::IdleSince(_)) {
                 return Err(Busy);
             }
-            if changes.wait_for(|g| g.in_flight == 0).await.is_err() {
+            if changes
+                .wait_for(|g| g.in_flight == 0 || g.stopped())
+                .await
+                .is_err()
+            {
                 return Err(Busy);
             }
         }
@@ -156,6 +165,24 @@ impl Drop for InFlight {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A checkpoint waiting for a stream to end is refused when the stream ends because
+    /// the actor was cut off: a snapshot taken then could land after the control plane
+    /// moved the actor.
+    #[tokio::test(start_paused = true)]
+    async fn no_checkpoint_of_an_actor_cut_off() {
+        let t = Arc::new(Traffic::default());
+        let stream = t.enter().unwrap();
+        let fence = tokio::spawn({
+            let t = Arc::clone(&t);
+            async move { t.fence(Fence::WaitIdle).await }
+        });
+        tokio::task::yield_now().await;
+        t.set_cut_off(true);
+        drop(stream);
+        assert_eq!(fence.await.unwrap(), Err(Busy));
+        assert_eq!(t.fence(Fence::WaitIdle).await, Err(Busy), "nor a new one");
+    }
 
     #[tokio::test(start_paused = true)]
     async fn fences_only_an_idle_actor_and_then_admits_nothing() {

@@ -31,6 +31,8 @@ pub(crate) struct Departure {
     /// When it has fenced its actor at the latest: its hosting lease after the last
     /// renewal the plane heard from it.
     fenced_by: tokio::time::Instant,
+    /// The process that left (`Join.incarnation`; 0: unknown).
+    incarnation: u64,
 }
 
 /// Whether nothing listens on `app` any more (its process is gone): the connection is
@@ -74,14 +76,23 @@ impl Plane {
         let draining = join.draining.then(|| Arc::clone(&link));
         let (kept, stale, free) = {
             let mut st = self.lock();
-            // Another process attached under this id while it lives (renews within the
-            // hosting lease): two processes would take turns hosting its actor.
-            if let Some(other) = st.workers.get(&id)
-                && other.incarnation != 0
+            // Another process attached under this id while it may still serve (its
+            // stream open and renewing, or ended less than a hosting lease after its
+            // last renewal): two processes would take turns hosting its actor.
+            let now = tokio::time::Instant::now();
+            let other = match (st.workers.get(&id), st.departed.get(&id)) {
+                (Some(w), _) if !w.link.is_closed() => {
+                    Some((w.incarnation, w.last_renewal + self.config().hosting_lease))
+                }
+                (Some(_), _) => None,
+                (None, Some(d)) => Some((d.incarnation, d.fenced_by)),
+                (None, None) => None,
+            };
+            if let Some((incarnation, serving_until)) = other
+                && incarnation != 0
                 && join.incarnation != 0
-                && other.incarnation != join.incarnation
-                && !other.link.is_closed()
-                && other.last_renewal.elapsed() < self.config().hosting_lease
+                && incarnation != join.incarnation
+                && serving_until > now
             {
                 return Err(Status::already_exists(format!(
                     "worker id {} is attached by another live process; give each worker its own --worker-id",
@@ -365,6 +376,7 @@ impl Plane {
                 id: st.id(),
                 app: rec.app_addr,
                 fenced_by: rec.last_renewal + self.config().hosting_lease,
+                incarnation: rec.incarnation,
             };
             st.departed.insert(worker.to_owned(), departure);
             let left = st.pool_size(&rec.pool);
