@@ -24,6 +24,24 @@ use crate::store::{ActorRow, Batch, Loaded, SCHEMA_VERSION, Store, StoreError, S
 const MIGRATION_LOCK: i64 = 0x7661_6c65_742d_6d67;
 /// Advisory-lock key of the active control plane ("valet-cp").
 const ACTIVE_LOCK: i64 = 0x7661_6c65_742d_6370;
+/// The advisory-lock keys (migration, active) of the schema the store's tables live
+/// in: advisory locks are per database, and deployments in different schemas of one
+/// database must not share them. The default schema (`public`, or none) keeps the keys
+/// earlier versions used, so replicas of both versions exclude each other there.
+fn lock_keys(schema: Option<&str>) -> (i64, i64) {
+    match schema {
+        None | Some("public") => (MIGRATION_LOCK, ACTIVE_LOCK),
+        Some(schema) => {
+            // FNV-1a: stable across versions and platforms.
+            let hash = schema.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+            });
+            let hash = i64::from_ne_bytes(hash.to_ne_bytes());
+            (MIGRATION_LOCK ^ hash, ACTIVE_LOCK ^ hash)
+        }
+    }
+}
+
 /// Connections in the pool.
 const POOL_SIZE: usize = 8;
 /// How long a write or a probe may wait for a pooled connection.
@@ -244,8 +262,14 @@ impl PostgresStore {
         // schema under an older active replica.
         check_version(&client, &database).await?;
         client.batch_execute(SERVER_KEEPALIVE).await.map_err(err)?;
+        let schema: Option<String> = client
+            .query_one("SELECT current_schema()", &[])
+            .await
+            .map_err(err)?
+            .get(0);
+        let (migration_lock, active_lock) = lock_keys(schema.as_deref());
         let held: bool = client
-            .query_one("SELECT pg_try_advisory_lock($1)", &[&ACTIVE_LOCK])
+            .query_one("SELECT pg_try_advisory_lock($1)", &[&active_lock])
             .await
             .map_err(err)?
             .get(0);
@@ -261,7 +285,7 @@ impl PostgresStore {
                 .await
                 .map_err(err)?;
             client
-                .execute("SELECT pg_advisory_lock($1)", &[&ACTIVE_LOCK])
+                .execute("SELECT pg_advisory_lock($1)", &[&active_lock])
                 .await
                 .map_err(err)?;
         }
@@ -295,10 +319,10 @@ impl PostgresStore {
                 .get(0);
             if fenced {
                 let epoch = bump.await?;
-                migrate(&client, &database).await?;
+                migrate(&client, &database, migration_lock).await?;
                 Ok::<_, StoreError>(epoch)
             } else {
-                migrate(&client, &database).await?;
+                migrate(&client, &database, migration_lock).await?;
                 bump.await
             }
         };
@@ -651,7 +675,7 @@ async fn check_version(client: &Client, database: &str) -> Result<(), StoreError
 
 /// Brings the schema to [`SCHEMA_VERSION`], one migration per transaction, under the
 /// migration lock; refuses a newer schema.
-async fn migrate(client: &Client, database: &str) -> Result<(), StoreError> {
+async fn migrate(client: &Client, database: &str, lock: i64) -> Result<(), StoreError> {
     let err = |e: tokio_postgres::Error| match store_error(database, &e) {
         StoreError::Postgres { database, why } => StoreError::Postgres {
             database,
@@ -660,7 +684,7 @@ async fn migrate(client: &Client, database: &str) -> Result<(), StoreError> {
         lost => lost,
     };
     client
-        .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
+        .execute("SELECT pg_advisory_lock($1)", &[&lock])
         .await
         .map_err(err)?;
     let result = async {
@@ -704,7 +728,7 @@ async fn migrate(client: &Client, database: &str) -> Result<(), StoreError> {
     }
     .await;
     let unlocked = client
-        .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK])
+        .execute("SELECT pg_advisory_unlock($1)", &[&lock])
         .await
         .map_err(err);
     result.and(unlocked.map(drop))

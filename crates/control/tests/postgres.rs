@@ -602,3 +602,32 @@ async fn a_takeover_fences_the_replaced_replica_before_it_migrates() {
     drop(store);
     conn.abort();
 }
+
+/// Two deployments in two schemas of one database are active each on its own: the
+/// advisory locks are per schema (before, the second waited as a standby forever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deployments_in_two_schemas_of_one_database_are_both_active() {
+    let pg = TempPostgres::start_async().await;
+    sql(&pg.url(), "CREATE SCHEMA a; CREATE SCHEMA b").await;
+    let in_schema = |s: &str| format!("{}?options=-c%20search_path%3D{s}", pg.url());
+    let a = PostgresStore::open(&in_schema("a")).await.unwrap();
+    let b = tokio::time::timeout(
+        Duration::from_secs(10),
+        PostgresStore::open(&in_schema("b")),
+    )
+    .await
+    .expect("not a standby of the other schema's replica")
+    .unwrap();
+    assert_eq!((a.epoch(), b.epoch()), (1, 1));
+    b.write(Batch::put([row("p1")])).await.unwrap();
+    assert_eq!(count(&pg.url(), "SELECT count(*) FROM b.actors").await, 1);
+    assert_eq!(count(&pg.url(), "SELECT count(*) FROM a.actors").await, 0);
+    // In one schema, one replica is active at a time as before.
+    let standby = tokio::spawn({
+        let url = in_schema("a");
+        async move { PostgresStore::open(&url).await }
+    });
+    standby_waiting(&pg.url()).await;
+    assert!(!standby.is_finished());
+    standby.abort();
+}

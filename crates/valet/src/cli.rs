@@ -874,6 +874,9 @@ pub(crate) struct WorkerArgs {
     pub(crate) restore_delay: Duration,
 
     /// This worker's id (random when unset); keep it to re-attach with the same actor.
+    /// One process per id: while a process with this id is attached, or left less than
+    /// the control plane's --hosting-lease ago (it may still serve its actor), another
+    /// is refused and keeps retrying.
     #[arg(long, env = "VALET_WORKER_ID", value_name = "ID")]
     pub(crate) worker_id: Option<String>,
 

@@ -9,6 +9,7 @@
 //! `/bytes/<n>` as `n` streamed bytes, and echoes WebSocket messages.
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -215,7 +216,9 @@ fn text(status: StatusCode, body: String) -> Response<Body> {
 struct Guarded {
     inner: Body,
     in_flight: InFlight,
-    cut: bool,
+    /// For a streamed response: resolves once its actor is cut off or gone (so an idle
+    /// stream, waiting for its client, is cut then, not at its next frame).
+    stopped: Option<Pin<Box<dyn Future<Output = ()> + Send + Sync>>>,
 }
 
 impl hyper::body::Body for Guarded {
@@ -226,8 +229,17 @@ impl hyper::body::Body for Guarded {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        // Checked as each frame comes (and before the first).
-        let stopped = |g: &Self| g.cut && g.in_flight.is_stopped();
+        let cut = match self.stopped.as_mut() {
+            Some(stopped) => stopped.as_mut().poll(cx).is_ready(),
+            None => false,
+        };
+        if cut {
+            return Poll::Ready(Some(
+                Err("the actor was cut off or left this worker".into()),
+            ));
+        }
+        // And checked as each frame comes.
+        let stopped = |g: &Self| g.stopped.is_some() && g.in_flight.is_stopped();
         if stopped(&self) {
             return Poll::Ready(Some(
                 Err("the actor was cut off or left this worker".into()),
@@ -341,7 +353,7 @@ fn guarded(resp: Response<Body>, in_flight: InFlight) -> Response<Body> {
         BodyExt::boxed(Guarded {
             inner,
             in_flight,
-            cut: false,
+            stopped: None,
         })
     })
 }
@@ -349,10 +361,13 @@ fn guarded(resp: Response<Body>, in_flight: InFlight) -> Response<Body> {
 /// [`guarded`] for a streamed response: cut once its actor is cut off or gone.
 fn streamed(resp: Response<Body>, in_flight: InFlight) -> Response<Body> {
     resp.map(|inner| {
+        let mut gauge = in_flight.watch();
         BodyExt::boxed(Guarded {
             inner,
             in_flight,
-            cut: true,
+            stopped: Some(Box::pin(async move {
+                let _ = gauge.wait_for(crate::traffic::Gauge::stopped).await;
+            })),
         })
     })
 }

@@ -88,6 +88,12 @@ impl HostingLease {
         let mut hosted = slot.subscribe();
         let mut current = hosted.borrow_and_update().clone();
         loop {
+            // A slot change first: the lease's state is never mirrored onto an actor
+            // that already left.
+            if hosted.has_changed().unwrap_or(false) {
+                let next = hosted.borrow_and_update().clone();
+                self.slot_changed(&worker, &mut current, next);
+            }
             // The actor's fence follows the lease: raised when it runs out, lowered
             // when the control plane keeps the actor (a welcome).
             let s = *rx.borrow_and_update();
@@ -119,25 +125,34 @@ impl HostingLease {
                         return;
                     }
                     let next = hosted.borrow_and_update().clone();
-                    // The actor that left: its streams and connections end now.
-                    if let Some(old) = &current
-                        && next.as_ref().is_none_or(|n| !Arc::ptr_eq(n, old))
-                    {
-                        old.traffic.set_gone();
-                    }
-                    // An actor installed while the lease is out (a restore that ran on
-                    // after its stream ended) is fenced too (at the loop's top): the
-                    // control plane may have placed it elsewhere meanwhile.
-                    if let Some(h) = &next
-                        && self.is_cut_off()
-                    {
-                        tracing::warn!(%worker, actor = %h.actor, "actor restored while the hosting lease is out; fenced until the control plane keeps it here");
-                    }
-                    current = next;
+                    self.slot_changed(&worker, &mut current, next);
                 }
                 () = stop.cancelled() => return,
             }
         }
+    }
+
+    /// The slot changed to `next`: the actor that left has its streams and
+    /// connections ended now; one installed while the lease is out (a restore that
+    /// ran on after its stream ended) is fenced too (by the caller's mirror): the
+    /// control plane may have placed it elsewhere meanwhile.
+    fn slot_changed(
+        &self,
+        worker: &str,
+        current: &mut Option<Arc<crate::app::Hosted>>,
+        next: Option<Arc<crate::app::Hosted>>,
+    ) {
+        if let Some(old) = current.as_ref()
+            && next.as_ref().is_none_or(|n| !Arc::ptr_eq(n, old))
+        {
+            old.traffic.set_gone();
+        }
+        if let Some(h) = &next
+            && self.is_cut_off()
+        {
+            tracing::warn!(%worker, actor = %h.actor, "actor restored while the hosting lease is out; fenced until the control plane keeps it here");
+        }
+        *current = next;
     }
 }
 

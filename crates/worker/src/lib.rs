@@ -656,12 +656,19 @@ impl Agent {
                         tracing::warn!(worker = %self.id, "control plane did not keep our actor; evicting");
                         self.slot.send_replace(None);
                     }
-                    // The hosting watchdog lowers the actor's fence with the lease.
                     let lease = w
                         .hosting_lease
                         .and_then(|d| Duration::try_from(d).ok())
                         .unwrap_or(hosting::DEFAULT_HOSTING_LEASE);
                     self.lease.welcomed(lease, joined_at);
+                    // The hosting watchdog lowers the kept actor's fence with the
+                    // lease; lowered here too (the same state) so that a command
+                    // right behind the welcome finds it lowered.
+                    if let Some(h) = self.slot.borrow().as_ref()
+                        && !self.lease.is_cut_off()
+                    {
+                        h.traffic.set_cut_off(false);
+                    }
                     watch_lease = true;
                     continue;
                 }

@@ -146,6 +146,11 @@ impl InFlight {
         self.0.gauge.borrow().stopped()
     }
 
+    /// Every change of its actor's traffic.
+    pub(crate) fn watch(&self) -> watch::Receiver<Gauge> {
+        self.0.gauge.subscribe()
+    }
+
     /// Resolves once it must end (see [`Gauge::stopped`]).
     pub(crate) async fn stopped(&self) {
         let mut changes = self.0.gauge.subscribe();

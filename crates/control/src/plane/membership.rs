@@ -33,6 +33,8 @@ pub(crate) struct Departure {
     fenced_by: tokio::time::Instant,
     /// The process that left (`Join.incarnation`; 0: unknown).
     incarnation: u64,
+    /// It had an actor (or one reserved): it may still serve it until `fenced_by`.
+    hosting: bool,
 }
 
 /// Whether nothing listens on `app` any more (its process is gone): the connection is
@@ -77,16 +79,18 @@ impl Plane {
         let (kept, stale, free) = {
             let mut st = self.lock();
             // Another process attached under this id while it may still serve (its
-            // stream open and renewing, or ended less than a hosting lease after its
-            // last renewal): two processes would take turns hosting its actor.
+            // stream open and renewing; or, if it had an actor, its stream ended less
+            // than a hosting lease after its last renewal): two processes would take
+            // turns hosting its actor. One that had nothing (drained, idle) may be
+            // replaced at once once its stream ended.
             let now = tokio::time::Instant::now();
+            let lease = self.config().hosting_lease;
             let other = match (st.workers.get(&id), st.departed.get(&id)) {
-                (Some(w), _) if !w.link.is_closed() => {
-                    Some((w.incarnation, w.last_renewal + self.config().hosting_lease))
+                (Some(w), _) if !w.link.is_closed() || w.slot.has_actor() => {
+                    Some((w.incarnation, w.last_renewal + lease))
                 }
-                (Some(_), _) => None,
-                (None, Some(d)) => Some((d.incarnation, d.fenced_by)),
-                (None, None) => None,
+                (None, Some(d)) if d.hosting => Some((d.incarnation, d.fenced_by)),
+                _ => None,
             };
             if let Some((incarnation, serving_until)) = other
                 && incarnation != 0
@@ -377,6 +381,7 @@ impl Plane {
                 app: rec.app_addr,
                 fenced_by: rec.last_renewal + self.config().hosting_lease,
                 incarnation: rec.incarnation,
+                hosting: rec.slot.has_actor(),
             };
             st.departed.insert(worker.to_owned(), departure);
             let left = st.pool_size(&rec.pool);

@@ -152,6 +152,13 @@ pub(crate) enum Slot {
     Leaving,
 }
 
+impl Slot {
+    /// Whether an actor is on it, or promised to it.
+    pub(crate) fn has_actor(&self) -> bool {
+        matches!(self, Slot::Reserved(_) | Slot::Hosting(_))
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct WorkerRec {
     pub(crate) pool: String,
