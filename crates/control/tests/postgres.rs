@@ -148,14 +148,8 @@ async fn replicas_migrate_once_and_a_newer_schema_is_refused() {
     let pg = TempPostgres::start_async().await;
     // Started together: both migrate under the lock, one becomes active.
     let url = pg.url();
-    let first = tokio::spawn({
-        let url = url.clone();
-        async move { PostgresStore::open(&url).await }
-    });
-    let second = tokio::spawn({
-        let url = url.clone();
-        async move { PostgresStore::open(&url).await }
-    });
+    let first = opening(&url);
+    let second = opening(&url);
     let (mut first, mut second) = (first, second);
     let (active, standby) = tokio::select! {
         a = &mut first => (a, second),
@@ -176,6 +170,23 @@ async fn replicas_migrate_once_and_a_newer_schema_is_refused() {
         matches!(e, StoreError::NewerSchema { found, .. } if found == SCHEMA_VERSION + 1),
         "{e}"
     );
+}
+
+/// A replica opening on `url` (it waits as a standby while another is active).
+fn opening(url: &str) -> tokio::task::JoinHandle<Result<PostgresStore, StoreError>> {
+    let url = url.to_owned();
+    tokio::spawn(async move { PostgresStore::open(&url).await })
+}
+
+/// The replica `opening` once it took over (bounded).
+async fn took_over(
+    opening: tokio::task::JoinHandle<Result<PostgresStore, StoreError>>,
+) -> PostgresStore {
+    tokio::time::timeout(Duration::from_secs(30), opening)
+        .await
+        .expect("the standby takes over")
+        .unwrap()
+        .unwrap()
 }
 
 /// Returns once one session waits for an advisory lock (a standby for the active lock).
@@ -200,21 +211,14 @@ async fn a_standby_waits_past_the_sessions_statement_timeout() {
     let pg = TempPostgres::start_async().await;
     let url = pg.url();
     let active = PostgresStore::open(&url).await.unwrap();
-    let mut standby = tokio::spawn({
-        let url = url.clone();
-        async move { PostgresStore::open(&url).await }
-    });
+    let mut standby = opening(&url);
     standby_waiting(&url).await;
     // Every session has a 10 s statement timeout; the standby's wait for the lock must
     // outlast it (it failed with "canceling statement due to statement timeout").
     let waited = tokio::time::timeout(Duration::from_secs(12), &mut standby).await;
     assert!(waited.is_err(), "the standby stopped waiting: {waited:?}");
     drop(active);
-    let next = tokio::time::timeout(Duration::from_secs(30), standby)
-        .await
-        .expect("the standby takes over")
-        .unwrap()
-        .unwrap();
+    let next = took_over(standby).await;
     next.write(Batch::put([row("p1")])).await.unwrap();
 }
 
@@ -224,10 +228,7 @@ async fn a_standby_takes_over_and_the_replaced_replica_is_fenced() {
     let url = pg.url();
     let active = PostgresStore::open(&url).await.unwrap();
     active.write(Batch::put([row("p1")])).await.unwrap();
-    let standby = tokio::spawn({
-        let url = url.clone();
-        async move { PostgresStore::open(&url).await }
-    });
+    let standby = opening(&url);
     // Once the standby waits for the active lock (its migration lock released)...
     standby_waiting(&url).await;
     // ...the active replica's lock connection dies (a partition, a crash of its
@@ -238,11 +239,7 @@ async fn a_standby_takes_over_and_the_replaced_replica_is_fenced() {
          WHERE locktype = 'advisory' AND granted AND pid <> pg_backend_pid()",
     )
     .await;
-    let next = tokio::time::timeout(Duration::from_secs(30), standby)
-        .await
-        .expect("the standby takes over")
-        .unwrap()
-        .unwrap();
+    let next = took_over(standby).await;
     assert_eq!(next.epoch(), active.epoch() + 1);
     tokio::time::timeout(Duration::from_secs(30), active.lost().cancelled())
         .await
@@ -400,10 +397,7 @@ async fn a_takeover_waits_for_writes_in_progress_past_the_statement_timeout() {
     drop(first);
     // A write of the replaced replica, in progress: the epoch row share-locked.
     let (client, conn) = epoch_row_locked(&url, "FOR SHARE").await;
-    let opening = tokio::spawn({
-        let url = url.clone();
-        async move { PostgresStore::open(&url).await }
-    });
+    let opening = opening(&url);
     // Once its epoch bump waits for the write, the write goes on 12 s more: past the
     // sessions' 10 s statement timeout.
     let bump_waits = "SELECT count(*) FROM pg_stat_activity          WHERE wait_event_type = 'Lock' AND query LIKE 'UPDATE valet_active%'";
@@ -462,10 +456,7 @@ async fn an_active_replica_that_cannot_connect_any_more_steps_down() {
     let as_valet = url.replacen("postgres://postgres@", "postgres://valet@", 1);
     let active = PostgresStore::open(&as_valet).await.unwrap();
     active.write(Batch::put([row("p1")])).await.unwrap();
-    let standby = tokio::spawn({
-        let url = url.clone();
-        async move { PostgresStore::open(&url).await }
-    });
+    let standby = opening(&url);
     standby_waiting(&url).await;
     // Its pooled sessions end and no new one may open; its lock session lives on.
     sql(
@@ -488,11 +479,7 @@ async fn an_active_replica_that_cannot_connect_any_more_steps_down() {
         .await
         .expect("the replica steps down");
     assert!(not_ready > 0, "not ready while it cannot connect");
-    let next = tokio::time::timeout(Duration::from_secs(30), standby)
-        .await
-        .expect("the standby takes over")
-        .unwrap()
-        .unwrap();
+    let next = took_over(standby).await;
     assert_eq!(next.epoch(), active.epoch() + 1);
     next.write(Batch::put([row("p2")])).await.unwrap();
 }
@@ -573,10 +560,7 @@ async fn a_takeover_fences_the_replaced_replica_before_it_migrates() {
     .await;
     // A write of the replaced replica in progress.
     let (held, conn) = epoch_row_locked(&url, "FOR SHARE").await;
-    let opening = tokio::spawn({
-        let url = url.clone();
-        async move { PostgresStore::open(&url).await }
-    });
+    let opening = opening(&url);
     let waiting = "SELECT count(*) FROM pg_stat_activity \
          WHERE wait_event_type = 'Lock' AND application_name = 'valet control-plane'";
     until_count(
@@ -623,10 +607,7 @@ async fn deployments_in_two_schemas_of_one_database_are_both_active() {
     assert_eq!(count(&pg.url(), "SELECT count(*) FROM b.actors").await, 1);
     assert_eq!(count(&pg.url(), "SELECT count(*) FROM a.actors").await, 0);
     // In one schema, one replica is active at a time as before.
-    let standby = tokio::spawn({
-        let url = in_schema("a");
-        async move { PostgresStore::open(&url).await }
-    });
+    let standby = opening(&in_schema("a"));
     standby_waiting(&pg.url()).await;
     assert!(!standby.is_finished());
     standby.abort();

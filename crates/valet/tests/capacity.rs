@@ -138,20 +138,7 @@ async fn a_request_in_flight_is_never_suspended() {
         })
         .await
         .unwrap();
-    let tcp = tokio::net::TcpStream::connect(up.router).await.unwrap();
-    let req = http::Request::builder()
-        .uri(format!("ws://{}/chat", Up::host("ws")))
-        .header("host", Up::host("ws"))
-        .header("connection", "Upgrade")
-        .header("upgrade", "websocket")
-        .header("sec-websocket-version", "13")
-        .header(
-            "sec-websocket-key",
-            tokio_tungstenite::tungstenite::handshake::client::generate_key(),
-        )
-        .body(())
-        .unwrap();
-    let (mut ws, _) = tokio_tungstenite::client_async(req, tcp).await.unwrap();
+    let (mut ws, _) = common::websocket(up.router, &Up::host("ws"), &[]).await;
 
     for (round, name) in ["p1", "p2"].iter().enumerate() {
         let (s, _, _) = get_text(up.router, name, "/").await;

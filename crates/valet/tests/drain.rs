@@ -100,25 +100,7 @@ async fn sigterm_answers_every_parked_request_on_both_planes() {
     let http = router.addrs["router"];
     let grpc = router.addrs["extproc"];
 
-    let ws = {
-        let tcp = tokio::net::TcpStream::connect(http).await.unwrap();
-        let req = http::Request::builder()
-            .uri(format!("ws://{}/chat", host("ws")))
-            .header("host", host("ws"))
-            .header("connection", "Upgrade")
-            .header("upgrade", "websocket")
-            .header("sec-websocket-version", "13")
-            .header(
-                "sec-websocket-key",
-                tokio_tungstenite::tungstenite::handshake::client::generate_key(),
-            )
-            .body(())
-            .unwrap();
-        tokio_tungstenite::client_async(req, tcp)
-            .await
-            .expect("websocket through the router")
-            .0
-    };
+    let (ws, _) = common::websocket(http, &host("ws"), &[]).await;
 
     let mut by_http = Vec::new();
     for i in 0..1000 {

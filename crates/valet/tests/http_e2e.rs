@@ -217,23 +217,8 @@ async fn websocket_http2_and_large_streams() {
     create(&up, "echo", "echo").await;
 
     // WebSocket.
-    let tcp = tokio::net::TcpStream::connect(up.router).await.unwrap();
-    let req = http::Request::builder()
-        .uri(format!("ws://{}/chat", Up::host("echo")))
-        .header("host", Up::host("echo"))
-        .header("connection", "Upgrade")
-        .header("upgrade", "websocket")
-        .header("sec-websocket-version", "13")
-        .header(
-            "sec-websocket-key",
-            tokio_tungstenite::tungstenite::handshake::client::generate_key(),
-        )
-        .body(())
-        .unwrap();
-    let (mut ws, resp) = tokio_tungstenite::client_async(req, tcp)
-        .await
-        .expect("websocket handshake");
-    assert_eq!(resp.status(), 101);
+    let (mut ws, status) = common::websocket(up.router, &Up::host("echo"), &[]).await;
+    assert_eq!(status, 101);
     for text in ["hello", "parked requests are served"] {
         ws.send(Message::text(text)).await.unwrap();
         let echoed = ws.next().await.unwrap().unwrap();

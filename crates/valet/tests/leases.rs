@@ -160,6 +160,42 @@ async fn running_actors_ride_out_a_control_plane_sigkill() {
     }
 }
 
+/// A control plane with `flags` (its data and the snapshots under `dir`), a worker with
+/// `extra` flags attached to it through a proxy that `cut` turns into a black hole, and
+/// the atespace `demo`.
+async fn behind_a_black_hole(
+    dir: &std::path::Path,
+    flags: &[&str],
+    extra: &[&str],
+) -> (
+    Proc,
+    ateapi::control_client::ControlClient<tonic::transport::Channel>,
+    tokio::sync::watch::Sender<bool>,
+    Proc,
+) {
+    let snaps = dir.join("snapshots");
+    let cp = control_plane(&dir.join("data"), "127.0.0.1:0", flags).await;
+    let c = client(cp.addr);
+    let (proxied, cut) = common::netfault::blackhole_proxy(cp.addr).await;
+    let mut args = vec![
+        "worker",
+        "--control-plane",
+        &proxied,
+        "--snapshot-dir",
+        snaps.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let w1 = Proc::start("worker", &args).await;
+    workers_joined(&c, 1).await;
+    c.clone()
+        .create_atespace(ateapi::CreateAtespaceRequest {
+            name: "demo".into(),
+        })
+        .await
+        .unwrap();
+    (cp, c, cut, w1)
+}
+
 /// A worker whose attach stream alone is cut (a silent network between it and the
 /// control plane) keeps serving under the leases it was given, then fences its actor
 /// at its hosting lease; only after that does the control plane let the actor run on
@@ -169,29 +205,7 @@ async fn a_worker_cut_off_fences_its_actor_before_it_moves() {
     let dir = tempfile::tempdir().unwrap();
     let snaps = dir.path().join("snapshots");
     let flags = ["--route-lease", "1s", "--hosting-lease", "4s"];
-    let cp = control_plane(&dir.path().join("data"), "127.0.0.1:0", &flags).await;
-    let c = client(cp.addr);
-    let (proxied, cut) = common::netfault::blackhole_proxy(cp.addr).await;
-    let w1 = Proc::start(
-        "worker",
-        &[
-            "worker",
-            "--control-plane",
-            &proxied,
-            "--snapshot-dir",
-            snaps.to_str().unwrap(),
-            "--worker-id",
-            "w1",
-        ],
-    )
-    .await;
-    workers_joined(&c, 1).await;
-    c.clone()
-        .create_atespace(ateapi::CreateAtespaceRequest {
-            name: "demo".into(),
-        })
-        .await
-        .unwrap();
+    let (cp, c, cut, w1) = behind_a_black_hole(dir.path(), &flags, &["--worker-id", "w1"]).await;
     create(&c, "demo/p1").await.unwrap();
     resume(&c, "demo/p1").await.unwrap();
     let _w2 = worker(cp.addr, &snaps, "w2").await;
@@ -240,37 +254,12 @@ async fn a_worker_cut_off_closes_its_actors_open_connections() {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     use tokio_tungstenite::tungstenite::Message;
     let dir = tempfile::tempdir().unwrap();
-    let snaps = dir.path().join("snapshots");
-    let cp = control_plane(
-        &dir.path().join("data"),
-        "127.0.0.1:0",
+    let (_cp, c, cut, w1) = behind_a_black_hole(
+        dir.path(),
         &["--hosting-lease", "4s"],
+        &["--worker-id", "e1", "--pool", "echo"],
     )
     .await;
-    let c = client(cp.addr);
-    let (proxied, cut) = common::netfault::blackhole_proxy(cp.addr).await;
-    let w1 = Proc::start(
-        "worker",
-        &[
-            "worker",
-            "--control-plane",
-            &proxied,
-            "--snapshot-dir",
-            snaps.to_str().unwrap(),
-            "--worker-id",
-            "e1",
-            "--pool",
-            "echo",
-        ],
-    )
-    .await;
-    workers_joined(&c, 1).await;
-    c.clone()
-        .create_atespace(ateapi::CreateAtespaceRequest {
-            name: "demo".into(),
-        })
-        .await
-        .unwrap();
     c.clone()
         .create_actor(ateapi::CreateActorRequest {
             actor_ref: common::aref("demo/ws"),
@@ -281,21 +270,8 @@ async fn a_worker_cut_off_closes_its_actors_open_connections() {
         .await
         .unwrap();
     resume(&c, "demo/ws").await.unwrap();
-    let tcp = tokio::net::TcpStream::connect(w1.addr).await.unwrap();
-    let req = http::Request::builder()
-        .uri(format!("ws://{}/chat", w1.addr))
-        .header("host", w1.addr.to_string())
-        .header("x-actor-ref", "demo/ws")
-        .header("connection", "Upgrade")
-        .header("upgrade", "websocket")
-        .header("sec-websocket-version", "13")
-        .header(
-            "sec-websocket-key",
-            tokio_tungstenite::tungstenite::handshake::client::generate_key(),
-        )
-        .body(())
-        .unwrap();
-    let (mut ws, _) = tokio_tungstenite::client_async(req, tcp).await.unwrap();
+    let (mut ws, _) =
+        common::websocket(w1.addr, &w1.addr.to_string(), &[("x-actor-ref", "demo/ws")]).await;
     ws.send(Message::text("hi")).await.unwrap();
     assert_eq!(ws.next().await.unwrap().unwrap(), Message::text("hi"));
     // And an upload echoed as it streams (chunked both ways).

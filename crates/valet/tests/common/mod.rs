@@ -518,3 +518,33 @@ pub async fn workers_and_demo(c: &ControlClient<Channel>, workers: usize, actors
         create(c, &format!("demo/{name}")).await.unwrap();
     }
 }
+
+/// A WebSocket opened on `addr` for `host` (`/chat`), with `extra` request headers;
+/// also the handshake's status.
+pub async fn websocket(
+    addr: SocketAddr,
+    host: &str,
+    extra: &[(&str, &str)],
+) -> (
+    tokio_tungstenite::WebSocketStream<tokio::net::TcpStream>,
+    http::StatusCode,
+) {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut req = http::Request::builder()
+        .uri(format!("ws://{host}/chat"))
+        .header("host", host)
+        .header("connection", "Upgrade")
+        .header("upgrade", "websocket")
+        .header("sec-websocket-version", "13")
+        .header(
+            "sec-websocket-key",
+            tokio_tungstenite::tungstenite::handshake::client::generate_key(),
+        );
+    for (k, v) in extra {
+        req = req.header(*k, *v);
+    }
+    let (ws, resp) = tokio_tungstenite::client_async(req.body(()).unwrap(), tcp)
+        .await
+        .expect("websocket handshake");
+    (ws, resp.status())
+}
