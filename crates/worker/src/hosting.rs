@@ -171,13 +171,26 @@ mod tests {
         ))
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn an_actor_installed_after_the_lease_ran_out_is_fenced() {
+    /// A hosting lease and its watchdog over a slot holding `actor`.
+    fn watched(
+        actor: Option<Arc<Hosted>>,
+    ) -> (
+        Arc<HostingLease>,
+        Slot,
+        CancellationToken,
+        tokio::task::JoinHandle<()>,
+    ) {
         let lease = HostingLease::new();
-        let slot: Slot = Arc::new(watch::Sender::new(None));
+        let slot: Slot = Arc::new(watch::Sender::new(actor));
         let stop = CancellationToken::new();
         let dog =
             tokio::spawn(Arc::clone(&lease).watchdog(Arc::clone(&slot), "w1".into(), stop.clone()));
+        (lease, slot, stop, dog)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_actor_installed_after_the_lease_ran_out_is_fenced() {
+        let (lease, slot, stop, dog) = watched(None);
         let mut state = lease.state.subscribe();
         tokio::time::timeout(DEFAULT_HOSTING_LEASE * 2, state.wait_for(|s| s.cut_off))
             .await
@@ -211,12 +224,8 @@ mod tests {
     /// follows the lease's state, decided in one place.
     #[tokio::test(start_paused = true)]
     async fn a_welcome_after_the_lease_ran_out_lowers_the_actors_fence() {
-        let lease = HostingLease::new();
         let actor = hosted("demo/p1");
-        let slot: Slot = Arc::new(watch::Sender::new(Some(Arc::clone(&actor))));
-        let stop = CancellationToken::new();
-        let dog =
-            tokio::spawn(Arc::clone(&lease).watchdog(Arc::clone(&slot), "w1".into(), stop.clone()));
+        let (lease, _slot, stop, dog) = watched(Some(Arc::clone(&actor)));
         let mut state = lease.state.subscribe();
         tokio::time::timeout(DEFAULT_HOSTING_LEASE * 2, state.wait_for(|s| s.cut_off))
             .await
@@ -242,12 +251,8 @@ mod tests {
     /// it elsewhere from then on.
     #[tokio::test(start_paused = true)]
     async fn traffic_in_flight_stops_when_the_actor_leaves_or_the_lease_runs_out() {
-        let lease = HostingLease::new();
         let first = hosted("demo/p1");
-        let slot: Slot = Arc::new(watch::Sender::new(Some(Arc::clone(&first))));
-        let stop = CancellationToken::new();
-        let dog =
-            tokio::spawn(Arc::clone(&lease).watchdog(Arc::clone(&slot), "w1".into(), stop.clone()));
+        let (_lease, slot, stop, dog) = watched(Some(Arc::clone(&first)));
         tokio::task::yield_now().await;
         let streaming = first.traffic.enter().expect("admitted");
         assert!(!streaming.is_stopped());
