@@ -352,7 +352,13 @@ async fn extproc_cost(text: &mut String, sys: &System, n: usize) -> Result<(), S
     let cpu0 = sys.router_cpu();
     let calls0 = sys.resume_calls();
     let started = Instant::now();
-    let failed = extproc_clients(addr, host, n).await?;
+    let failed = match extproc_clients(addr, host, n).await {
+        Ok(failed) => failed,
+        Err(e) => {
+            let _ = writeln!(text, "ext_proc cost: n/a ({e})");
+            return Ok(());
+        }
+    };
     let elapsed = started.elapsed();
     let (Some(cpu0), Some(cpu1)) = (cpu0, sys.router_cpu()) else {
         let _ = writeln!(text, "ext_proc cost: n/a (router in this process)");
@@ -389,6 +395,10 @@ const EXTPROC_ANSWER_WAIT: Duration = Duration::from_secs(10);
 /// A multi-threaded client on the router's two cores wakes its threads for every
 /// answer and charges the router with the context switches; see docs/BENCHMARKS.md.
 /// Returns how many were not routed.
+///
+/// # Errors
+/// An exchange the router did not answer within [`EXTPROC_ANSWER_WAIT`]: the run
+/// stops there, and fewer than `n` exchanges ran, so no figure per exchange is given.
 async fn extproc_clients(
     addr: std::net::SocketAddr,
     host: String,
@@ -408,11 +418,13 @@ async fn extproc_clients(
                     return;
                 }
             };
-            let failed = runtime.block_on(async move {
+            let timed_out = std::rc::Rc::new(std::cell::Cell::new(false));
+            let failed = runtime.block_on(async {
                 let client = crate::extproc::client(addr);
                 let next = std::rc::Rc::new(std::cell::Cell::new(0usize));
                 let clients = (0..EXTPROC_CLIENTS).map(|_| {
                     let (client, host, next) = (&client, &host, std::rc::Rc::clone(&next));
+                    let timed_out = std::rc::Rc::clone(&timed_out);
                     async move {
                         let mut failed = 0usize;
                         while next.replace(next.get() + 1) < n {
@@ -425,9 +437,10 @@ async fn extproc_clients(
                                 Ok(Ok(crate::extproc::Answer::Routed(_))) => {}
                                 Ok(_) => failed += 1,
                                 // A router that does not answer in time: the run ends
-                                // here (the figure is then meaningless anyway).
+                                // here, with no figure.
                                 Err(_) => {
                                     failed += 1;
+                                    timed_out.set(true);
                                     next.set(n);
                                 }
                             }
@@ -440,7 +453,14 @@ async fn extproc_clients(
                     .into_iter()
                     .sum::<usize>()
             });
-            let _ = done_tx.send(Ok(failed));
+            let result = if timed_out.get() {
+                Err(format!(
+                    "an ext_proc exchange got no answer within {EXTPROC_ANSWER_WAIT:?}: the run stopped, no figure per exchange"
+                ))
+            } else {
+                Ok(failed)
+            };
+            let _ = done_tx.send(result);
         })
         .map_err(|e| format!("ext_proc clients' thread: {e}"))?;
     let result = done_rx
@@ -453,4 +473,29 @@ async fn extproc_clients(
 
 fn verdict(met: bool) -> &'static str {
     if met { "met" } else { "NOT met" }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A router that never answers an exchange gives no figure per exchange (before,
+    /// the run stopped early and its CPU was divided by every exchange asked for).
+    #[tokio::test]
+    async fn a_silent_ext_proc_server_gives_no_figure() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let holder = tokio::spawn(async move {
+            let mut held = Vec::new();
+            loop {
+                let (conn, _) = listener.accept().await.unwrap();
+                held.push(conn);
+            }
+        });
+        let e = extproc_clients(addr, "holder.demo.x".into(), 1000)
+            .await
+            .unwrap_err();
+        assert!(e.contains("no figure"), "{e}");
+        holder.abort();
+    }
 }
