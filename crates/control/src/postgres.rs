@@ -25,11 +25,12 @@ const MIGRATION_LOCK: i64 = 0x7661_6c65_742d_6d67;
 /// Advisory-lock key of the active control plane ("valet-cp").
 const ACTIVE_LOCK: i64 = 0x7661_6c65_742d_6370;
 /// The advisory-lock keys (migration, active) of the schema the store's tables live
-/// in: advisory locks are per database, and deployments in different schemas of one
-/// database must not share them. The default schema (`public`, or none) keeps the keys
-/// earlier versions used, so replicas of both versions exclude each other there.
-fn lock_keys(schema: Option<&str>) -> (i64, i64) {
-    match schema {
+/// in when the URL chose it (`search_path` in its options): advisory locks are per
+/// database, and deployments in different schemas of one database must not share
+/// them. Without a chosen schema, or with `public`, the keys earlier versions used,
+/// so that replicas of both versions exclude each other during an upgrade.
+fn lock_keys(chosen: Option<&str>) -> (i64, i64) {
+    match chosen {
         None | Some("public") => (MIGRATION_LOCK, ACTIVE_LOCK),
         Some(schema) => {
             // FNV-1a: stable across versions and platforms.
@@ -262,11 +263,26 @@ impl PostgresStore {
         // schema under an older active replica.
         check_version(&client, &database).await?;
         client.batch_execute(SERVER_KEEPALIVE).await.map_err(err)?;
-        let schema: Option<String> = client
-            .query_one("SELECT current_schema()", &[])
-            .await
-            .map_err(err)?
-            .get(0);
+        let chosen = config
+            .get_options()
+            .is_some_and(|o| o.contains("search_path"));
+        let schema: Option<String> = if chosen {
+            let schema: Option<String> = client
+                .query_one("SELECT current_schema()", &[])
+                .await
+                .map_err(err)?
+                .get(0);
+            if schema.is_none() {
+                return Err(StoreError::Postgres {
+                    database: database.clone(),
+                    why: "the URL's search_path names no schema that exists: create it first"
+                        .into(),
+                });
+            }
+            schema
+        } else {
+            None
+        };
         let (migration_lock, active_lock) = lock_keys(schema.as_deref());
         let held: bool = client
             .query_one("SELECT pg_try_advisory_lock($1)", &[&active_lock])

@@ -887,8 +887,7 @@ async fn a_second_process_is_refused_while_the_first_may_still_serve() {
         S::Running,
         "still placed on w1 while it may serve"
     );
-    // A process that had nothing (here: after its actor was suspended) may be
-    // replaced as soon as its stream ended.
+    // A process that had no actor may be replaced as soon as its stream ended.
     let idle = FakeWorker::attach_as(&plane, "w2", "counter", app(), 1).unwrap();
     idle.leave();
     let _newcomer = FakeWorker::attach_as(&plane, "w2", "counter", app(), 2).unwrap();

@@ -612,3 +612,39 @@ async fn deployments_in_two_schemas_of_one_database_are_both_active() {
     assert!(!standby.is_finished());
     standby.abort();
 }
+
+/// Without a schema chosen in the URL (the default `"$user", public` path, here
+/// resolving to the role's own schema), a replica takes the advisory lock earlier
+/// versions took: it waits behind one of them during an upgrade instead of being
+/// active beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_chosen_schema_the_earlier_lock_keys_are_kept() {
+    let pg = TempPostgres::start_async().await;
+    sql(
+        &pg.url(),
+        "CREATE ROLE valet LOGIN SUPERUSER; CREATE SCHEMA valet AUTHORIZATION valet",
+    )
+    .await;
+    // An earlier version's active replica: its lock ("valet-cp").
+    let (held, conn) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let conn = tokio::spawn(conn);
+    held.execute("SELECT pg_advisory_lock($1)", &[&0x7661_6c65_742d_6370_i64])
+        .await
+        .unwrap();
+    let as_valet = pg
+        .url()
+        .replacen("postgres://postgres@", "postgres://valet@", 1);
+    let opening = opening(&as_valet);
+    standby_waiting(&pg.url()).await;
+    assert!(!opening.is_finished());
+    drop(held);
+    let store = took_over(opening).await;
+    store.write(Batch::put([row("p1")])).await.unwrap();
+    assert_eq!(
+        count(&pg.url(), "SELECT count(*) FROM valet.actors").await,
+        1
+    );
+    conn.abort();
+}

@@ -12,6 +12,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::app::Slot;
+use crate::traffic::Traffic;
 
 /// How often the worker renews its hosting.
 pub(crate) const RENEW_EVERY: Duration = Duration::from_secs(1);
@@ -49,12 +50,19 @@ impl HostingLease {
         })
     }
 
-    /// A control plane welcomed the attachment sent at `sent_at`, with `lease`.
-    pub(crate) fn welcomed(&self, lease: Duration, sent_at: Instant) {
+    /// A control plane welcomed the attachment sent at `sent_at`, with `lease`, and
+    /// kept the actor whose traffic is `kept`: its fence is lowered with the lease,
+    /// in one step (unless the lease, counted from `sent_at`, has already run out).
+    pub(crate) fn welcomed(&self, lease: Duration, sent_at: Instant, kept: Option<&Traffic>) {
         self.state.send_modify(|s| {
             s.lease = lease;
             s.answered = s.answered.max(sent_at);
-            s.cut_off = false;
+            s.cut_off = s.answered + s.lease <= Instant::now();
+            if let Some(traffic) = kept
+                && !s.cut_off
+            {
+                traffic.set_cut_off(false);
+            }
         });
     }
 
@@ -210,7 +218,7 @@ mod tests {
         );
 
         // A welcome that keeps it lowers the lease's fence; a later actor is not fenced.
-        lease.welcomed(DEFAULT_HOSTING_LEASE, Instant::now());
+        lease.welcomed(DEFAULT_HOSTING_LEASE, Instant::now(), None);
         let next = hosted("demo/p2");
         slot.send_replace(Some(Arc::clone(&next)));
         tokio::task::yield_now().await;
@@ -236,12 +244,34 @@ mod tests {
             .await
             .unwrap()
             .unwrap();
-        lease.welcomed(DEFAULT_HOSTING_LEASE, Instant::now());
+        lease.welcomed(DEFAULT_HOSTING_LEASE, Instant::now(), None);
         tokio::time::timeout(Duration::from_secs(1), gauge.wait_for(|g| !g.cut_off))
             .await
             .expect("the fence is lowered with the lease")
             .unwrap();
         assert!(actor.traffic.enter().is_some());
+        stop.cancel();
+        dog.await.unwrap();
+    }
+
+    /// A welcome lowers the kept actor's fence in the same step as the lease's, and
+    /// never for a lease already run out (counted from the attachment it answers).
+    #[tokio::test(start_paused = true)]
+    async fn a_welcome_lowers_the_fence_only_with_a_live_lease() {
+        let actor = hosted("demo/p1");
+        let (lease, _slot, stop, dog) = watched(Some(Arc::clone(&actor)));
+        let mut gauge = actor.traffic.watch();
+        tokio::time::timeout(DEFAULT_HOSTING_LEASE * 2, gauge.wait_for(|g| g.cut_off))
+            .await
+            .unwrap()
+            .unwrap();
+        let stale = Instant::now() - DEFAULT_HOSTING_LEASE;
+        lease.welcomed(DEFAULT_HOSTING_LEASE, stale, Some(&actor.traffic));
+        assert!(lease.is_cut_off());
+        assert!(actor.traffic.enter().is_none(), "still fenced");
+        lease.welcomed(DEFAULT_HOSTING_LEASE, Instant::now(), Some(&actor.traffic));
+        assert!(!lease.is_cut_off());
+        assert!(actor.traffic.enter().is_some(), "lowered at once");
         stop.cancel();
         dog.await.unwrap();
     }

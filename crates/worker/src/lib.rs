@@ -660,15 +660,11 @@ impl Agent {
                         .hosting_lease
                         .and_then(|d| Duration::try_from(d).ok())
                         .unwrap_or(hosting::DEFAULT_HOSTING_LEASE);
-                    self.lease.welcomed(lease, joined_at);
-                    // The hosting watchdog lowers the kept actor's fence with the
-                    // lease; lowered here too (the same state) so that a command
-                    // right behind the welcome finds it lowered.
-                    if let Some(h) = self.slot.borrow().as_ref()
-                        && !self.lease.is_cut_off()
-                    {
-                        h.traffic.set_cut_off(false);
-                    }
+                    // The kept actor's fence is lowered with the lease, in one step (the
+                    // watchdog would too, a moment later): a command right behind the
+                    // welcome finds it lowered.
+                    let kept = self.slot.borrow().clone();
+                    self.lease.welcomed(lease, joined_at, kept.as_ref().map(|h| &*h.traffic));
                     watch_lease = true;
                     continue;
                 }
