@@ -900,12 +900,13 @@ async fn handle(
         Decision::Deny(_, v) => {
             let mut resp = render(v);
             // HTTP/1: a verdict to a parked request whose body is still coming (an
-            // upload past its limit is read no further) is not lost to a reset. Not at
-            // the drain's cut-off, whose grace is short: the connection closes.
+            // upload past its limit is read no further) is not lost to a reset: the
+            // rest is read and thrown away first (within DISCARD_WITHIN, inside the
+            // drain's grace at its cut-off). At the cut-off the connection then closes.
             let cut_off = matches!(decision, Decision::Deny(Denial::ShuttingDown(_), _));
             if parts.version <= http::Version::HTTP_11
                 && held.was_read()
-                && (cut_off || !held.discard_rest(DISCARD_WITHIN, DISCARD_MAX).await)
+                && (!held.discard_rest(DISCARD_WITHIN, DISCARD_MAX).await || cut_off)
             {
                 resp.headers_mut()
                     .insert(header::CONNECTION, http::HeaderValue::from_static("close"));

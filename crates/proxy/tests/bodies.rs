@@ -640,6 +640,52 @@ async fn a_verdict_to_a_large_parked_upload_reaches_the_client() {
     answering.abort();
 }
 
+/// The same at the drain's cut-off: the parked upload's 503 `router shutting down`
+/// reaches the client still sending (before, the connection was closed with the body
+/// unread, and the client saw a reset).
+#[tokio::test]
+async fn the_cut_off_verdict_to_a_large_parked_upload_reaches_the_client() {
+    let (cp, mut calls) = Scripted::new();
+    let (router, server) = serve(cp, &[]).await;
+    let answering = tokio::spawn(async move {
+        loop {
+            calls.next().await.no_room();
+        }
+    });
+    let s = TcpStream::connect(server.local_addr()).await.unwrap();
+    let (mut rd, mut wr) = s.into_split();
+    let head = format!(
+        "POST /up HTTP/1.1\r\nHost: {}\r\nContent-Length: {}\r\n\r\n",
+        host("p1"),
+        8 * 1024 * 1024
+    );
+    let writer = tokio::spawn(async move {
+        wr.write_all(head.as_bytes()).await?;
+        wr.write_all(&vec![7u8; 8 * 1024 * 1024]).await?;
+        Ok::<_, std::io::Error>(wr)
+    });
+    held_at_least(&router, 1 << 20).await;
+    router.cut_off_waiting();
+    let want = "actor demo/p1 unavailable: router shutting down";
+    let mut out = Vec::new();
+    tokio::time::timeout(WAIT, async {
+        let mut buf = [0u8; 4096];
+        while !String::from_utf8_lossy(&out).contains(want) {
+            let n = rd.read(&mut buf).await.expect("no reset");
+            assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&out));
+            out.extend_from_slice(&buf[..n]);
+        }
+    })
+    .await
+    .expect("the verdict arrives");
+    assert!(String::from_utf8_lossy(&out).starts_with("HTTP/1.1 503 "));
+    let _wr = writer
+        .await
+        .unwrap()
+        .expect("the router read the whole body, and did not reset the connection");
+    answering.abort();
+}
+
 /// A request sent through the pipeline again after its worker's 421 is never shed: it
 /// parks again even with the lot full (here, one place, taken by another request), is
 /// served, and its wait is sampled once.
