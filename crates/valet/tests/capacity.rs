@@ -129,15 +129,7 @@ async fn a_request_in_flight_is_never_suspended() {
     ])
     .await;
     let c = up.client();
-    c.clone()
-        .create_actor(valet_proto::ateapi::CreateActorRequest {
-            actor_ref: common::aref("demo/ws"),
-            actor_template_namespace: "default".into(),
-            actor_template_name: "echo".into(),
-            worker_selector: None,
-        })
-        .await
-        .unwrap();
+    common::create_from(&c, "demo/ws", "echo").await.unwrap();
     let (mut ws, _) = common::websocket(up.router, &Up::host("ws"), &[]).await;
 
     for (round, name) in ["p1", "p2"].iter().enumerate() {

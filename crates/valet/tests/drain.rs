@@ -78,15 +78,7 @@ async fn sigterm_answers_every_parked_request_on_both_planes() {
         &["--pool", "echo"],
     )
     .await;
-    c.clone()
-        .create_actor(valet_proto::ateapi::CreateActorRequest {
-            actor_ref: common::aref("demo/ws"),
-            actor_template_namespace: "default".into(),
-            actor_template_name: "echo".into(),
-            worker_selector: None,
-        })
-        .await
-        .unwrap();
+    common::create_from(&c, "demo/ws", "echo").await.unwrap();
     let mut router = both_planes(
         cp.addr,
         &[

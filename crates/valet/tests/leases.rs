@@ -260,15 +260,7 @@ async fn a_worker_cut_off_closes_its_actors_open_connections() {
         &["--worker-id", "e1", "--pool", "echo"],
     )
     .await;
-    c.clone()
-        .create_actor(ateapi::CreateActorRequest {
-            actor_ref: common::aref("demo/ws"),
-            actor_template_namespace: "default".into(),
-            actor_template_name: "echo".into(),
-            worker_selector: None,
-        })
-        .await
-        .unwrap();
+    common::create_from(&c, "demo/ws", "echo").await.unwrap();
     resume(&c, "demo/ws").await.unwrap();
     let (mut ws, _) =
         common::websocket(w1.addr, &w1.addr.to_string(), &[("x-actor-ref", "demo/ws")]).await;

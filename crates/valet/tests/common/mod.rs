@@ -268,11 +268,20 @@ pub async fn create(
     c: &ControlClient<Channel>,
     actor: &str,
 ) -> Result<ateapi::Actor, tonic::Status> {
+    create_from(c, actor, "counter").await
+}
+
+/// Creates `actor` from the template `template` (in `default`).
+pub async fn create_from(
+    c: &ControlClient<Channel>,
+    actor: &str,
+    template: &str,
+) -> Result<ateapi::Actor, tonic::Status> {
     Ok(c.clone()
         .create_actor(ateapi::CreateActorRequest {
             actor_ref: aref(actor),
             actor_template_namespace: "default".into(),
-            actor_template_name: "counter".into(),
+            actor_template_name: template.into(),
             worker_selector: None,
         })
         .await?
