@@ -113,21 +113,7 @@ impl Held {
         let Some(rest) = self.rest.as_mut() else {
             return true;
         };
-        let mut read = 0u64;
-        let ended = tokio::time::timeout(within, async {
-            while read <= max {
-                match rest.frame().await {
-                    None => return true,
-                    Some(Ok(frame)) => {
-                        read += frame.data_ref().map_or(0, |d| d.len() as u64);
-                    }
-                    Some(Err(_)) => return false,
-                }
-            }
-            false
-        })
-        .await
-        .unwrap_or(false);
+        let ended = discard(rest, within, max).await;
         if ended {
             self.rest = None;
         }
@@ -146,6 +132,29 @@ impl Held {
         };
         (body, failure)
     }
+}
+
+/// Reads `body` and throws it away, up to `max` bytes within `within`: whether it was
+/// read to its end.
+pub(crate) async fn discard(body: &mut Incoming, within: std::time::Duration, max: u64) -> bool {
+    if body.is_end_stream() {
+        return true;
+    }
+    let mut read = 0u64;
+    tokio::time::timeout(within, async {
+        while read <= max {
+            match body.frame().await {
+                None => return true,
+                Some(Ok(frame)) => {
+                    read += frame.data_ref().map_or(0, |d| d.len() as u64);
+                }
+                Some(Err(_)) => return false,
+            }
+        }
+        false
+    })
+    .await
+    .unwrap_or(false)
 }
 
 fn lock(f: &Failure) -> std::sync::MutexGuard<'_, Option<CallerEnd>> {

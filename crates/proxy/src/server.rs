@@ -556,11 +556,17 @@ impl Conn {
             let shared = Arc::clone(&shared);
             async move {
                 let response = match refused {
-                    Some(why) => full(
-                        http::StatusCode::FORBIDDEN,
-                        "text/plain; charset=utf-8",
-                        format!("client certificate not allowed: {why}\n"),
-                    ),
+                    Some(why) => {
+                        let resp = full(
+                            http::StatusCode::FORBIDDEN,
+                            "text/plain; charset=utf-8",
+                            format!("client certificate not allowed: {why}\n"),
+                        );
+                        let (parts, body) = req.into_parts();
+                        let mut held =
+                            Held::new(body, None, 0, shared.router.lot().bytes().charge());
+                        unforwarded(&parts, &mut held, resp, false).await
+                    }
                     None => handle(&shared, req, peer, pre).await,
                 };
                 Ok::<_, Infallible>(match open {
@@ -781,6 +787,35 @@ fn options_asterisk() -> Response<Body> {
     resp
 }
 
+/// An answer the data plane gives itself to a request it does not forward (a verdict,
+/// `OPTIONS *`). HTTP/1: the rest of the body, still coming, is read and thrown away
+/// first (up to DISCARD_MAX within DISCARD_WITHIN), so that the answer is not lost to a
+/// reset: a socket closed with unread data resets, and a client still sending never
+/// reads the answer. A body the client holds back until `100 Continue` is never asked
+/// for. The connection closes after the answer when the body was not read to its end,
+/// or when `close`.
+async fn unforwarded(
+    parts: &http::request::Parts,
+    held: &mut Held,
+    mut resp: Response<Body>,
+    close: bool,
+) -> Response<Body> {
+    if parts.version > http::Version::HTTP_11 {
+        return resp;
+    }
+    let held_back = !held.was_read()
+        && parts
+            .headers
+            .get(header::EXPECT)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    let whole = !held_back && held.discard_rest(DISCARD_WITHIN, DISCARD_MAX).await;
+    if !whole || close {
+        resp.headers_mut()
+            .insert(header::CONNECTION, http::HeaderValue::from_static("close"));
+    }
+    resp
+}
+
 async fn handle(
     shared: &Shared,
     req: Request<Incoming>,
@@ -789,29 +824,43 @@ async fn handle(
 ) -> Response<Body> {
     let mut started = Instant::now();
     let limits = shared.limits;
+    let router = &shared.router;
+    let (parts, body) = req.into_parts();
+    let headers = &parts.headers;
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let mut held = Held::new(
+        body,
+        declared,
+        router.config().parked_body_limit(),
+        router.lot().bytes().charge(),
+    );
     // HTTP/1 gives `*` as the whole target; HTTP/2 as the path, beside an authority.
-    if req.method() == http::Method::OPTIONS && (req.uri() == "*" || req.uri().path() == "*") {
-        return options_asterisk();
+    if parts.method == http::Method::OPTIONS && (parts.uri == "*" || parts.uri.path() == "*") {
+        return unforwarded(&parts, &mut held, options_asterisk(), false).await;
     }
-    let headers = req.headers();
     if headers.len() > limits.max_headers {
-        return render(&Verdict::of(&Denial::TooManyHeaders {
+        let v = Verdict::of(&Denial::TooManyHeaders {
             count: headers.len(),
             limit: limits.max_headers,
-        }));
+        });
+        return unforwarded(&parts, &mut held, render(&v), false).await;
     }
     let header_bytes: usize = headers
         .iter()
         .map(|(k, v)| k.as_str().len() + v.len())
         .sum();
     if header_bytes > limits.max_header_bytes {
-        return render(&Verdict::of(&Denial::HeadersTooLarge {
+        let v = Verdict::of(&Denial::HeadersTooLarge {
             bytes: header_bytes,
             limit: limits.max_header_bytes,
-        }));
+        });
+        return unforwarded(&parts, &mut held, render(&v), false).await;
     }
-    let host = req
-        .uri()
+    let host = parts
+        .uri
         .authority()
         .map(|a| a.as_str().to_owned())
         .or_else(|| {
@@ -821,17 +870,12 @@ async fn handle(
                 .map(str::to_owned)
         })
         .unwrap_or_default();
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    let path = req
-        .uri()
+    let path = parts
+        .uri
         .path_and_query()
         .map_or("/", |p| p.as_str())
         .to_owned();
 
-    let router = &shared.router;
     // hyper read the very head that was decided (the lean path parses the host as
     // this function does): a different host would be a bug, and is decided afresh.
     let pre = pre.filter(|p| {
@@ -851,13 +895,6 @@ async fn handle(
         started = p.started;
     }
     let deadline = started + router.config().decision_timeout();
-    let (parts, body) = req.into_parts();
-    let mut held = Held::new(
-        body,
-        declared,
-        router.config().parked_body_limit(),
-        router.lot().bytes().charge(),
-    );
     let (decision, parked_before) = match pre {
         Some(p) => (p.decision, p.parked),
         None => (
@@ -898,19 +935,10 @@ async fn handle(
             .await
         }
         Decision::Deny(_, v) => {
-            let mut resp = render(v);
-            // HTTP/1: a verdict to a parked request whose body is still coming (an
-            // upload past its limit is read no further) is not lost to a reset: the
-            // rest is read and thrown away first (within DISCARD_WITHIN, inside the
-            // drain's grace at its cut-off). At the cut-off the connection then closes.
+            // At the drain's cut-off (a parked request's verdict, within the drain's
+            // grace) the connection then closes.
             let cut_off = matches!(decision, Decision::Deny(Denial::ShuttingDown(_), _));
-            if parts.version <= http::Version::HTTP_11
-                && held.was_read()
-                && (!held.discard_rest(DISCARD_WITHIN, DISCARD_MAX).await || cut_off)
-            {
-                resp.headers_mut()
-                    .insert(header::CONNECTION, http::HeaderValue::from_static("close"));
-            }
+            let resp = unforwarded(&parts, &mut held, render(v), cut_off).await;
             (resp, None, v.reason())
         }
     };

@@ -727,3 +727,106 @@ async fn a_request_sent_again_after_a_421_is_never_shed() {
     );
     assert_eq!(waits, 2.0, "one wait sample per parked request");
 }
+
+/// Sends `head` and then `len` bytes of body on one HTTP/1.1 connection, writing and
+/// reading at once, and returns what came back until `want` was read. Panics on a
+/// reset: the client, still sending, must get the answer.
+async fn upload_answered(addr: SocketAddr, head: String, len: usize, want: &str) -> String {
+    let s = TcpStream::connect(addr).await.unwrap();
+    let (mut rd, mut wr) = s.into_split();
+    let writer = tokio::spawn(async move {
+        wr.write_all(head.as_bytes()).await?;
+        wr.write_all(&vec![7u8; len]).await?;
+        Ok::<_, std::io::Error>(wr)
+    });
+    let mut out = Vec::new();
+    let read = tokio::time::timeout(WAIT, async {
+        let mut buf = [0u8; 4096];
+        while !String::from_utf8_lossy(&out).contains(want) {
+            let n = rd.read(&mut buf).await.expect("no reset");
+            assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&out));
+            out.extend_from_slice(&buf[..n]);
+        }
+    })
+    .await;
+    let out = String::from_utf8_lossy(&out).into_owned();
+    assert!(read.is_ok(), "the verdict arrives: {out}");
+    let _wr = writer
+        .await
+        .unwrap()
+        .expect("the router read the whole body, and did not reset the connection");
+    out
+}
+
+/// A verdict decided without parking (parking disabled, an unknown actor, too many
+/// headers) to a large upload the client is still sending: the rest of the body is read
+/// and thrown away first, so the client gets the answer instead of a connection reset.
+#[tokio::test]
+async fn an_immediate_verdict_to_a_large_upload_reaches_the_client() {
+    let (cp, mut calls) = Scripted::new();
+    let limits = Limits {
+        max_headers: 20,
+        ..Limits::default()
+    };
+    let (_router, server) = serve_with(cp, &["--parked-request-max", "0"], limits).await;
+    let answering = tokio::spawn(async move {
+        loop {
+            let call = calls.next().await;
+            if call.request.actor.to_string() == "demo/gone" {
+                call.fail(tonic::Code::NotFound, "actor demo/gone not found");
+            } else {
+                call.no_room();
+            }
+        }
+    });
+    let len = 8 * 1024 * 1024;
+    let head = |name: &str, extra: &str| {
+        format!(
+            "POST /up HTTP/1.1\r\nHost: {}\r\nContent-Length: {len}\r\n{extra}\r\n",
+            host(name)
+        )
+    };
+    let addr = server.local_addr();
+    let full = upload_answered(
+        addr,
+        head("p1", ""),
+        len,
+        "no worker has room for the actor",
+    )
+    .await;
+    assert!(full.starts_with("HTTP/1.1 503 "), "{full}");
+    let gone = upload_answered(addr, head("gone", ""), len, "not found").await;
+    assert!(gone.starts_with("HTTP/1.1 404 "), "{gone}");
+    let many: String = (0..30).map(|i| format!("x-h{i}: v\r\n")).collect();
+    let headers = upload_answered(addr, head("p1", &many), len, "too many request header").await;
+    assert!(headers.starts_with("HTTP/1.1 431 "), "{headers}");
+    answering.abort();
+}
+
+/// A request that waits for `100 Continue` and is answered at once gets the answer
+/// with no `100 Continue` first: its body is never asked for.
+#[tokio::test]
+async fn an_immediate_verdict_does_not_ask_for_an_expected_body() {
+    let (cp, mut calls) = Scripted::new();
+    let (_router, server) = serve(cp, &["--parked-request-max", "0"]).await;
+    let answering = tokio::spawn(async move {
+        loop {
+            calls.next().await.no_room();
+        }
+    });
+    let mut s = TcpStream::connect(server.local_addr()).await.unwrap();
+    let head = format!(
+        "POST /up HTTP/1.1\r\nHost: {}\r\nContent-Length: 1048576\r\nExpect: 100-continue\r\n\r\n",
+        host("p1")
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(WAIT, s.read_to_end(&mut out))
+        .await
+        .expect("answered and closed")
+        .expect("no reset");
+    let out = String::from_utf8_lossy(&out);
+    assert!(out.starts_with("HTTP/1.1 503 "), "{out}");
+    assert!(!out.contains("100 Continue"), "{out}");
+    answering.abort();
+}

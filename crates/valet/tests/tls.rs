@@ -809,6 +809,45 @@ async fn https_ingress_speaks_both_protocols_and_checks_spiffe_ids() {
             "{uris:?}: refused before any control-plane call"
         );
     }
+    // A refused client still sending a large upload gets its 403, not a reset: the
+    // body is read and thrown away first.
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let identity = spiffe_client(&authority, &["spiffe://cluster.local/ns/x/sa/y"]);
+        let tls = tls_connect(addr, &tls_connector(&pki.ca, Some(identity), b"http/1.1"))
+            .await
+            .expect("handshake");
+        let (mut rd, mut wr) = tokio::io::split(tls);
+        let len = 8 * 1024 * 1024;
+        let head = format!(
+            "POST /up HTTP/1.1\r\nhost: {}\r\ncontent-length: {len}\r\n\r\n",
+            host("p1")
+        );
+        let writer = tokio::spawn(async move {
+            wr.write_all(head.as_bytes()).await?;
+            wr.write_all(&vec![7u8; len]).await?;
+            wr.flush().await?;
+            Ok::<_, std::io::Error>(wr)
+        });
+        let mut out = Vec::new();
+        let want = "client certificate not allowed";
+        let read = tokio::time::timeout(WITHIN, async {
+            let mut buf = [0u8; 4096];
+            while !String::from_utf8_lossy(&out).contains(want) {
+                let n = rd.read(&mut buf).await.expect("no reset");
+                assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&out));
+                out.extend_from_slice(&buf[..n]);
+            }
+        })
+        .await;
+        let out = String::from_utf8_lossy(&out);
+        assert!(read.is_ok(), "the 403 arrives: {out}");
+        assert!(out.starts_with("HTTP/1.1 403 "), "{out}");
+        let _wr = writer
+            .await
+            .unwrap()
+            .expect("the router read the whole body, and did not reset the connection");
+    }
     // No client certificate: the server refuses the handshake (under TLS 1.3 the client
     // learns it at its first read), before any control-plane call.
     let before = attempts().await;
