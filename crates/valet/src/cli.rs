@@ -206,6 +206,7 @@ pub(crate) struct TargetArgs {
     #[arg(
         long,
         env = "VALET_TARGET_DATABASE",
+        hide_env_values = true,
         value_name = "URL",
         requires = "cluster"
     )]
@@ -493,6 +494,11 @@ impl IngressArgs {
             )
         })?;
         let allowlist = match &self.ingress_allowed_spiffe_ids {
+            Some(ids) if self.ingress_client_ca_file.is_none() => {
+                return Err(format!(
+                    "invalid configuration: --ingress-allowed-spiffe-ids={ids}: needs --ingress-client-ca-file: only verified client certificates are checked"
+                ));
+            }
             Some(ids) => Some(SpiffeAllowlist::parse(ids).map_err(|why| {
                 format!("invalid configuration: --ingress-allowed-spiffe-ids={ids}: {why}")
             })?),
@@ -500,15 +506,17 @@ impl IngressArgs {
         };
         let cert = match (&self.ingress_tls_cert_file, &self.ingress_tls_key_file) {
             (Some(cert), Some(key)) => IngressCert::Files { cert, key },
-            _ => {
-                tracing::warn!(
-                    "no --ingress-tls-cert-file: the HTTPS listener serves a self-signed certificate generated at start"
-                );
-                IngressCert::SelfSigned(vec!["localhost".into(), addr.ip().to_string()])
-            }
+            _ => IngressCert::SelfSigned(vec!["localhost".into(), addr.ip().to_string()]),
         };
+        let self_signed = matches!(cert, IngressCert::SelfSigned(_));
         let tls = IngressTls::new(cert, self.ingress_client_ca_file.as_deref(), allowlist)
             .map_err(|e| e.to_string())?;
+        // Only once the configuration holds: a refused one prints its one line.
+        if self_signed {
+            tracing::warn!(
+                "no --ingress-tls-cert-file: the HTTPS listener serves a self-signed certificate generated at start"
+            );
+        }
         Ok(Some((addr, tls)))
     }
 }
@@ -555,10 +563,17 @@ pub(crate) struct UpArgs {
     /// TLS everywhere on loopback: a throwaway CA and certificates are generated under
     /// <data-dir>/tls at each start; the control plane serves TLS, workers and router
     /// verify it, and the router also serves HTTPS on --listen-https (127.0.0.1:8443
-    /// unless given) with the throwaway ingress certificate (unless
-    /// --ingress-tls-cert-file is given).
+    /// unless given; an empty one turns it off) with the throwaway ingress certificate
+    /// (unless --ingress-tls-cert-file is given). With --client-ca-file, the control
+    /// plane asks for client certificates (the workers and router present
+    /// --ateapi-cert-file).
     #[arg(long, env = "VALET_TLS")]
     pub(crate) tls: bool,
+
+    /// Whether --listen-https was given (set by `main`): with --tls, an empty one
+    /// turns HTTPS off instead of taking the default.
+    #[arg(skip)]
+    pub(crate) listen_https_given: bool,
 
     #[command(flatten)]
     pub(crate) ingress: IngressArgs,
@@ -654,7 +669,12 @@ pub(crate) struct ControlPlaneArgs {
     /// (docs/scale-out.md). One control plane is active on a database at a time; one
     /// started while another is active waits as a standby, not listening, and takes
     /// over when that one's connection ends. Needs --route-lease 0 (its default then).
-    #[arg(long, env = "VALET_DATABASE", value_name = "URL")]
+    #[arg(
+        long,
+        env = "VALET_DATABASE",
+        value_name = "URL",
+        hide_env_values = true
+    )]
     pub(crate) database: Option<String>,
 
     /// Honour ResumeActor's wait_for_capacity (first-come hand-off of freed workers);
@@ -735,13 +755,9 @@ pub(crate) struct ServerSecurityArgs {
         requires = "tls_cert_file"
     )]
     pub(crate) tls_key_file: Option<PathBuf>,
-    /// PEM CA that client certificates must chain to; makes them required.
-    #[arg(
-        long,
-        env = "VALET_CLIENT_CA_FILE",
-        value_name = "PATH",
-        requires = "tls_cert_file"
-    )]
+    /// PEM CA that client certificates must chain to; makes them required. Needs
+    /// --tls-cert-file (or, for `valet up`, --tls).
+    #[arg(long, env = "VALET_CLIENT_CA_FILE", value_name = "PATH")]
     pub(crate) client_ca_file: Option<PathBuf>,
     /// PEM public key (RSA, EC or Ed25519) that bearer tokens must be signed with (or
     /// several, one after the other: a token signed by any of them verifies); every call then needs `authorization: Bearer <JWT>` (exp required, nbf checked,
@@ -783,6 +799,13 @@ impl ServerSecurityArgs {
             (Some(c), Some(k)) => Some(server_tls(c, k, self.client_ca_file.as_deref())?),
             _ => None,
         };
+        if let (None, Some(ca)) = (&tls, &self.client_ca_file) {
+            return Err(valet_control::auth::SecurityError {
+                flag: "--client-ca-file",
+                path: ca.clone(),
+                why: "needs --tls-cert-file and --tls-key-file: client certificates are asked for over TLS".into(),
+            });
+        }
         let (aud, iss) = (self.jwt_audience.clone(), self.jwt_issuer.clone());
         if self.jwt_public_key_file.is_none() && self.jwt_jwks_file.is_none() {
             let given = [("--jwt-audience", &aud), ("--jwt-issuer", &iss)];

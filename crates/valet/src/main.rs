@@ -41,11 +41,28 @@ const EXIT_CONFIG: u8 = 64;
 /// (its router uses the embedded control plane; `VALET_CONTROL_PLANE`, there for
 /// `valet router` and `valet ctl`, is not read).
 fn command() -> clap::Command {
-    Cli::command().mut_subcommand("up", |up| {
+    hyphen_values(Cli::command()).mut_subcommand("up", |up| {
         up.mut_arg("listen", |a| a.default_value("127.0.0.1:8080"))
             .mut_arg("extproc_listen", |a| a.default_value("127.0.0.1:50051"))
             .mut_arg("control_plane", |a| a.hide(true).env(None::<&'static str>))
     })
+}
+
+/// A value starting with `-` after a flag that takes one value is that flag's value
+/// (`--parked-request-max -1`, `--drain-delay -1s`): refused by the flag's own rule,
+/// which names it, instead of clap's "unexpected argument '-1'".
+fn hyphen_values(cmd: clap::Command) -> clap::Command {
+    cmd.mut_args(|a| {
+        let one = a
+            .get_num_args()
+            .is_none_or(|n| n.min_values() == 1 && n.max_values() == 1);
+        if !a.is_positional() && a.get_action().takes_values() && one {
+            a.allow_hyphen_values(true)
+        } else {
+            a
+        }
+    })
+    .mut_subcommands(hyphen_values)
 }
 
 fn main() -> ExitCode {
@@ -74,6 +91,9 @@ fn main() -> ExitCode {
         && m.value_source("route_lease") == Some(ValueSource::DefaultValue)
     {
         cp.leases.route_lease = std::time::Duration::ZERO;
+    }
+    if let (Command::Up(up), Some(m)) = (&mut cli.command, matches.subcommand_matches("up")) {
+        up.listen_https_given = m.value_source("listen_https") != Some(ValueSource::DefaultValue);
     }
     // Load runs and demos embed every part: keep their output to results and warnings.
     let quiet = matches!(cli.command, Command::Load(_) | Command::Demo(_));

@@ -706,3 +706,107 @@ fn valet_up_check_prints_the_effective_flags_and_starts_nothing() {
         assert_eq!(valet(&args, &[]).status.code(), Some(64), "{bad:?}");
     }
 }
+
+/// A mistake in a router flag given to `valet up` is found before the data dir is
+/// touched: one line, exit 64, nothing written, and the flag named even while another
+/// `valet up` holds the dir (before, the lock was taken first: "in use", exit 1).
+#[test]
+fn valet_up_checks_its_flags_before_the_data_dir() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("d");
+    let o = valet(
+        &[
+            "up",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--parked-request-budget",
+            "0",
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(64));
+    let lines = stderr_lines(&o);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(lines[0].contains("--parked-request-budget=0s"), "{lines:?}");
+    assert!(!data.exists(), "nothing written");
+    // The same for the HTTPS listener's flags, and for control-plane TLS flags that
+    // the embedded control plane cannot meet (it serves plaintext without --tls).
+    for (flags, named) in [
+        (
+            &[
+                "--listen-https",
+                "127.0.0.1:0",
+                "--ingress-allowed-spiffe-ids",
+                "spiffe://td/x",
+            ][..],
+            "--ingress-allowed-spiffe-ids=spiffe://td/x",
+        ),
+        (&["--ateapi-ca-file", "/etc/hosts"][..], "needs --tls"),
+    ] {
+        let mut args = vec!["up", "--data-dir", data.to_str().unwrap()];
+        args.extend_from_slice(flags);
+        let o = valet(&args, &[]);
+        assert_eq!(o.status.code(), Some(64), "{flags:?}");
+        let lines = stderr_lines(&o);
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert!(lines[0].contains(named), "{lines:?}");
+        assert!(!lines[0].contains("--control-plane"), "{lines:?}");
+        assert!(!data.exists(), "nothing written");
+    }
+}
+
+/// `valet control-plane --client-ca-file` without a certificate of its own: one line
+/// naming the flag and the rule.
+#[test]
+fn a_client_ca_needs_a_server_certificate() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("d");
+    let o = valet(
+        &[
+            "control-plane",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--client-ca-file",
+            "/etc/hosts",
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(64));
+    let lines = stderr_lines(&o);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(
+        lines[0].contains("--client-ca-file=/etc/hosts: needs --tls-cert-file"),
+        "{lines:?}"
+    );
+}
+
+/// A value starting with `-` is refused by its flag's own rule, which names the flag.
+#[test]
+fn a_negative_value_names_its_flag() {
+    for (flag, value) in [("--parked-request-max", "-1"), ("--drain-delay", "-1s")] {
+        let o = valet(&["router", "--check", flag, value], &[]);
+        assert_eq!(o.status.code(), Some(64), "{flag}");
+        let lines = stderr_lines(&o);
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert!(
+            lines[0].contains(flag) && lines[0].contains(value),
+            "{lines:?}"
+        );
+    }
+}
+
+/// `--help` never prints a database URL's password taken from the environment.
+#[test]
+fn help_hides_database_urls_from_the_environment() {
+    let url = "postgres://u:s3cret@db.example/valet";
+    for (args, var) in [
+        (&["control-plane", "--help"][..], "VALET_DATABASE"),
+        (&["load", "scenario", "--help"][..], "VALET_TARGET_DATABASE"),
+    ] {
+        let o = valet(args, &[(var, url)]);
+        assert!(o.status.success(), "{args:?}");
+        let help = String::from_utf8_lossy(&o.stdout);
+        assert!(help.contains(var), "{args:?}: {help}");
+        assert!(!help.contains("s3cret"), "{args:?}: {help}");
+    }
+}

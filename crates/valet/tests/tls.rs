@@ -922,6 +922,63 @@ async fn valet_up_with_tls_serves_the_walkthrough_over_https() {
     assert!(std::fs::read(&ca).unwrap() == before, "the CA was replaced");
 }
 
+/// `valet up --tls --client-ca-file`: the embedded control plane (on its throwaway
+/// certificate) asks for client certificates, which its workers and router present
+/// from --ateapi-cert-file; a client without one is refused. An empty --listen-https
+/// turns HTTPS off. Before, the client CA was refused without --tls-cert-file, and
+/// an empty --listen-https took the default 127.0.0.1:8443.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valet_up_with_tls_asks_for_client_certificates() {
+    let pki = pki();
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let up = common::Up::start_in(
+        dir,
+        &data,
+        &[
+            "--tls",
+            "--listen-https",
+            "",
+            "--client-ca-file",
+            s(&pki.client_ca()),
+            "--ateapi-cert-file",
+            s(&pki.client_cert),
+            "--ateapi-key-file",
+            s(&pki.client_key),
+        ],
+    )
+    .await;
+    assert_eq!(up.https, None, "HTTPS off");
+    let (status, body) = common::http_get(up.router, "/", &[("Host", &host("p1"))]).await;
+    assert_eq!(status, 200, "{body}");
+    let ca = data.join("tls").join("ca.pem");
+    let ctl = |identity: &[&str]| {
+        let mut args = vec![
+            "ctl".to_owned(),
+            "--control-plane".into(),
+            format!("https://{}", up.control_plane),
+            "--ateapi-ca-file".into(),
+            s(&ca).to_owned(),
+        ];
+        args.extend(identity.iter().map(|a| (*a).to_owned()));
+        args.extend(["actor".into(), "list".into()]);
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_valet"))
+            .args(args)
+            .output()
+    };
+    let without = ctl(&[]).await.unwrap();
+    assert!(!without.status.success(), "no client certificate: refused");
+    let with = ctl(&[
+        "--ateapi-cert-file",
+        s(&pki.client_cert),
+        "--ateapi-key-file",
+        s(&pki.client_key),
+    ])
+    .await
+    .unwrap();
+    assert!(with.status.success(), "{with:?}");
+}
+
 /// Replaces `path` with `contents` the way deployment tools do: written beside it,
 /// then renamed over it.
 fn replace(path: &Path, contents: &str) {

@@ -78,6 +78,36 @@ async fn up(
     Ok(())
 }
 
+/// The router's flags (and the HTTPS ingress's) resolved as they will be, before
+/// anything is written: with --tls, the throwaway CA and ingress certificate do not
+/// exist yet, so the flags they stand in for are checked without them (and again,
+/// whole, once they are made).
+fn precheck(args: &UpArgs) -> Result<valet_router::RouterConfig, UpError> {
+    let https = args.tls || args.security.tls_cert_file.is_some();
+    let mut router = args.router.clone();
+    if let Some((flag, value)) = router.ateapi.given().into_iter().next()
+        && !https
+    {
+        return Err(UpError::Config(format!(
+            "invalid configuration: {flag}={value}: the embedded control plane serves plaintext; needs --tls (or --tls-cert-file and --tls-key-file)"
+        )));
+    }
+    let scheme = if https { "https" } else { "http" };
+    router.control_plane = format!("{scheme}://{}", args.control_plane_listen);
+    if args.tls && router.ateapi.ateapi_ca_file.is_none() {
+        // Checked whole once the throwaway CA is made.
+        router.control_plane = format!("http://{}", args.control_plane_listen);
+        router.ateapi = valet_router::config::AteapiArgs::default();
+    }
+    let config = router
+        .resolve()
+        .map_err(|e| UpError::Config(e.to_string()))?;
+    if !args.tls || args.ingress.ingress_tls_cert_file.is_some() {
+        args.ingress.resolve().map_err(UpError::Config)?;
+    }
+    Ok(config)
+}
+
 /// Everything `valet up` runs, started: its control plane and workers, then its
 /// router.
 async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
@@ -102,6 +132,13 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
     }
     // The embedded control plane's server side: its own flags (files read, nothing
     // written); with --tls, the throwaway certificate for what they leave out, below.
+    // With --tls and no --tls-cert-file, the client CA goes with the throwaway
+    // certificate (checked once that is made).
+    let throwaway_client_ca = if args.tls && args.security.tls_cert_file.is_none() {
+        args.security.client_ca_file.take()
+    } else {
+        None
+    };
     let mut server = args
         .security
         .resolve()
@@ -114,25 +151,22 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
     let metrics_listen =
         crate::cmd::control_plane::optional_listen("--metrics-listen", &args.metrics_listen)
             .map_err(UpError::Config)?;
+    if args.check && args.tls {
+        return Err(UpError::Config(
+            "invalid configuration: --check: not with --tls, whose certificates are made at the start".into(),
+        ));
+    }
+    // With --tls, HTTPS on 127.0.0.1:8443 unless --listen-https was given (empty: off).
+    if args.tls && args.ingress.listen_https.is_empty() && !args.listen_https_given {
+        args.ingress.listen_https = DEFAULT_UP_LISTEN_HTTPS.into();
+    }
+    // Every flag is checked before the data dir is touched: a mistake exits 64 with
+    // its one line and nothing written (and is named even while another `valet up`
+    // holds the dir). What the throwaway certificates stand in for is checked once
+    // they are made, below.
+    let config = precheck(&args)?;
     if args.check {
-        if args.tls {
-            return Err(UpError::Config(
-                "invalid configuration: --check: not with --tls, whose certificates are made at the start".into(),
-            ));
-        }
-        let scheme = if args.security.tls_cert_file.is_some() {
-            "https"
-        } else {
-            "http"
-        };
-        args.router.control_plane = format!("{scheme}://{}", args.control_plane_listen);
-        args.ingress.resolve().map_err(UpError::Config)?;
-        let config = args
-            .router
-            .resolve()
-            .map_err(|e| UpError::Config(e.to_string()))?
-            .with_flags(args.ingress.given());
-        for (flag, value) in config.effective_flags() {
+        for (flag, value) in config.with_flags(args.ingress.given()).effective_flags() {
             say!("{flag}={value}");
         }
         return Err(UpError::Checked);
@@ -144,9 +178,6 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
     let tls = if args.tls {
         // Clients dial the listen addresses as given (`0.0.0.0` included): the
         // certificates name them besides the loopback names.
-        if args.ingress.listen_https.is_empty() {
-            args.ingress.listen_https = DEFAULT_UP_LISTEN_HTTPS.into();
-        }
         let mut ips = vec![args.control_plane_listen.ip()];
         ips.extend(
             args.ingress
@@ -162,7 +193,7 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
         && server.tls.is_none()
     {
         server.tls = Some(
-            valet_control::auth::server_tls(&t.cp_cert, &t.cp_key, None)
+            valet_control::auth::server_tls(&t.cp_cert, &t.cp_key, throwaway_client_ca.as_deref())
                 .map_err(|e| UpError::Start(e.to_string()))?,
         );
     }
@@ -192,6 +223,7 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
     // ingress certificate unless one was given.
     if let Some(t) = &tls
         && args.ingress.ingress_tls_cert_file.is_none()
+        && !args.ingress.listen_https.is_empty()
     {
         args.ingress.ingress_tls_cert_file = Some(t.ingress_cert.clone());
         args.ingress.ingress_tls_key_file = Some(t.ingress_key.clone());
