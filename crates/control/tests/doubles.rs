@@ -898,3 +898,76 @@ async fn a_second_process_is_refused_while_the_first_may_still_serve() {
     assert!(kept);
     drop(back.next());
 }
+
+/// A worker that attaches again while its actor's RUNNING record is being written
+/// is told to evict the actor (an operation still held it): once that write lands,
+/// the actor goes back to SUSPENDED instead of staying RUNNING, on record, on a worker
+/// that no longer hosts it (every resume would be routed there and get 421).
+#[tokio::test(start_paused = true)]
+async fn an_actor_evicted_by_a_reattach_during_its_last_write_is_released() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a"]).await;
+    let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    let resume = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
+    };
+    let r = expect(&mut w, "restore").await;
+    store.gate.close();
+    w.answer(r.id, Ok(()));
+    store.gate.until_waiting(1).await;
+    let (mut again, kept) =
+        FakeWorker::attach(&plane, "w1", "counter", app(), Some(&key("a"))).unwrap();
+    assert!(!kept, "an operation holds the actor");
+    expect(&mut again, "evict").await;
+    store.gate.open();
+    let _ = resume.await.unwrap();
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(30), |p| p.status_of("demo", "a")
+                == Some(S::Suspended)
+                && p.pool("counter") == (1, 1))
+            .await,
+        "released: {:?}",
+        plane.status_of("demo", "a")
+    );
+}
+
+/// The same when the worker's process dies during that write (its port refuses at
+/// once): the release of its actor waits for the operation to end instead of giving
+/// up, so the actor does not stay RUNNING on a worker that is gone.
+#[tokio::test(start_paused = true)]
+async fn an_actor_whose_worker_dies_during_its_last_write_is_released() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a"]).await;
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", dead, None).unwrap();
+    let resume = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
+    };
+    let r = expect(&mut w, "restore").await;
+    store.gate.close();
+    w.answer(r.id, Ok(()));
+    store.gate.until_waiting(1).await;
+    w.leave();
+    // The departure's release runs (the port refuses) while the write still waits.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    store.gate.open();
+    let _ = resume.await.unwrap();
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(30), |p| p.status_of("demo", "a")
+                == Some(S::Suspended))
+            .await,
+        "released: {:?}",
+        plane.status_of("demo", "a")
+    );
+    assert_eq!(
+        store.actor(&key("a")).unwrap().status,
+        ActorStatus::Suspended
+    );
+}

@@ -12,7 +12,7 @@ use tonic::Status;
 use valet_proto::ateapi;
 use valet_proto::worker::{self as wk, worker_command::Command};
 
-use super::{Op, OpKind, OpTarget, Plane, Slot, WorkerRec};
+use super::{Op, OpKind, OpTarget, Plane, Slot, State, WorkerRec};
 use crate::link::WorkerLink;
 use crate::model::{self, ActorKey, ActorStatus, NAMESPACE};
 use crate::store::{ActorRow, Batch};
@@ -76,7 +76,8 @@ impl Plane {
         };
         let id = join.worker_id.clone();
         let draining = join.draining.then(|| Arc::clone(&link));
-        let (kept, stale, free) = {
+        let stream = Arc::clone(&link);
+        let (kept, stale, free, held) = {
             let mut st = self.lock();
             // Another process attached under this id while it may still serve (its
             // stream open and renewing; or, if it had an actor, its stream ended less
@@ -196,11 +197,38 @@ impl Plane {
                     )
                 })
                 .collect();
-            (kept, (ops, stale), free)
+            // Those an operation holds now may end RUNNING here all the same (their
+            // last write was landing): released once it ends, unless the worker
+            // attached again meanwhile (that attach decides).
+            let held: Vec<ActorKey> = st
+                .actors
+                .iter()
+                .filter(|(k, r)| {
+                    r.worker.as_deref() == Some(id.as_str())
+                        && kept.as_ref() != Some(*k)
+                        && st.busy(k).is_some()
+                })
+                .map(|(k, _)| k.clone())
+                .collect();
+            (kept, (ops, stale), free, held)
         };
         let (ops, rows) = stale;
         if !rows.is_empty() {
             self.spawn_release(ops, rows, "worker re-attached without it");
+        }
+        for key in held {
+            let plane = self.clone();
+            let (id, link) = (id.clone(), Arc::clone(&stream));
+            self.inner.tasks.spawn(async move {
+                let same = |st: &State| {
+                    st.workers
+                        .get(&id)
+                        .is_some_and(|w| Arc::ptr_eq(&w.link, &link))
+                };
+                plane
+                    .release_once_idle(&key, &id, same, "worker re-attached without it")
+                    .await;
+            });
         }
         if free {
             self.hand_off(&id);
@@ -476,44 +504,74 @@ impl Plane {
             if !plane.until_fenced(&worker).await {
                 return;
             }
-            let released = {
-                let mut st = plane.lock();
-                let back = st.actors.get(&key).is_some_and(|r| {
-                    r.worker
-                        .as_ref()
-                        .is_some_and(|w| st.workers.contains_key(w))
-                });
+            // Not if the worker came back (the plane decided what it hosts then), or
+            // left again (that departure's release decides).
+            let gone = |st: &State| {
+                let back = st.workers.contains_key(&worker);
                 let superseded = st
                     .departed
                     .get(&worker)
                     .is_some_and(|d| d.id != departure.id);
-                match st.actors.get(&key) {
-                    // Still on the worker that left: the actor may have moved since
-                    // (a restore the departure cut went back to SUSPENDED, and the
-                    // actor runs elsewhere now), and then this is not its release.
-                    Some(row)
-                        if row.status == ActorStatus::Running
-                            && row.worker.as_deref() == Some(worker.as_str())
-                            && !back
-                            && !superseded
-                            && st.busy(&key).is_none() =>
-                    {
-                        let row = row.clone();
-                        let op = Op::take(
-                            &plane,
-                            &mut st,
-                            OpTarget::Actor(key.clone()),
-                            OpKind::Busy("releasing"),
-                        );
-                        Some((op, row))
+                !back && !superseded
+            };
+            plane
+                .release_once_idle(&key, &worker, gone, "its worker left")
+                .await;
+        });
+    }
+
+    /// Releases `key` if the records place it, RUNNING, on `worker` and `still` holds,
+    /// once no operation holds it: an operation in progress (a restore whose last write
+    /// is landing, a checkpoint the actor was too busy for) may end with it RUNNING
+    /// there, after the worker left or was told to evict it. Ends at shutdown (the next
+    /// start releases it).
+    async fn release_once_idle(
+        &self,
+        key: &ActorKey,
+        worker: &str,
+        still: impl Fn(&State) -> bool,
+        why: &'static str,
+    ) {
+        loop {
+            let released = {
+                let mut st = self.lock();
+                if st.busy(key).is_some() {
+                    None
+                } else {
+                    let row = st
+                        .actors
+                        .get(key)
+                        .filter(|r| {
+                            r.status == ActorStatus::Running && r.worker.as_deref() == Some(worker)
+                        })
+                        .cloned();
+                    match row {
+                        Some(row) if still(&st) => {
+                            let op = Op::take(
+                                self,
+                                &mut st,
+                                OpTarget::Actor(key.clone()),
+                                OpKind::Busy("releasing"),
+                            );
+                            Some((op, row))
+                        }
+                        _ => return,
                     }
-                    _ => None,
                 }
             };
             if let Some((op, row)) = released {
-                plane.spawn_release(vec![op], vec![row], "its worker left");
+                self.spawn_release(vec![op], vec![row], why);
+                return;
             }
-        });
+            // Operations are bounded (their worker calls and writes time out).
+            let idle = self.wait_until(self.config().restore_timeout, |p| {
+                p.lock().busy(key).is_none()
+            });
+            tokio::select! {
+                _ = idle => {}
+                () = self.inner.shutdown.cancelled() => return,
+            }
+        }
     }
 
     /// After `rejoin_grace`, RUNNING actors whose worker has not re-attached go back to
