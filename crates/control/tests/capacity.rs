@@ -256,3 +256,67 @@ async fn capacity_wait_off_answers_at_once() {
     assert_eq!(sys.plane.stats().queued, 0, "never queued a waiter");
     sys.shutdown().await;
 }
+
+/// A resume that joined a wait keeps the activation's place in the queue when the
+/// call that started it leaves (its shorter wait ended): the next freed worker goes
+/// to that actor, before an actor that queued after the join. Before, the joined call
+/// queued again at the back, with a new full wait.
+#[tokio::test]
+async fn a_joined_wait_keeps_its_place_when_the_first_caller_leaves() {
+    let sys = system(1, PlaneConfig::default()).await;
+    sys.atespace("demo").await;
+    for a in ["p0", "p1", "p2"] {
+        sys.create(&format!("demo/{a}")).await.unwrap();
+    }
+    sys.resume("demo/p0").await.unwrap();
+    let spawn_wait = |actor: &str, wait: Duration| {
+        let client = sys.client.clone();
+        let actor = actor.to_owned();
+        tokio::spawn(async move {
+            client
+                .clone()
+                .resume_actor(valet_proto::ateapi::ResumeActorRequest {
+                    actor_ref: Some(common::aref(&actor)),
+                    boot: false,
+                    wait_for_capacity: Some(wait.try_into().unwrap()),
+                    ..Default::default()
+                })
+                .await
+        })
+    };
+    let first = spawn_wait("demo/p1", Duration::from_secs(2));
+    assert!(
+        sys.plane
+            .wait_until(WAIT, |p| p.waiters("counter") == 1)
+            .await
+    );
+    let joined = spawn_wait("demo/p1", LONG.unwrap());
+    assert!(
+        sys.plane
+            .wait_until(WAIT, |p| p.resume_calls_for("demo", "p1") == 2)
+            .await
+    );
+    let later = spawn_wait("demo/p2", LONG.unwrap());
+    assert!(
+        sys.plane
+            .wait_until(WAIT, |p| p.waiters("counter") == 2)
+            .await
+    );
+    let e = first.await.unwrap().unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "its own wait ended");
+    assert_eq!(sys.plane.waiters("counter"), 2, "p1 is still waiting");
+    sys.suspend("demo/p0").await.unwrap();
+    let r = joined.await.unwrap().unwrap().into_inner();
+    assert!(r.resumed, "the call that stayed says it did the activation");
+    assert_eq!(r.actor.unwrap().actor_id, "p1", "p1 was first in line");
+    assert!(!later.is_finished(), "p2 waits on");
+    assert_eq!(
+        sys.plane.stats().activations,
+        2,
+        "p0, and one activation of p1"
+    );
+    sys.suspend("demo/p1").await.unwrap();
+    let r = later.await.unwrap().unwrap().into_inner();
+    assert_eq!(r.actor.unwrap().actor_id, "p2");
+    sys.shutdown().await;
+}

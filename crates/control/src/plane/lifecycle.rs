@@ -13,6 +13,7 @@ use valet_proto::ateapi;
 use valet_proto::worker::{self as wk, worker_command::Command};
 
 use super::capacity::{Reservation, Ticket};
+use super::op::CapacityWait;
 use super::{
     Op, OpKind, OpTarget, Outcome, Plane, aborted, crashed, no_room, not_found, shutting_down,
     slot_of,
@@ -25,7 +26,7 @@ use crate::store::{ActorRow, Batch};
 /// How a resume gets its worker.
 enum Start {
     Reserved(Reservation),
-    Queued(Ticket, Duration),
+    Queued(Ticket),
 }
 
 /// How a checkpoint fences the actor on its worker.
@@ -121,20 +122,35 @@ impl Plane {
         key: &ActorKey,
         wait: Option<Duration>,
     ) -> Result<(ateapi::Actor, ResumeHow), Status> {
+        // This call's own deadline for capacity, kept across joins: "up to the given
+        // duration" from its arrival.
+        let mine = wait.map(|d| Instant::now() + d);
         // A resume that joined a wait whose callers all left just before it joined
         // finds no outcome: it starts over (once more at most).
         let mut abandoned = 0;
         loop {
             // Only the call that started the activation did it (`resumed`); one that
             // joined it shares its outcome otherwise.
-            let (mut outcome, joined) = {
+            let (mut outcome, capacity, deadline, joined) = {
                 let mut st = self.lock();
                 let row = st.actors.get(key).ok_or_else(|| not_found(key))?;
                 match st.busy(key) {
                     Some(OpKind::Resuming {
                         outcome,
                         joinable: true,
-                    }) => (outcome.subscribe(), true),
+                        capacity,
+                    }) => {
+                        // A call that waits keeps the activation in the queue as long
+                        // as it waits itself; one that does not joins the wait as it is.
+                        let deadline = match mine {
+                            Some(m) => {
+                                capacity.send_modify(|c| c.extend(m));
+                                Some(m)
+                            }
+                            None => capacity.borrow().until,
+                        };
+                        (outcome.subscribe(), Arc::clone(capacity), deadline, true)
+                    }
                     Some(_) => return Err(aborted()),
                     None => match row.status {
                         ActorStatus::Running => {
@@ -158,6 +174,10 @@ impl Plane {
                             }
                             let tx = Arc::new(watch::Sender::new(None));
                             let rx = tx.subscribe();
+                            let capacity = Arc::new(watch::Sender::new(CapacityWait {
+                                until: mine,
+                                ..CapacityWait::default()
+                            }));
                             let op = Op::take(
                                 self,
                                 &mut st,
@@ -165,24 +185,27 @@ impl Plane {
                                 OpKind::Resuming {
                                     outcome: Arc::clone(&tx),
                                     joinable: true,
+                                    capacity: Arc::clone(&capacity),
                                 },
                             );
                             drop(st);
-                            self.spawn_activation(op, key.clone(), wait, tx);
-                            (rx, false)
+                            self.spawn_activation(op, key.clone(), Arc::clone(&capacity), tx);
+                            (rx, capacity, mine, false)
                         }
                     },
                 }
             };
-            if let Ok(o) = outcome.wait_for(Option::is_some).await {
-                let o = o.clone().expect("waited for Some");
+            if let Some(o) = outcome_within(&mut outcome, &capacity, deadline, !joined).await {
                 if !joined {
                     return o.map(|(actor, _)| (actor, ResumeHow::Activated));
                 }
-                // A call that may wait for capacity and joined one that may not (or
-                // whose wait ended) is not refused with it: it asks again (each time
-                // after another activation's end), and waits in the queue itself.
-                if wait.is_some()
+                if o.is_ok() && capacity.send_if_modified(|c| std::mem::take(&mut c.handed_over)) {
+                    return o.map(|(actor, _)| (actor, ResumeHow::Activated));
+                }
+                // A call that may wait for capacity and joined an activation that was
+                // refused just before (no caller waited then) asks again, within its
+                // own deadline, and waits in the queue itself.
+                if mine.is_some_and(|m| m > Instant::now())
                     && o.as_ref()
                         .is_err_and(|e| e.code() == tonic::Code::ResourceExhausted)
                 {
@@ -203,14 +226,14 @@ impl Plane {
         &self,
         op: Op,
         key: ActorKey,
-        wait: Option<Duration>,
+        capacity: Arc<watch::Sender<CapacityWait>>,
         tx: Arc<watch::Sender<Option<Outcome>>>,
     ) {
         let plane = self.clone();
         self.inner.tasks.spawn(async move {
             // The operation lock is released inside, before the outcome is published,
             // so a caller that sees it can operate on the actor at once.
-            if let Ok(outcome) = plane.activate(op, &key, wait, &tx).await {
+            if let Ok(outcome) = plane.activate(op, &key, &capacity, &tx).await {
                 tx.send_replace(Some(outcome));
             }
         });
@@ -223,7 +246,7 @@ impl Plane {
         &self,
         op: Op,
         key: &ActorKey,
-        wait: Option<Duration>,
+        capacity: &watch::Sender<CapacityWait>,
         tx: &watch::Sender<Option<Outcome>>,
     ) -> Result<Outcome, NoOutcome> {
         let Some(row) = self.lock().actors.get(key).cloned() else {
@@ -239,10 +262,15 @@ impl Plane {
         };
         let start = {
             let mut st = self.lock();
+            // Copied out: a borrow held into the arm would deadlock its `send_modify`.
+            let until = capacity.borrow().until;
             match st.free_worker(&row.pool) {
                 Some(w) => Start::Reserved(self.reserve(&mut st, &w, key)),
-                None => match wait {
-                    Some(d) => Start::Queued(self.enqueue(&mut st, &row.pool, key), d),
+                None => match until {
+                    Some(_) => {
+                        capacity.send_modify(|c| c.queued = true);
+                        Start::Queued(self.enqueue(&mut st, &row.pool, key))
+                    }
                     None => {
                         st.refused
                             .insert(key.clone(), (row.pool.clone(), Instant::now()));
@@ -258,13 +286,27 @@ impl Plane {
         }
         let reservation = match start {
             Start::Reserved(r) => r,
-            Start::Queued(mut ticket, wait) => {
-                let handed = tokio::select! {
-                    r = ticket.handed() => r,
-                    () = tokio::time::sleep(wait) => None,
-                    () = tx.closed() => return Err(NoOutcome::CallersLeft),
-                    () = self.inner.shutdown.cancelled() => return Ok(Err(shutting_down())),
+            Start::Queued(mut ticket) => {
+                // Until the latest deadline of the callers that wait (a caller that
+                // joins later may extend it).
+                let mut until = capacity.subscribe();
+                let handed = loop {
+                    let Some(deadline) = until.borrow_and_update().until else {
+                        break None;
+                    };
+                    tokio::select! {
+                        r = ticket.handed() => break r,
+                        () = tokio::time::sleep_until(deadline) => {
+                            if capacity.borrow().until.is_none_or(|u| u <= deadline) {
+                                break None;
+                            }
+                        }
+                        _ = until.changed() => {}
+                        () = tx.closed() => return Err(NoOutcome::CallersLeft),
+                        () = self.inner.shutdown.cancelled() => return Ok(Err(shutting_down())),
+                    }
                 };
+                capacity.send_modify(|c| c.queued = false);
                 match handed {
                     Some(r) => r,
                     None => return Ok(Err(no_room())),
@@ -650,5 +692,39 @@ impl Plane {
             Ok(plane.lock().to_proto(&reverted))
         })
         .await
+    }
+}
+
+/// Waits for an activation's outcome. Past `deadline` (`None`: the caller does not
+/// wait), while the activation waits in its pool's queue, the caller leaves with
+/// `ResourceExhausted`: the activation goes on for callers that wait longer (the one
+/// that `started` it hands that over to them). `None` when every caller left before
+/// it ended.
+async fn outcome_within(
+    outcome: &mut watch::Receiver<Option<Outcome>>,
+    capacity: &watch::Sender<CapacityWait>,
+    deadline: Option<Instant>,
+    started: bool,
+) -> Option<Outcome> {
+    let mut seen = capacity.subscribe();
+    let expired = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now));
+    tokio::pin!(expired);
+    let mut past = false;
+    loop {
+        if past && seen.borrow_and_update().queued {
+            if started {
+                capacity.send_modify(|c| c.handed_over = true);
+            }
+            return Some(Err(no_room()));
+        }
+        tokio::select! {
+            biased;
+            o = outcome.wait_for(Option::is_some) => {
+                return o.ok().map(|o| o.clone().expect("waited for Some"));
+            }
+            () = &mut expired, if !past => past = true,
+            // Never closed: this caller holds the sender too.
+            _ = seen.changed(), if past => {}
+        }
     }
 }
