@@ -1,4 +1,4 @@
-//! `valet envoy-bootstrap`: an Envoy (v1.30+) bootstrap wired to the router's ext_proc
+//! `valet envoy-bootstrap`: an Envoy (v1.36+: ext_proc `status_on_error`) bootstrap wired to the router's ext_proc
 //! server, derived from the same resolved configuration as the router, so Envoy's
 //! timeouts and circuit breaker always agree with the parking budget and lot.
 
@@ -105,6 +105,12 @@ fn downstream_tls(h: &EnvoyHttps) -> Value {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BootstrapError(pub String);
 
+/// The longest ext_proc `message_timeout` Envoy accepts.
+const MAX_MESSAGE_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// Envoy's own circuit-breaker thresholds, the least the workers' cluster gets.
+const ENVOY_DEFAULT_BREAKER: u32 = 1024;
+
 impl std::fmt::Display for BootstrapError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.0)
@@ -141,6 +147,15 @@ pub fn bootstrap(config: &RouterConfig, envoy: EnvoyListeners) -> Result<Value, 
         extproc.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
     }
     let decision = config.decision_timeout();
+    // Envoy refuses an ext_proc message_timeout past an hour (its proto's bound).
+    if decision > MAX_MESSAGE_TIMEOUT {
+        return Err(BootstrapError(format!(
+            "invalid configuration: --parked-request-budget={}: Envoy's ext_proc message_timeout (budget + 5s) can be at most {}, so the budget at most {}",
+            secs(config.parking().budget()),
+            secs(MAX_MESSAGE_TIMEOUT),
+            secs(MAX_MESSAGE_TIMEOUT - (decision - config.parking().budget())),
+        )));
+    }
     let idle = MIN_IDLE.max(decision * 2);
     let dns_cache = json!({
         "name": "dynamic_forward_proxy_cache_config",
@@ -153,6 +168,7 @@ pub fn bootstrap(config: &RouterConfig, envoy: EnvoyListeners) -> Result<Value, 
         }
     });
     let max_requests = config.extproc_max_requests();
+    let worker_breaker = max_requests.max(ENVOY_DEFAULT_BREAKER);
     let mut doc = json!({
         "admin": { "address": socket(envoy.admin) },
         "static_resources": {
@@ -172,6 +188,24 @@ pub fn bootstrap(config: &RouterConfig, envoy: EnvoyListeners) -> Result<Value, 
                             "generate_request_id": true,
                             "stream_idle_timeout": secs(idle),
                             "upgrade_configs": [{ "upgrade_type": "websocket" }],
+                            // A worker Envoy cannot reach (connection refused or reset,
+                            // no host) gets the router's own verdict, as the built-in
+                            // data plane answers it, not Envoy's "upstream connect
+                            // error" text.
+                            "local_reply_config": {
+                                "mappers": [{
+                                    "filter": {
+                                        "response_flag_filter": { "flags": ["UF", "UH", "URX"] }
+                                    },
+                                    "status_code": 502,
+                                    "body_format_override": {
+                                        "text_format_source": {
+                                            "inline_string": "actor %REQ(x-actor-ref)% unreachable"
+                                        },
+                                        "content_type": "text/plain; charset=utf-8",
+                                    }
+                                }]
+                            },
                             "route_config": {
                                 "name": "substrate_routes",
                                 "virtual_hosts": [{
@@ -202,6 +236,8 @@ pub fn bootstrap(config: &RouterConfig, envoy: EnvoyListeners) -> Result<Value, 
                                         // A stream the router ends with an error (it
                                         // shuts down) is a 503, as parking.md's verdict
                                         // for a router shutting down, not Envoy's 500.
+                                        // (Envoy 1.36 added this field; older versions
+                                        // refuse the whole bootstrap.)
                                         "status_on_error": { "code": 503 },
                                         "message_timeout": secs(decision),
                                         "processing_mode": {
@@ -264,13 +300,15 @@ pub fn bootstrap(config: &RouterConfig, envoy: EnvoyListeners) -> Result<Value, 
                     "lb_policy": "CLUSTER_PROVIDED",
                     // Envoy's default breakers (1024 each) would answer its own 503
                     // (no verdict text, no Retry-After) when a freed worker routes a
-                    // lot's worth of parked requests at once beside live traffic.
+                    // lot's worth of parked requests at once beside live traffic; a
+                    // smaller ext_proc breaker never lowers them (each proxied request
+                    // or open WebSocket holds one of these).
                     "circuit_breakers": {
                         "thresholds": [{
                             "priority": "DEFAULT",
-                            "max_connections": max_requests,
-                            "max_requests": max_requests,
-                            "max_pending_requests": max_requests,
+                            "max_connections": worker_breaker,
+                            "max_requests": worker_breaker,
+                            "max_pending_requests": worker_breaker,
                         }]
                     },
                     "cluster_type": {
@@ -309,7 +347,7 @@ pub fn bootstrap_yaml(
 ) -> Result<String, BootstrapError> {
     let doc = bootstrap(config, envoy)?;
     Ok(format!(
-        "# Envoy bootstrap generated by valet envoy-bootstrap (Envoy v1.30 or later).\n\
+        "# Envoy bootstrap generated by valet envoy-bootstrap (Envoy v1.36 or later).\n\
          # budget {}, lot {}, ext_proc message_timeout {}, ext_proc max_requests {}{}\n{}",
         secs(config.parking().budget()),
         config.parking().max_parked(),

@@ -35,6 +35,11 @@ const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 /// Largest ext_proc message accepted (Envoy sends headers only).
 const MAX_MESSAGE_BYTES: usize = 1 << 20;
 
+/// HTTP/2 pings to Envoy, and how long an answer may take (as the built-in data
+/// plane's).
+const KEEPALIVE_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
+const KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
+
 /// The running ext_proc server. Its server task and every stream's task are owned here:
 /// [`Self::drained`] waits for them, [`Self::close`] ends them.
 #[derive(Debug)]
@@ -50,6 +55,9 @@ impl ExtProcServer {
     /// Serves ext_proc for `router` on `listener`.
     pub fn spawn(listener: TcpListener, router: Router) -> std::io::Result<Self> {
         let addr = listener.local_addr()?;
+        // Envoy's ext_proc breaker admits this many requests (streams) at once; a
+        // peer gone silent is noticed by HTTP/2 pings.
+        let max_streams = router.config().extproc_max_requests();
         let stop = CancellationToken::new();
         let force = CancellationToken::new();
         let streams = TaskTracker::new();
@@ -64,6 +72,9 @@ impl ExtProcServer {
         let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
         let done = tokio::spawn(async move {
             let served = tonic::transport::Server::builder()
+                .max_concurrent_streams(Some(max_streams))
+                .http2_keepalive_interval(Some(KEEPALIVE_EVERY))
+                .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
                 .add_service(service)
                 .serve_with_incoming_shutdown(incoming, async move {
                     shutdown.cancelled().await;
@@ -207,14 +218,25 @@ async fn next_response(
     let msg = match s.queued.take() {
         Some(m) => m,
         None if !s.inbound_open => return None,
-        None => match s.inbound.message().await {
-            Ok(Some(m)) => m,
-            Ok(None) => return None,
-            // A message that could not be read (too large, malformed) or a reset: the
-            // stream ends with an error, never cleanly without an answer (which Envoy
-            // takes as "go on unmodified": the request would pass unrouted).
-            Err(e) => return Some((Err(ended(e)), closed(s))),
-        },
+        // Envoy sends a request's headers as it opens its stream, and gives up on it
+        // after its message_timeout: a stream silent that long (not Envoy, or a
+        // request Envoy abandoned) ends, so it holds neither memory nor a drain.
+        None => {
+            match tokio::time::timeout(s.router.config().decision_timeout(), s.inbound.message())
+                .await
+            {
+                Ok(Ok(Some(m))) => m,
+                Ok(Ok(None)) => return None,
+                // A message that could not be read (too large, malformed) or a reset: the
+                // stream ends with an error, never cleanly without an answer (which Envoy
+                // takes as "go on unmodified": the request would pass unrouted).
+                Ok(Err(e)) => return Some((Err(ended(e)), closed(s))),
+                Err(_) => {
+                    let e = Status::deadline_exceeded("no message on this ext_proc stream");
+                    return Some((Err(ended(e)), closed(s)));
+                }
+            }
+        }
     };
     let response = match msg.request {
         Some(In::RequestHeaders(headers)) => {

@@ -87,9 +87,10 @@ fn derived_values_for_flag_sets() {
     ];
     for (flags, breaker, timeout) in cases {
         let d = doc(flags);
+        let hcm = &d["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
         assert_eq!(max_requests(&d), *breaker, "{flags:?}");
-        // The workers' cluster admits as many: a freed worker may route a lot's worth
-        // of parked requests at once.
+        // The workers' cluster admits as many (a freed worker may route a lot's worth
+        // of parked requests at once), and never fewer than Envoy's own 1024.
         let dfp = d["static_resources"]["clusters"]
             .as_vec()
             .unwrap()
@@ -98,9 +99,31 @@ fn derived_values_for_flag_sets() {
             .unwrap();
         let limits = &dfp["circuit_breakers"]["thresholds"][0];
         for limit in ["max_connections", "max_requests", "max_pending_requests"] {
-            assert_eq!(limits[limit].as_i64(), Some(*breaker), "{limit} {flags:?}");
+            assert_eq!(
+                limits[limit].as_i64(),
+                Some((*breaker).max(1024)),
+                "{limit} {flags:?}"
+            );
         }
-        let hcm = &d["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+        // A worker Envoy cannot reach gets the router's 502 verdict, not Envoy's text.
+        let mapper = &hcm["local_reply_config"]["mappers"][0];
+        let flags_mapped: Vec<&str> = mapper["filter"]["response_flag_filter"]["flags"]
+            .as_vec()
+            .unwrap()
+            .iter()
+            .filter_map(Yaml::as_str)
+            .collect();
+        assert_eq!(flags_mapped, ["UF", "UH", "URX"]);
+        assert_eq!(mapper["status_code"].as_i64(), Some(502));
+        let body = &mapper["body_format_override"];
+        assert_eq!(
+            body["text_format_source"]["inline_string"].as_str(),
+            Some("actor %REQ(x-actor-ref)% unreachable")
+        );
+        assert_eq!(
+            body["content_type"].as_str(),
+            Some("text/plain; charset=utf-8")
+        );
         assert_eq!(hcm["use_remote_address"].as_bool(), Some(true));
         let ext = &http_filter(&d, "envoy.filters.http.ext_proc")["typed_config"];
         assert_eq!(ext["message_timeout"].as_str(), Some(*timeout), "{flags:?}");
@@ -267,4 +290,29 @@ fn an_https_listener_enforces_client_certificates_and_the_spiffe_allowlist() {
         filters(https),
         filters(&d["static_resources"]["listeners"][0])
     );
+}
+
+/// Envoy bounds ext_proc's message_timeout (budget + 5 s) to an hour: a longer budget
+/// is refused, naming the flag, instead of a bootstrap Envoy would not load.
+#[test]
+fn a_budget_past_envoys_message_timeout_bound_is_refused() {
+    let bootstrap = |budget: &str| {
+        let config = RouterArgs::try_parse_flags(["--parked-request-budget", budget])
+            .unwrap()
+            .resolve()
+            .unwrap();
+        let listeners = EnvoyListeners {
+            http: "0.0.0.0:10000".parse().unwrap(),
+            admin: "127.0.0.1:9901".parse().unwrap(),
+            https: None,
+        };
+        bootstrap_yaml(&config, listeners)
+    };
+    assert!(bootstrap("3595s").is_ok());
+    let e = bootstrap("3596s").unwrap_err().to_string();
+    assert!(
+        e.starts_with("invalid configuration: --parked-request-budget=3596s:"),
+        "{e}"
+    );
+    assert!(e.contains("at most 3595s"), "{e}");
 }

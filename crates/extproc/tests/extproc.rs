@@ -493,3 +493,23 @@ async fn a_stream_open_at_close_ends_with_an_error() {
         "an error status, not a clean end: {end:?}"
     );
 }
+
+/// A stream that never sends its request headers (Envoy sends them as it opens one,
+/// and gives up after its message_timeout) ends with an error once that time has
+/// passed: it holds no memory, and no drain, for ever.
+#[tokio::test(start_paused = true)]
+async fn a_stream_that_sends_nothing_ends() {
+    let (cp, _calls) = Scripted::new();
+    let (router, client, server) = serve_kept(&["--parked-request-budget", "1s"], cp).await;
+    let mut s = Stream::open(&client).await;
+    let end = tokio::time::timeout(router.config().decision_timeout() * 2, s.rx.message())
+        .await
+        .expect("the stream ends");
+    assert!(
+        end.as_ref()
+            .is_err_and(|e| e.code() == tonic::Code::DeadlineExceeded),
+        "an error status: {end:?}"
+    );
+    assert_eq!(server.open_streams(), 0);
+    drop(s);
+}
