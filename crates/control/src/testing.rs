@@ -347,6 +347,12 @@ impl FakeWorker {
         self.plane.worker_draining(&self.id, &self.link);
     }
 
+    /// The plane ends the worker's stream from its side (as when the worker stops
+    /// reading its commands), before the stream's end reaches the plane.
+    pub fn cut(&self) {
+        self.link.end(Status::aborted("cut by the test"));
+    }
+
     /// The worker's stream ends.
     pub fn leave(self) {
         self.link.close();

@@ -971,3 +971,95 @@ async fn an_actor_whose_worker_dies_during_its_last_write_is_released() {
         ActorStatus::Suspended
     );
 }
+
+/// A worker reserved for one actor's activation whose stream ends and comes back
+/// while that actor's claim is being written stays reserved for it: it is not handed
+/// to another actor meanwhile (two actors on one worker, which a database's
+/// constraint would refuse as the second claim's write, failing that resume).
+#[tokio::test(start_paused = true)]
+async fn a_reservation_outlives_its_workers_reattach() {
+    let store = MemoryStore::default();
+    let plane = Plane::open(
+        Arc::new(store.clone()),
+        PlaneConfig {
+            capacity_wait: true,
+            ..config()
+        },
+    )
+    .await
+    .unwrap();
+    plane.create_atespace("demo").await.unwrap();
+    for a in ["a", "b"] {
+        plane
+            .create_actor(key(a), "default", "counter", Vec::new())
+            .await
+            .unwrap();
+    }
+    let (w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    store.gate.close();
+    let resume = |name: &'static str, wait: Option<Duration>| {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key(name), wait).await })
+    };
+    let a = resume("a", None);
+    store.gate.until_waiting(1).await;
+    w.leave();
+    let (mut again, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    let b = resume("b", Some(Duration::from_secs(60)));
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(1), |p| p.waiters("counter") == 1)
+            .await,
+        "b waits: w1 is a's"
+    );
+    store.gate.open();
+    let r = expect(&mut again, "restore").await;
+    again.answer(r.id, Ok(()));
+    let (actor, _) = a.await.unwrap().unwrap();
+    assert_eq!(actor.status, S::Running as i32);
+    assert!(!b.is_finished(), "b waits on");
+    assert_eq!(store.actor(&key("b")).unwrap().worker, None);
+}
+
+/// A worker whose stream the plane has ended (it stopped reading its commands) is
+/// not given an actor in the moment before its stream's end reaches the plane: the
+/// restore would fail and the resume answer Unavailable. The pool has no room.
+#[tokio::test(start_paused = true)]
+async fn a_worker_whose_stream_is_ending_gets_no_actor() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a"]).await;
+    let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    w.cut();
+    let e = plane.resume_actor(key("a"), None).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert!(w.next().await.is_none(), "no restore was sent");
+}
+
+/// The reservation of a worker whose stream ended is forgotten when it ends without
+/// a claim (its write failed): the worker, back, is free for the next actor.
+#[tokio::test(start_paused = true)]
+async fn a_reservation_that_ended_while_its_worker_was_away_is_forgotten() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a", "b"]).await;
+    let (w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    store.gate.close();
+    let a = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
+    };
+    store.gate.until_waiting(1).await;
+    w.leave();
+    store.gate.fail(true);
+    store.gate.open();
+    assert_eq!(a.await.unwrap().unwrap_err().code(), Code::Unavailable);
+    store.gate.fail(false);
+    let (mut again, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    assert_eq!(plane.pool("counter"), (1, 1), "w1 is free");
+    let b = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key("b"), None).await })
+    };
+    let r = expect(&mut again, "restore").await;
+    again.answer(r.id, Ok(()));
+    assert_eq!(b.await.unwrap().unwrap().0.actor_id, "b");
+}

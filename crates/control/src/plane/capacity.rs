@@ -89,6 +89,9 @@ impl Reservation {
     /// The claim is durable: the worker's slot follows the actor's row from now on.
     pub(crate) fn claimed(mut self) {
         self.settled = true;
+        self.plane
+            .lock()
+            .forget_departed_reservation(&self.worker, &self.actor);
     }
 }
 
@@ -99,6 +102,7 @@ impl Drop for Reservation {
         }
         let freed = {
             let mut st = self.plane.lock();
+            st.forget_departed_reservation(&self.worker, &self.actor);
             match st.workers.get_mut(&self.worker) {
                 Some(w) if w.slot == Slot::Reserved(self.actor.clone()) => w.vacate(),
                 _ => false,
@@ -111,6 +115,16 @@ impl Drop for Reservation {
 }
 
 impl State {
+    /// The reservation of departed `worker` for `actor` ended (claimed or dropped):
+    /// should the worker come back, it is not reserved any more.
+    fn forget_departed_reservation(&mut self, worker: &str, actor: &ActorKey) {
+        if let Some(d) = self.departed.get_mut(worker)
+            && d.reserved.as_ref() == Some(actor)
+        {
+            d.reserved = None;
+        }
+    }
+
     /// A free worker of `pool` for a resume that has not queued, if any. None while a
     /// resume waits in the pool's queue: a worker that frees is handed to the oldest
     /// waiter in a step of its own, after the change that freed it (see
@@ -126,7 +140,7 @@ impl State {
         }
         self.workers
             .iter()
-            .find(|(_, w)| w.pool == pool && w.slot == Slot::Free)
+            .find(|(_, w)| w.pool == pool && w.slot == Slot::Free && !w.link.is_closed())
             .map(|(id, _)| id.clone())
     }
 }
@@ -176,7 +190,8 @@ impl Plane {
                 let Some(w) = st.workers.get(worker) else {
                     return;
                 };
-                if w.slot != Slot::Free {
+                // A worker whose stream is ending is leaving, not free.
+                if w.slot != Slot::Free || w.link.is_closed() {
                     return;
                 }
                 let pool = w.pool.clone();

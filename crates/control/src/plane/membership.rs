@@ -22,7 +22,7 @@ use crate::store::{ActorRow, Batch};
 const DRAIN_ROUNDS: usize = 4;
 
 /// A worker whose stream ended, for as long as it may still serve its actor.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct Departure {
     /// Tells this departure from a later one of the same worker.
     id: u64,
@@ -35,6 +35,9 @@ pub(crate) struct Departure {
     incarnation: u64,
     /// It had an actor (or one reserved): it may still serve it until `fenced_by`.
     hosting: bool,
+    /// The actor whose activation it was reserved for, while that reservation lives:
+    /// it stays that actor's if the worker comes back.
+    pub(crate) reserved: Option<ActorKey>,
 }
 
 /// Whether nothing listens on `app` any more (its process is gone): the connection is
@@ -106,7 +109,7 @@ impl Plane {
             }
             let previous = st.workers.remove(&id);
             // Back: what it hosts is decided below, not by a lease running out.
-            st.departed.remove(&id);
+            let reserved = st.departed.remove(&id).and_then(|d| d.reserved);
             if let Some(old) = &previous {
                 // This worker's earlier stream (it re-attached): ended from this side.
                 old.link.end(Status::aborted(
@@ -138,10 +141,12 @@ impl Plane {
                 })
                 .map(|(k, _)| k.clone());
             let leaving = join.draining;
+            // So does one made before its stream ended, while it lives.
             let slot = match (&kept, previous.map(|p| p.slot), recorded) {
                 (Some(k), _, _) => Slot::Hosting(k.clone()),
                 (None, Some(Slot::Reserved(k)), _) => Slot::Reserved(k),
                 (None, _, Some(k)) => Slot::Hosting(k),
+                _ if let Some(k) = reserved => Slot::Reserved(k),
                 _ if leaving => Slot::Leaving,
                 _ => Slot::Free,
             };
@@ -410,8 +415,12 @@ impl Plane {
                 fenced_by: rec.last_renewal + self.config().hosting_lease,
                 incarnation: rec.incarnation,
                 hosting: rec.slot.has_actor(),
+                reserved: match &rec.slot {
+                    Slot::Reserved(k) => Some(k.clone()),
+                    _ => None,
+                },
             };
-            st.departed.insert(worker.to_owned(), departure);
+            st.departed.insert(worker.to_owned(), departure.clone());
             let left = st.pool_size(&rec.pool);
             // Scheduled for an actor in the middle of an operation too: should the
             // operation end with it RUNNING here (a checkpoint the actor was too busy
