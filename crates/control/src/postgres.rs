@@ -183,13 +183,21 @@ fn why(e: &tokio_postgres::Error) -> String {
 }
 
 impl PostgresStore {
-    /// Whether `url` is a PostgreSQL URL (checked with the other flags, before
-    /// anything starts).
+    /// Whether `url` is a PostgreSQL URL the store can use (checked with the other
+    /// flags, before anything starts).
     ///
     /// # Errors
-    /// Why it is not.
+    /// Why it is not: not a PostgreSQL URL, or one that asks for TLS (the store
+    /// connects without it).
     pub fn check_url(url: &str) -> Result<(), String> {
-        Config::from_str(url).map(|_| ()).map_err(|e| why(&e))
+        let config =
+            Config::from_str(url).map_err(|e| format!("not a PostgreSQL URL: {}", why(&e)))?;
+        if config.get_ssl_mode() == tokio_postgres::config::SslMode::Require {
+            return Err(
+                "sslmode=require: the store connects without TLS; put a TLS-terminating proxy beside the control plane".into(),
+            );
+        }
+        Ok(())
     }
 
     /// Connects to `url`, brings the schema to [`SCHEMA_VERSION`] (under an advisory

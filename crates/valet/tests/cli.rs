@@ -810,3 +810,24 @@ fn help_hides_database_urls_from_the_environment() {
         assert!(!help.contains("s3cret"), "{args:?}: {help}");
     }
 }
+
+/// The PostgreSQL store connects without TLS: a URL that requires TLS is refused at
+/// start (exit 64, one line), not found out as an unreachable database (exit 1).
+#[test]
+fn a_database_url_requiring_tls_is_refused() {
+    let o = valet(
+        &[
+            "control-plane",
+            "--database",
+            "postgres://valet@127.0.0.1:1/valet?sslmode=require",
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(64));
+    let lines = stderr_lines(&o);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(
+        lines[0].contains("--database: sslmode=require"),
+        "{lines:?}"
+    );
+}

@@ -90,9 +90,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
         if let Err(why) = PostgresStore::check_url(url) {
-            eprintln!(
-                "valet control-plane: invalid configuration: --database: not a PostgreSQL URL: {why}"
-            );
+            eprintln!("valet control-plane: invalid configuration: --database: {why}");
             return ExitCode::from(EXIT_CONFIG);
         }
         if !args.leases.route_lease.is_zero() {
