@@ -34,6 +34,8 @@ const HOP_BY_HOP: &[&str] = &[
     "trailer",
     "transfer-encoding",
     "upgrade",
+    // Connection-specific by RFC 9113 §3.2.1 (an h2c upgrade's settings).
+    "http2-settings",
 ];
 
 /// Why a small body was not read whole.
@@ -109,6 +111,14 @@ pub(crate) fn render(v: &Verdict) -> Response<Body> {
             .insert(header::RETRY_AFTER, HeaderValue::from(secs));
     }
     resp
+}
+
+/// Whether an `Upgrade` value offers h2c.
+fn names_h2c(upgrade: &HeaderValue) -> bool {
+    upgrade
+        .as_bytes()
+        .split(|&b| b == b',')
+        .any(|p| p.trim_ascii().eq_ignore_ascii_case(b"h2c"))
 }
 
 fn is_upgrade(headers: &HeaderMap) -> bool {
@@ -191,9 +201,12 @@ impl Outgoing {
         tunnels: &Tunnels,
     ) -> Result<Self, (Response<Body>, &'static str)> {
         let (mut parts, body) = req.into_parts();
+        // An h2c upgrade is never passed on: past it, the worker would read requests
+        // on that connection that never went through the router.
         let upgrade = (parts.version == Version::HTTP_11 && is_upgrade(&parts.headers))
             .then(|| parts.headers.get(header::UPGRADE).cloned())
-            .flatten();
+            .flatten()
+            .filter(|up| !names_h2c(up));
         let client_upgrade = upgrade
             .as_ref()
             .and_then(|_| parts.extensions.remove::<hyper::upgrade::OnUpgrade>());
@@ -296,37 +309,39 @@ impl Outgoing {
         tunnels: &Tunnels,
         route: &Route,
     ) -> Sent {
-        let path = self
-            .parts
-            .uri
-            .path_and_query()
-            .map_or("/", |p| p.as_str())
-            .to_owned();
-        // Only an origin-form path goes after the worker's address (an asterisk-form
-        // target is answered before it gets here; anything else would be read as part
-        // of the authority, and sent elsewhere).
-        let path = if path.starts_with('/') {
-            path
-        } else {
-            format!("/{path}")
-        };
-        let uri: Uri = format!("http://{}{}", route.addr, path)
-            .parse()
-            .expect("a socket address and a parsed request path make a valid URI");
-        let body = match std::mem::replace(&mut self.body, OutgoingBody::Spent) {
+        let uri = worker_uri(route.addr, self.parts.uri.path_and_query());
+        // How the body is framed when the client's framing (Transfer-Encoding, or an
+        // h2 stream) went with the hop: said explicitly, since hyper would send a GET
+        // without it as a GET with no body.
+        let (body, framing) = match std::mem::replace(&mut self.body, OutgoingBody::Spent) {
             OutgoingBody::Held(bytes) => {
                 let again = RequestBody::whole(bytes.clone());
+                let framing = (!bytes.is_empty())
+                    .then(|| (header::CONTENT_LENGTH, HeaderValue::from(bytes.len())));
                 self.body = OutgoingBody::Held(bytes);
-                again
+                (again, framing)
             }
-            OutgoingBody::Streamed(b) => b,
-            OutgoingBody::Spent => RequestBody::whole(Bytes::new()),
+            OutgoingBody::Streamed(b) => {
+                let framing = (!b.is_end_stream()).then(|| {
+                    (
+                        header::TRANSFER_ENCODING,
+                        HeaderValue::from_static("chunked"),
+                    )
+                });
+                (b, framing)
+            }
+            OutgoingBody::Spent => (RequestBody::whole(Bytes::new()), None),
         };
         let mut req = Request::new(body);
         *req.method_mut() = self.parts.method.clone();
         *req.uri_mut() = uri;
         *req.version_mut() = Version::HTTP_11;
         *req.headers_mut() = self.parts.headers.clone();
+        if let Some((name, value)) = framing
+            && !req.headers().contains_key(header::CONTENT_LENGTH)
+        {
+            req.headers_mut().insert(name, value);
+        }
         if let Ok(v) = HeaderValue::from_str(&route.actor.to_string()) {
             req.headers_mut().insert(ACTOR_REF, v);
         }
@@ -382,11 +397,38 @@ impl Outgoing {
                     Err(e) => tracing::debug!(%actor, error = %e, "upgrade failed"),
                 }
             });
+            // Only what the switch itself needs crosses this hop.
+            let upgrade = resp.headers().get(header::UPGRADE).cloned();
+            strip_hop_by_hop(resp.headers_mut());
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+            if let Some(up) = upgrade {
+                resp.headers_mut().insert(header::UPGRADE, up);
+            }
             return Sent::Answer(resp.map(BodyExt::boxed));
         }
         strip_hop_by_hop(resp.headers_mut());
         Sent::Answer(resp.map(BodyExt::boxed))
     }
+}
+
+/// The worker's URI for a request target: `http://<worker>` and the origin-form path
+/// (an asterisk-form target is answered before it gets here; anything else would be
+/// read as part of the authority, and sent elsewhere). Assembled from parts, never
+/// parsed again: a target as long as hyper reads is more than `http::Uri` parses whole
+/// once the address is in front of it.
+fn worker_uri(addr: SocketAddr, target: Option<&http::uri::PathAndQuery>) -> Uri {
+    let path = match target {
+        Some(p) if p.as_str().starts_with('/') => p.clone(),
+        Some(p) => http::uri::PathAndQuery::try_from(format!("/{}", p.as_str()))
+            .unwrap_or_else(|_| http::uri::PathAndQuery::from_static("/")),
+        None => http::uri::PathAndQuery::from_static("/"),
+    };
+    let mut parts = http::uri::Parts::default();
+    parts.scheme = Some(http::uri::Scheme::HTTP);
+    parts.authority = http::uri::Authority::try_from(addr.to_string()).ok();
+    parts.path_and_query = Some(path);
+    Uri::from_parts(parts).expect("a scheme, a socket address and a path make a URI")
 }
 
 #[cfg(test)]

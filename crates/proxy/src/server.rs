@@ -782,7 +782,7 @@ fn options_asterisk() -> Response<Body> {
     resp.headers_mut().remove(header::CONTENT_TYPE);
     resp.headers_mut().insert(
         header::ALLOW,
-        http::HeaderValue::from_static("GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"),
+        http::HeaderValue::from_static(ALLOWED_METHODS),
     );
     resp
 }
@@ -816,6 +816,24 @@ async fn unforwarded(
     resp
 }
 
+/// The methods the router forwards (for `Allow`).
+const ALLOWED_METHODS: &str = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS";
+
+/// CONNECT asks for a tunnel, which the router makes to no one.
+fn connect_refused() -> Response<Body> {
+    let mut resp = full(
+        http::StatusCode::METHOD_NOT_ALLOWED,
+        "text/plain; charset=utf-8",
+        "CONNECT is not supported: the router forwards requests to actors, it tunnels to no one"
+            .into(),
+    );
+    resp.headers_mut().insert(
+        header::ALLOW,
+        http::HeaderValue::from_static(ALLOWED_METHODS),
+    );
+    resp
+}
+
 async fn handle(
     shared: &Shared,
     req: Request<Incoming>,
@@ -841,6 +859,10 @@ async fn handle(
     if parts.method == http::Method::OPTIONS && (parts.uri == "*" || parts.uri.path() == "*") {
         return unforwarded(&parts, &mut held, options_asterisk(), false).await;
     }
+    // The router tunnels to no one: answered before any actor is resumed.
+    if parts.method == http::Method::CONNECT {
+        return unforwarded(&parts, &mut held, connect_refused(), true).await;
+    }
     if headers.len() > limits.max_headers {
         let v = Verdict::of(&Denial::TooManyHeaders {
             count: headers.len(),
@@ -859,15 +881,19 @@ async fn handle(
         });
         return unforwarded(&parts, &mut held, render(&v), false).await;
     }
+    // Two Host fields name no one actor (RFC 9112 §3.2): the empty host, whose
+    // verdict is `invalid host`.
     let host = parts
         .uri
         .authority()
         .map(|a| a.as_str().to_owned())
         .or_else(|| {
-            headers
-                .get(header::HOST)
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_owned)
+            let mut hosts = headers.get_all(header::HOST).iter();
+            let first = hosts.next();
+            if hosts.next().is_some() {
+                return None;
+            }
+            first.and_then(|v| v.to_str().ok()).map(str::to_owned)
         })
         .unwrap_or_default();
     let path = parts

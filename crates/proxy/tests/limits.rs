@@ -465,3 +465,163 @@ async fn one_http2_connection_parks_more_than_200_requests() {
         assert_eq!(r.await.unwrap(), 404);
     }
 }
+
+/// A worker stand-in answering each request with what it saw: the length of its
+/// target, the headers named `seen`, and its body.
+async fn telling_upstream() -> u16 {
+    use http_body_util::BodyExt as _;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        loop {
+            let (s, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(
+                    |req: http::Request<hyper::body::Incoming>| async move {
+                        let target = req.uri().to_string().len();
+                        let mut told = format!("target={target}\n");
+                        for name in ["upgrade", "http2-settings", "connection"] {
+                            for v in req.headers().get_all(name) {
+                                told.push_str(&format!("{name}={}\n", v.to_str().unwrap()));
+                            }
+                        }
+                        let body = req.into_body().collect().await?.to_bytes();
+                        told.push_str(&format!("body={}", String::from_utf8_lossy(&body)));
+                        Ok::<_, hyper::Error>(http::Response::new(http_body_util::Full::new(
+                            bytes::Bytes::from(told),
+                        )))
+                    },
+                );
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    port
+}
+
+/// Requests forwarded as sent: a target as long as hyper reads (before, building the
+/// worker's URI from it panicked the connection's task, and the client got no
+/// answer), and a GET's chunked body (before, sent as a GET with none).
+#[tokio::test]
+async fn long_targets_and_get_bodies_reach_the_worker() {
+    let port = telling_upstream().await;
+    let addr = serve(Arc::new(AlwaysRunning { port }), &[], Limits::default()).await;
+    let path = format!("/{}", "a".repeat(65_529));
+    let (status, body) = raw(
+        addr,
+        &format!("GET {path} HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n"),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.starts_with("target=65530\n"), "{body}");
+    let (status, body) = raw(
+        addr,
+        &format!(
+            "GET /search HTTP/1.1\r\nHost: {HOST}\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+        ),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.ends_with("body=hello"), "{body}");
+}
+
+/// What the data plane does not tunnel: CONNECT is answered 405 before any
+/// control-plane call, an `Upgrade: h2c` (a tunnel around the router's headers) is not
+/// passed on, and two `Host` fields name no one actor (the invalid-host verdict).
+#[tokio::test]
+async fn connect_h2c_and_two_hosts_are_not_forwarded() {
+    let port = telling_upstream().await;
+    let router = router_of(Arc::new(AlwaysRunning { port }), &[]);
+    let server = HttpServer::spawn(
+        TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        router.clone(),
+        Limits::default(),
+    )
+    .unwrap();
+    let addr = server.local_addr();
+    let attempts = || {
+        router
+            .metrics()
+            .sample("atenet_router_resume_attempts_total", &[])
+    };
+    let (status, body) = raw(
+        addr,
+        &format!("CONNECT {HOST}:80 HTTP/1.1\r\nHost: {HOST}:80\r\nConnection: close\r\n\r\n"),
+    )
+    .await;
+    assert_eq!(status, 405, "{body}");
+    assert_eq!(attempts(), 0.0, "no actor resumed");
+    let (status, body) = raw(
+        addr,
+        &format!(
+            "GET / HTTP/1.1\r\nHost: {HOST}\r\nConnection: Upgrade, HTTP2-Settings, close\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n"
+        ),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert!(!body.contains("upgrade="), "{body}");
+    assert!(!body.contains("http2-settings="), "{body}");
+    for host_lines in [
+        format!("Host: {HOST}\r\nHost: p2.demo.actors.resources.substrate.ate.dev\r\n"),
+        format!("Host: {HOST}\r\nHost: {HOST}\r\n"),
+    ] {
+        let (status, body) = raw(
+            addr,
+            &format!("GET / HTTP/1.1\r\n{host_lines}Connection: close\r\n\r\n"),
+        )
+        .await;
+        assert_eq!(status, 404, "{body}");
+        assert!(body.starts_with("invalid host"), "{body}");
+    }
+}
+
+/// A worker's 101 reaches the client with only the headers the switch needs: its
+/// hop-by-hop headers (Keep-Alive, those its Connection names) stay on its hop.
+#[tokio::test]
+async fn a_switch_of_protocols_keeps_its_hop_by_hop_headers_on_its_hop() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut head = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = s.read(&mut buf).await.unwrap();
+            assert!(n > 0);
+            head.extend_from_slice(&buf[..n]);
+        }
+        s.write_all(
+            b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade, x-hop\r\nUpgrade: websocket\r\nx-hop: 1\r\nKeep-Alive: timeout=5\r\nx-end: 1\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        // Keep the tunnel open until the client has read the head.
+        let _ = s.read(&mut buf).await;
+    });
+    let addr = serve(Arc::new(AlwaysRunning { port }), &[], Limits::default()).await;
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(
+        format!(
+            "GET /ws HTTP/1.1\r\nHost: {HOST}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = s.read(&mut buf).await.unwrap();
+        assert!(n > 0, "{}", String::from_utf8_lossy(&head));
+        head.extend_from_slice(&buf[..n]);
+    }
+    let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 101 "), "{head}");
+    assert!(head.contains("upgrade: websocket"), "{head}");
+    assert!(head.contains("connection: upgrade\r\n"), "{head}");
+    assert!(head.contains("x-end: 1"), "{head}");
+    assert!(!head.contains("x-hop"), "{head}");
+    assert!(!head.contains("keep-alive"), "{head}");
+}
