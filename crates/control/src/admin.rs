@@ -1,6 +1,7 @@
 //! The control plane's own probes and metrics (`--metrics-listen`): `/metrics`,
-//! `/healthz` (the process lives) and `/readyz` (serving, not shutting down, and its
-//! database answers; a standby waiting to become active is alive but not ready).
+//! `/healthz` (the process lives) and `/readyz` (serving, not shutting down, and,
+//! with PostgreSQL, its database answers; a standby waiting to become active is alive
+//! but not ready). The SQLite store is a file the process holds open: it is not asked.
 
 use axum::extract::State;
 use axum::http::{StatusCode, header};
@@ -71,14 +72,20 @@ pub struct AdminLimits {
     /// How many connections it serves at once; past that, new ones wait in the listen
     /// backlog until one closes (at most `header_timeout` for an idle one).
     pub max_connections: usize,
+    /// How long a connection is kept: then it closes after the request in progress,
+    /// whose answer has `header_timeout` more to be read. A client that never reads
+    /// its answers holds its place no longer than that.
+    pub lifetime: std::time::Duration,
 }
 
 impl AdminLimits {
-    /// Every admin server's: a 2 s grace, 10 s for a head, 128 connections.
+    /// Every admin server's: a 2 s grace, 10 s for a head, 128 connections, each
+    /// kept 30 s.
     pub const DEFAULT: Self = Self {
         close_grace: std::time::Duration::from_secs(2),
         header_timeout: std::time::Duration::from_secs(10),
         max_connections: 128,
+        lifetime: std::time::Duration::from_secs(30),
     };
 }
 
@@ -156,6 +163,16 @@ pub fn serve_http_within(
                     () = stop.cancelled() => {
                         conn.as_mut().graceful_shutdown();
                         conn.await
+                    }
+                    () = tokio::time::sleep(limits.lifetime) => {
+                        conn.as_mut().graceful_shutdown();
+                        match tokio::time::timeout(limits.header_timeout, conn.as_mut()).await {
+                            Ok(served) => served,
+                            Err(_) => {
+                                tracing::debug!(what, "connection closed: its answer was not read");
+                                return;
+                            }
+                        }
                     }
                 };
                 if let Err(e) = served {
@@ -305,6 +322,43 @@ mod tests {
                 .is_ok_and(|a| a.as_ref().unwrap().starts_with("HTTP/1.1 200")),
             "{answer:?}"
         );
+    }
+
+    /// A client that asks and never reads its answers holds its connection (and the
+    /// only place under the cap here) no longer than the connection's lifetime and the
+    /// time to read an answer: then the next client is served.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_that_never_reads_its_answers_is_closed() {
+        let limits = AdminLimits {
+            max_connections: 1,
+            header_timeout: Duration::from_millis(200),
+            lifetime: Duration::from_millis(300),
+            ..AdminLimits::DEFAULT
+        };
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let big = axum::body::Bytes::from(vec![b'x'; 64 << 20]);
+        let app = axum::Router::new()
+            .route("/healthz", get(|| async { "ok\n" }))
+            .route("/big", get(move || async move { big.clone() }));
+        let _served = serve_http_within(listener, app, CancellationToken::new(), "test", limits);
+        let mut stuck = TcpStream::connect(addr).await.unwrap();
+        stuck
+            .write_all(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let next = tokio::spawn(async move {
+            let mut tcp = TcpStream::connect(addr).await.unwrap();
+            healthz(&mut tcp).await
+        });
+        let answer = tokio::time::timeout(BOUND, next).await;
+        assert!(
+            answer
+                .as_ref()
+                .is_ok_and(|a| a.as_ref().unwrap().starts_with("HTTP/1.1 200")),
+            "{answer:?}"
+        );
+        drop(stuck);
     }
 
     /// Once told to stop, the server ends every connection still open within its

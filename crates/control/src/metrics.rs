@@ -23,8 +23,10 @@ pub(crate) struct PlaneMetrics {
     idle_suspensions: Counter<u64>,
     waiters: Gauge<i64>,
     workers: Gauge<i64>,
-    /// Every pool the gauges have shown (workers, waiters): a pool that empties reads
-    /// 0, not the last value it had (a gauge keeps every label set it has seen).
+    /// The pools the gauges showed non-empty at the last scrape (workers, waiters): one
+    /// that empties reads 0 once, not the last value it had (a gauge keeps every label
+    /// set it has seen), and is then forgotten, so pool names (which clients choose)
+    /// do not pile up here.
     shown: std::sync::Mutex<(BTreeSet<String>, BTreeSet<String>)>,
     operation: Histogram<f64>,
     revocation: Histogram<f64>,
@@ -156,6 +158,7 @@ impl PlaneMetrics {
                 );
             }
         }
+        worker_pools.retain(|pool| pools.contains_key(pool));
         waiter_pools.extend(waiters.iter().map(|(pool, _)| pool.clone()));
         for pool in waiter_pools.iter() {
             let n = waiters
@@ -165,6 +168,7 @@ impl PlaneMetrics {
             self.waiters
                 .record(n as i64, &[KeyValue::new("pool", pool.clone())]);
         }
+        waiter_pools.retain(|pool| waiters.iter().any(|(p, n)| p == pool && *n > 0));
         drop(shown);
         self.registry.render()
     }
@@ -220,6 +224,27 @@ mod tests {
             Some(0.0),
             "{text}"
         );
+        // Still 0 once forgotten.
+        let text = m.render(&BTreeMap::new(), &[]);
+        assert_eq!(
+            sample(&text, "valet_control_workers", &busy),
+            Some(0.0),
+            "{text}"
+        );
+    }
+
+    /// Pool names come from clients (a worker's join, an actor's template): the pools
+    /// remembered between scrapes are only those not empty at the last one.
+    #[test]
+    fn emptied_pools_are_not_remembered() {
+        let m = PlaneMetrics::new();
+        for i in 0..200 {
+            let pool = format!("p{i}");
+            m.render(&BTreeMap::from([(pool.clone(), (1, 1))]), &[(pool, 1)]);
+        }
+        m.render(&BTreeMap::new(), &[]);
+        let shown = m.shown.lock().unwrap();
+        assert_eq!((shown.0.len(), shown.1.len()), (0, 0));
     }
 }
 

@@ -830,7 +830,7 @@ pub fn parse_control_plane(value: &str) -> Result<String, ConfigError> {
     let authority = rest.strip_suffix('/').unwrap_or(rest);
     let valid = !authority.is_empty()
         && !authority.contains('/')
-        && !authority.contains('@')
+        && !authority.contains(['@', '?', '#'])
         && value.parse::<http::Uri>().is_ok();
     if !valid {
         return Err(ConfigError::new("--control-plane", value, rule));
@@ -955,6 +955,17 @@ mod tests {
         assert!(twice.contains("listed twice"), "{twice}");
         let empty = rule_of(&["--control-plane", "http://a:1,"]);
         assert!(empty.contains("--control-plane"), "{empty}");
+        // Nothing that could carry a secret into logs and /statusz: credentials, a
+        // query, a fragment.
+        for url in [
+            "http://u:p@a:1",
+            "http://a:1?token=x",
+            "http://a:1/?token=x",
+            "http://a:1#x",
+        ] {
+            let e = rule_of(&["--control-plane", url]);
+            assert!(e.contains("must be http://<host>:<port>"), "{url}: {e}");
+        }
     }
 
     #[test]
