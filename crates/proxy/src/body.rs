@@ -20,9 +20,48 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 use valet_router::CallerEnd;
 use valet_router::lot::Charge;
 
-/// Why the client's body failed, once it has; shared with the forwarding path so a
-/// failed forward can tell the client's fault (400) from the worker's (502).
-pub(crate) type Failure = Arc<Mutex<Option<CallerEnd>>>;
+/// What the forwarding path learns of the client's body once it has handed it on;
+/// shared with the [`RequestBody`].
+pub(crate) type Failure = Arc<BodyEnds>;
+
+/// Why the client's body failed, once it has (so a failed forward can tell the
+/// client's fault, 400, from the worker's, 502); and what was left of it, unread, when
+/// the request to the worker ended before it (so the data plane's own answer can read
+/// and throw it away first, rather than be lost to a reset).
+#[derive(Debug, Default)]
+pub(crate) struct BodyEnds {
+    failed: Mutex<Option<CallerEnd>>,
+    /// The rest, and whether any of it was asked for (past `Expect: 100-continue`).
+    left: Mutex<Option<(Incoming, bool)>>,
+}
+
+impl BodyEnds {
+    /// Why the client's body failed, if it did (taken).
+    pub(crate) fn take_failure(&self) -> Option<CallerEnd> {
+        self.failed.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
+    fn failed(&self, end: CallerEnd) {
+        *self.failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(end);
+    }
+
+    /// Reads what was left of the body and throws it away, as [`discard`]: whether
+    /// nothing is left unread. A rest never asked for, that the client holds back for
+    /// `100 Continue` (`held_back`), is not asked for now: false.
+    pub(crate) async fn discard_left(
+        &self,
+        within: std::time::Duration,
+        max: u64,
+        held_back: bool,
+    ) -> bool {
+        let left = self.left.lock().unwrap_or_else(|e| e.into_inner()).take();
+        match left {
+            None => true,
+            Some((_, false)) if held_back => false,
+            Some((mut rest, _)) => discard(&mut rest, within, max).await,
+        }
+    }
+}
 
 /// A request's body, read into memory while the request is parked.
 pub(crate) struct Held {
@@ -87,7 +126,7 @@ impl Held {
                 Some(Err(e)) => {
                     self.rest = None;
                     let end = caller_end(&e);
-                    *lock(&self.failure) = Some(end.clone());
+                    self.failure.failed(end.clone());
                     return end;
                 }
             }
@@ -129,6 +168,7 @@ impl Held {
             rest: self.rest,
             charge: Some(self.charge),
             failure: self.failure,
+            polled: self.started,
         };
         (body, failure)
     }
@@ -155,10 +195,6 @@ pub(crate) async fn discard(body: &mut Incoming, within: std::time::Duration, ma
     })
     .await
     .unwrap_or(false)
-}
-
-fn lock(f: &Failure) -> std::sync::MutexGuard<'_, Option<CallerEnd>> {
-    f.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// What a broken-off body means: the client's framing is malformed (hyper's decoder
@@ -190,6 +226,21 @@ pub(crate) struct RequestBody {
     rest: Option<Incoming>,
     charge: Option<Charge>,
     failure: Failure,
+    /// Whether the rest was ever asked for.
+    polled: bool,
+}
+
+impl Drop for RequestBody {
+    /// Dropped before its end (the request to the worker failed, or the worker answered
+    /// without reading it all): what is left goes back to the forwarding path.
+    fn drop(&mut self) {
+        if let Some(rest) = self.rest.take()
+            && !rest.is_end_stream()
+        {
+            *self.failure.left.lock().unwrap_or_else(|e| e.into_inner()) =
+                Some((rest, self.polled));
+        }
+    }
 }
 
 impl RequestBody {
@@ -205,6 +256,7 @@ impl RequestBody {
             rest: None,
             charge: None,
             failure: Failure::default(),
+            polled: false,
         }
     }
 }
@@ -230,9 +282,13 @@ impl Body for RequestBody {
         let Some(rest) = this.rest.as_mut() else {
             return Poll::Ready(None);
         };
+        this.polled = true;
         let polled = Pin::new(rest).poll_frame(cx);
-        if let Poll::Ready(Some(Err(e))) = &polled {
-            *lock(&this.failure) = Some(caller_end(e));
+        match &polled {
+            Poll::Ready(Some(Err(e))) => this.failure.failed(caller_end(e)),
+            // Read to its end: nothing is left.
+            Poll::Ready(None) => this.rest = None,
+            _ => {}
         }
         polled
     }

@@ -252,12 +252,10 @@ impl Outgoing {
                 Ok(all) => return Ok(Self::held(parts, all, client_upgrade, failure)),
                 Err(Unread::Stalled) => Denial::CallerDeadline(actor),
                 Err(Unread::CutOff) => Denial::ShuttingDown(actor),
-                Err(Unread::Failed) => {
-                    match failure.lock().unwrap_or_else(|e| e.into_inner()).take() {
-                        Some(CallerEnd::MalformedBody(why)) => Denial::MalformedBody(actor, why),
-                        Some(CallerEnd::Gone) | None => Denial::CallerGone(actor),
-                    }
-                }
+                Err(Unread::Failed) => match failure.take_failure() {
+                    Some(CallerEnd::MalformedBody(why)) => Denial::MalformedBody(actor, why),
+                    Some(CallerEnd::Gone) | None => Denial::CallerGone(actor),
+                },
             };
             let v = Verdict::of(&denial);
             return Err((render(&v), v.reason()));
@@ -357,11 +355,7 @@ impl Outgoing {
         let mut resp = match answer {
             Ok(r) => r,
             Err(e) => {
-                let client_side = self
-                    .failure
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .take();
+                let client_side = self.failure.take_failure();
                 let denial = match client_side {
                     Some(CallerEnd::MalformedBody(why)) => {
                         tracing::debug!(actor = %route.actor, error = %why, "malformed request body");

@@ -803,11 +803,7 @@ async fn unforwarded(
     if parts.version > http::Version::HTTP_11 {
         return resp;
     }
-    let held_back = !held.was_read()
-        && parts
-            .headers
-            .get(header::EXPECT)
-            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    let held_back = !held.was_read() && expects_continue(&parts.headers);
     let whole = !held_back && held.discard_rest(DISCARD_WITHIN, DISCARD_MAX).await;
     if !whole || close {
         resp.headers_mut()
@@ -832,6 +828,13 @@ fn connect_refused() -> Response<Body> {
         http::HeaderValue::from_static(ALLOWED_METHODS),
     );
     resp
+}
+
+/// Whether the client holds its body back until `100 Continue`.
+fn expects_continue(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"))
 }
 
 async fn handle(
@@ -936,8 +939,11 @@ async fn handle(
                 // Its body was read while it waited only if it parked.
                 let parked = parked_before || held.was_read();
                 let (body, failure) = held.into_body();
+                let ends = Arc::clone(&failure);
+                let version = parts.version;
+                let held_back = expects_continue(&parts.headers);
                 let req = Request::from_parts(parts, body);
-                match Outgoing::new(
+                let (mut resp, target, verdict) = match Outgoing::new(
                     req,
                     failure,
                     route,
@@ -956,7 +962,19 @@ async fn handle(
                             .answered_after_route(resp.status().as_u16(), verdict);
                         (resp, Some(route.addr), verdict)
                     }
+                };
+                // HTTP/1: what the request to the worker left of the body unread (it
+                // failed, or the worker answered without reading it all) is read and
+                // thrown away before the answer, as for a verdict (`unforwarded`).
+                if version <= http::Version::HTTP_11
+                    && !ends
+                        .discard_left(DISCARD_WITHIN, DISCARD_MAX, held_back)
+                        .await
+                {
+                    resp.headers_mut()
+                        .insert(header::CONNECTION, http::HeaderValue::from_static("close"));
                 }
+                (resp, target, verdict)
             })
             .await
         }

@@ -830,3 +830,22 @@ async fn an_immediate_verdict_does_not_ask_for_an_expected_body() {
     assert!(!out.contains("100 Continue"), "{out}");
     answering.abort();
 }
+
+/// A routed upload whose worker cannot be reached: the data plane's 502 reaches the
+/// client still sending (the body is read and thrown away first), not a reset.
+#[tokio::test]
+async fn a_502_to_a_large_upload_reaches_the_client() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let (_router, server) = serve(Arc::new(AlwaysRunning { port: closed }), &[]).await;
+    let len = 8 * 1024 * 1024;
+    let head = format!(
+        "POST /up HTTP/1.1\r\nHost: {}\r\nContent-Length: {len}\r\n\r\n",
+        host("p1")
+    );
+    let out = upload_answered(server.local_addr(), head, len, "unreachable").await;
+    assert!(out.starts_with("HTTP/1.1 502 "), "{out}");
+}
