@@ -328,3 +328,31 @@ fn render_html(doc: &Value) -> String {
     h.push_str("</table></section></body></html>");
     h
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Request-controlled values (a host, a path) are shown as text, never markup.
+    #[test]
+    fn the_status_page_escapes_what_clients_send() {
+        let doc = json!({
+            "parking": { "enabled": true },
+            "requests": [{
+                "host": "<script>alert(1)</script>.demo.x",
+                "path": "/\"><img src=x onerror=alert(2)>",
+                "data_plane": "http",
+                "verdict": "invalid_host",
+                "status": 404,
+            }],
+        });
+        let html = render_html(&doc);
+        assert!(!html.contains("<script>alert"), "{html}");
+        assert!(!html.contains("<img"), "{html}");
+        assert!(
+            html.contains("&lt;script&gt;alert(1)&lt;/script&gt;"),
+            "{html}"
+        );
+        assert!(html.contains("&quot;&gt;&lt;img"), "{html}");
+    }
+}
