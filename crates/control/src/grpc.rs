@@ -587,25 +587,27 @@ impl workers_server::Workers for WorkersService {
             _ => return Err(Status::invalid_argument("the first event must be a Join")),
         };
         let (tx, rx) = mpsc::channel(64);
-        let link = Arc::new(WorkerLink::new(tx.clone()));
-        let kept = self.plane.worker_joined(&join, Arc::clone(&link))?;
-        let welcome = wk::Welcome {
-            hosting_kept: kept,
-            hosting_lease: self.plane.hosting_lease().try_into().ok(),
-        };
-        let _ = tx
-            .send(Ok(wk::WorkerCommand {
-                id: 0,
-                command: Some(Command::Welcome(welcome)),
-            }))
-            .await;
-        drop(tx);
+        let link = Arc::new(WorkerLink::new(tx));
+        // Its Welcome is queued by the join itself, before any other command.
+        self.plane.worker_joined(&join, Arc::clone(&link))?;
         let plane = self.plane.clone();
         let jwt = self.jwt.clone();
         self.plane.spawn_link(async move {
+            // A worker whose stream stays open but that stops renewing (its loop is
+            // stuck) has fenced its actor after a hosting lease: it leaves then, as
+            // one whose stream ended, rather than be placed on record for good.
+            let lease = plane.hosting_lease();
+            let mut renewed = tokio::time::Instant::now();
             loop {
                 let event = tokio::select! {
                     e = inbound.message() => e,
+                    () = tokio::time::sleep_until(renewed + lease) => {
+                        tracing::warn!(worker = %join.worker_id, ?lease, "no hosting renewal for a hosting lease; ending its stream");
+                        link.end(Status::deadline_exceeded(
+                            "no hosting renewal within the hosting lease: attach again",
+                        ));
+                        break;
+                    }
                     () = expired(expiry) => {
                         tracing::warn!(worker = %join.worker_id, "the worker's bearer token expired and was not renewed; ending its stream");
                         link.end(Status::unauthenticated(
@@ -636,6 +638,7 @@ impl workers_server::Workers for WorkersService {
                             }
                         }
                         if plane.renewed(&join.worker_id, &link) {
+                            renewed = tokio::time::Instant::now();
                             link.notify(Command::Renewed(wk::Renewed { seq: renew.seq }));
                         }
                     }

@@ -281,13 +281,20 @@ impl FakeWorker {
     pub async fn next(&mut self) -> Option<Received> {
         loop {
             let cmd = self.rx.recv().await?.ok()?;
-            if let Some(command) = cmd.command {
+            if let Some(command) = cmd.command
+                && !matches!(command, Command::Welcome(_))
+            {
                 return Some(Received {
                     id: cmd.id,
                     command,
                 });
             }
         }
+    }
+
+    /// The next command as the worker reads it, its Welcome included.
+    pub async fn next_with_welcome(&mut self) -> Option<Command> {
+        self.rx.recv().await?.ok()?.command
     }
 
     /// Answers command `id`.

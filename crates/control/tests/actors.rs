@@ -663,3 +663,65 @@ async fn template_namespaces_are_names_and_errors_stay_short() {
         .unwrap_err();
     assert!(e.message().len() < 200, "{} bytes", e.message().len());
 }
+
+/// A worker whose stream stays open but that stops renewing (its loop is stuck, its
+/// connection alive) leaves once a hosting lease has passed without a renewal, as one
+/// whose stream ended: its stream is ended and it is no longer counted in its pool.
+/// Before, it stayed attached for good, and an actor on it answered Unavailable.
+#[tokio::test]
+async fn a_worker_that_stops_renewing_leaves() {
+    use valet_proto::worker::{self as wk, worker_event::Event};
+    let config = PlaneConfig {
+        hosting_lease: Duration::from_millis(500),
+        ..PlaneConfig::default()
+    };
+    let sys = system(0, config).await;
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    tx.send(wk::WorkerEvent {
+        event: Some(Event::Join(wk::Join {
+            worker_id: "stuck".into(),
+            pool: "counter".into(),
+            app_address: "127.0.0.1:9".into(),
+            incarnation: 7,
+            ..Default::default()
+        })),
+    })
+    .await
+    .unwrap();
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", sys.addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut inbound = wk::workers_client::WorkersClient::new(channel)
+        .attach(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        sys.plane
+            .wait_until(WAIT, |p| p.pool("counter") == (1, 1))
+            .await
+    );
+    // No renewal is ever sent; the stream's sending side (tx) stays open.
+    let ended = tokio::time::timeout(WAIT, async {
+        loop {
+            match inbound.message().await {
+                Ok(Some(_)) => {}
+                Ok(None) => return None,
+                Err(status) => return Some(status.code()),
+            }
+        }
+    })
+    .await
+    .expect("the stream ends");
+    assert_eq!(ended, Some(Code::DeadlineExceeded));
+    assert!(
+        sys.plane
+            .wait_until(WAIT, |p| p.pool("counter") == (0, 0))
+            .await,
+        "it left its pool"
+    );
+    drop(tx);
+    sys.shutdown().await;
+}

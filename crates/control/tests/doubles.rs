@@ -875,7 +875,7 @@ async fn a_second_process_with_a_live_workers_id_is_refused() {
 #[tokio::test(start_paused = true)]
 async fn a_second_process_is_refused_while_the_first_may_still_serve() {
     let store = MemoryStore::default();
-    let plane = plane_with(&store, &["p1"]).await;
+    let plane = plane_with(&store, &["p1", "p2"]).await;
     let mut first = FakeWorker::attach_as(&plane, "w1", "counter", app(), 1).unwrap();
     restored(&plane, &mut first, "p1").await;
     first.leave();
@@ -890,11 +890,19 @@ async fn a_second_process_is_refused_while_the_first_may_still_serve() {
     // A process that had no actor may be replaced as soon as its stream ended.
     let idle = FakeWorker::attach_as(&plane, "w2", "counter", app(), 1).unwrap();
     idle.leave();
-    let _newcomer = FakeWorker::attach_as(&plane, "w2", "counter", app(), 2).unwrap();
-    // A worker that names no incarnation (an older one) is let in as before, and
+    let newcomer = FakeWorker::attach_as(&plane, "w2", "counter", app(), 2).unwrap();
+    newcomer.leave();
+    // Nor one that names no incarnation: it cannot take over a live process's id
+    // (and its actor's traffic) by leaving the field out.
+    let e = FakeWorker::attach(&plane, "w1", "counter", app(), Some(&key("p1"))).unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists, "{e}");
+    // A worker that names none (an older one) replaces its own record as before, and
     // keeps the actor it reports.
+    let (mut old, _) = FakeWorker::attach(&plane, "w3", "counter", app(), None).unwrap();
+    restored(&plane, &mut old, "p2").await;
+    old.leave();
     let (mut back, kept) =
-        FakeWorker::attach(&plane, "w1", "counter", app(), Some(&key("p1"))).unwrap();
+        FakeWorker::attach(&plane, "w3", "counter", app(), Some(&key("p2"))).unwrap();
     assert!(kept);
     drop(back.next());
 }
@@ -1062,4 +1070,49 @@ async fn a_reservation_that_ended_while_its_worker_was_away_is_forgotten() {
     let r = expect(&mut again, "restore").await;
     again.answer(r.id, Ok(()));
     assert_eq!(b.await.unwrap().unwrap().0.actor_id, "b");
+}
+
+/// A worker's Welcome is the first command it reads, even when an actor waiting for
+/// capacity is handed to it as it attaches: a Restore read before a Welcome that
+/// keeps nothing would be undone by that Welcome (the worker drops what it does not
+/// keep), leaving the actor RUNNING on record on a worker without it.
+#[tokio::test(start_paused = true)]
+async fn the_welcome_comes_before_any_restore() {
+    let store = MemoryStore::default();
+    let plane = Plane::open(
+        Arc::new(store.clone()),
+        PlaneConfig {
+            capacity_wait: true,
+            ..config()
+        },
+    )
+    .await
+    .unwrap();
+    plane.create_atespace("demo").await.unwrap();
+    plane
+        .create_actor(key("a"), "default", "counter", Vec::new())
+        .await
+        .unwrap();
+    let waiting = {
+        let plane = plane.clone();
+        tokio::spawn(async move {
+            plane
+                .resume_actor(key("a"), Some(Duration::from_secs(60)))
+                .await
+        })
+    };
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(1), |p| p.waiters("counter") == 1)
+            .await
+    );
+    let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    let first = w.next_with_welcome().await;
+    assert!(
+        matches!(first, Some(Command::Welcome(ref welcome)) if !welcome.hosting_kept),
+        "{first:?}"
+    );
+    let r = expect(&mut w, "restore").await;
+    w.answer(r.id, Ok(()));
+    assert_eq!(waiting.await.unwrap().unwrap().0.status, S::Running as i32);
 }

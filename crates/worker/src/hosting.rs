@@ -22,6 +22,9 @@ pub(crate) const RENEW_EVERY: Duration = Duration::from_secs(1);
 pub const MIN_HOSTING_LEASE: Duration = Duration::from_secs(4);
 /// The hosting lease assumed until a control plane names one.
 pub(crate) const DEFAULT_HOSTING_LEASE: Duration = Duration::from_secs(15);
+/// The longest lease taken from a control plane (its flags allow a year): past
+/// it, a deadline would overflow the clock.
+const MAX_HOSTING_LEASE: Duration = Duration::from_secs(365 * 24 * 3600);
 
 #[derive(Debug, Clone, Copy)]
 struct Lease {
@@ -55,7 +58,7 @@ impl HostingLease {
     /// in one step (unless the lease, counted from `sent_at`, has already run out).
     pub(crate) fn welcomed(&self, lease: Duration, sent_at: Instant, kept: Option<&Traffic>) {
         self.state.send_modify(|s| {
-            s.lease = lease;
+            s.lease = lease.min(MAX_HOSTING_LEASE);
             s.answered = s.answered.max(sent_at);
             s.cut_off = s.answered + s.lease <= Instant::now();
             if let Some(traffic) = kept
@@ -194,6 +197,21 @@ mod tests {
         let dog =
             tokio::spawn(Arc::clone(&lease).watchdog(Arc::clone(&slot), "w1".into(), stop.clone()));
         (lease, slot, stop, dog)
+    }
+
+    /// A lease past what the clock can hold (a control plane's bad Welcome) is
+    /// taken as the longest one: before, its deadline overflowed and the worker's
+    /// attach loop panicked.
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_too_long_for_the_clock_is_bounded() {
+        let (lease, _slot, stop, dog) = watched(None);
+        lease.welcomed(Duration::MAX, Instant::now(), None);
+        assert!(!lease.is_cut_off());
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        assert!(!lease.is_cut_off());
+        lease.answered(Instant::now());
+        stop.cancel();
+        dog.await.expect("the watchdog did not panic");
     }
 
     #[tokio::test(start_paused = true)]

@@ -529,9 +529,12 @@ impl Agent {
             if next % endpoints.len() != 0 {
                 continue;
             }
+            // Jittered (half to the whole backoff): workers that lost one control
+            // plane together do not all attach again at the same instant.
+            let pause = backoff.mul_f64(rand::random_range(0.5..=1.0));
             tokio::select! {
                 () = stop.cancelled() => return,
-                () = tokio::time::sleep(backoff) => {}
+                () = tokio::time::sleep(pause) => {}
             }
             backoff = (backoff * 2).min(Duration::from_secs(2));
         }

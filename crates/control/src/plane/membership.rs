@@ -96,9 +96,12 @@ impl Plane {
                 (None, Some(d)) if d.hosting => Some((d.incarnation, d.fenced_by)),
                 _ => None,
             };
+            // A Join naming no incarnation (0) does not replace one that named its
+            // own: an older worker binary never made such a record, and a client
+            // that leaves it out must not take over a live worker's id (and its
+            // actor's traffic). A record of 0 (an older worker) is replaced as before.
             if let Some((incarnation, serving_until)) = other
                 && incarnation != 0
-                && join.incarnation != 0
                 && incarnation != join.incarnation
                 && serving_until > now
             {
@@ -157,6 +160,14 @@ impl Plane {
                     .entry(k.clone())
                     .or_insert_with(super::policy::Activity::restored);
             }
+            // The Welcome goes first (after an Evict of what it may not keep), under
+            // the lock that makes the worker visible: no Restore can be queued before
+            // it (a worker that read a Welcome keeping nothing after a Restore would
+            // drop the actor it had just restored).
+            link.notify(Command::Welcome(wk::Welcome {
+                hosting_kept: kept.is_some(),
+                hosting_lease: self.config().hosting_lease.try_into().ok(),
+            }));
             st.workers.insert(
                 id.clone(),
                 WorkerRec {
