@@ -139,11 +139,11 @@ impl Pacing {
         if now >= self.deadline {
             return Next::Exhausted(now);
         }
-        let at = now + self.backoff.next_delay();
-        if at >= self.deadline {
-            Next::Exhausted(self.deadline)
-        } else {
-            Next::Attempt(at)
+        // The backoff has no cap (it saturates): past what the clock holds, the next
+        // attempt is past any budget.
+        match now.checked_add(self.backoff.next_delay()) {
+            Some(at) if at < self.deadline => Next::Attempt(at),
+            _ => Next::Exhausted(self.deadline),
         }
     }
 
@@ -238,14 +238,16 @@ async fn attempts(
             flight.park();
         }
         let (at, exhausted) = match pacing.after_retryable(now) {
-            Next::Attempt(at) => (at, None),
-            Next::Exhausted(at) => (at, Some(err)),
+            Next::Attempt(at) => (at, false),
+            Next::Exhausted(at) => (at, true),
         };
         tokio::select! {
             () = tokio::time::sleep_until(at) => {}
             () = wind_down.cancelled() => return Err(FlightError::Lost),
         }
-        if let Some(err) = exhausted {
+        // Timers wake at whole milliseconds, and a busy runtime later: an attempt due
+        // just before the end of the budget may find it ended, and then never starts.
+        if exhausted || Instant::now() >= flight.deadline() {
             return Err(FlightError::BudgetExhausted(err));
         }
     }
@@ -429,6 +431,22 @@ mod tests {
             b.next_delay_with(0.5);
         }
         assert_eq!(b.next_delay_with(0.5), Duration::MAX);
+    }
+
+    /// A wait past what the clock holds (a huge --parked-request-retry-factor, whose
+    /// waits saturate) ends the budget; before, adding it to the clock panicked the
+    /// flight, and its callers got a 500.
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_past_the_clock_ends_the_budget() {
+        let start = Instant::now();
+        let deadline = start + Duration::from_secs(5);
+        let mut p = Pacing::new(&config(100, 1e300, 0.0), deadline);
+        assert_eq!(
+            p.after_retryable(start),
+            Next::Attempt(start + Duration::from_millis(100))
+        );
+        let then = start + Duration::from_millis(100);
+        assert_eq!(p.after_retryable(then), Next::Exhausted(deadline));
     }
 
     #[tokio::test(start_paused = true)]

@@ -157,6 +157,26 @@ async fn disabled_parking_retries_aborted_for_15s_without_parking() {
     h.assert_lot(0, 0, &[]);
 }
 
+/// An attempt due just before the budget ends, whose timer wakes at the end (tokio's
+/// timers round up to the millisecond), does not start: the budget has ended.
+#[tokio::test(start_paused = true)]
+async fn no_attempt_starts_at_the_end_of_the_budget() {
+    let mut h = harness(&[
+        "--parked-request-retry-jitter",
+        "0",
+        "--parked-request-retry-interval",
+        "999.5ms",
+        "--parked-request-budget",
+        "1s",
+    ]);
+    let start = Instant::now();
+    let req = h.request("demo/p1");
+    let (d, times) = answer_until_done(&mut h.calls, req, |c| c.no_room()).await;
+    assert_eq!(times, [start], "one attempt");
+    assert_eq!(Instant::now(), start + Duration::from_secs(1));
+    assert_eq!(status(&d), 503);
+}
+
 /// The waits between attempts follow interval × factor^n with no cap, and no attempt
 /// starts after the budget; the verdict comes at the budget.
 #[tokio::test(start_paused = true)]
