@@ -936,8 +936,9 @@ async fn handle(
         // so it is not part of the future that waits (docs/BENCHMARKS.md).
         Decision::Route(route) => {
             Box::pin(async {
-                // Its body was read while it waited only if it parked.
-                let parked = parked_before || held.was_read();
+                // Its body was read while it waited only if it parked; the decision
+                // says so too when the request never saw its flight park.
+                let parked = route.parked || parked_before || held.was_read();
                 let (body, failure) = held.into_body();
                 let ends = Arc::clone(&failure);
                 let version = parts.version;

@@ -26,6 +26,10 @@ pub struct Route {
     pub actor: ActorRef,
     /// Its worker's address.
     pub addr: SocketAddr,
+    /// Whether the request parked on its way here (it waited on a flight that
+    /// parked): sent through the pipeline again after a 421, it is never shed
+    /// ([`Router::decide_again`]).
+    pub parked: bool,
 }
 
 /// The router's decision for one request.
@@ -207,10 +211,18 @@ impl Router {
                         Cached::Stale(a) => (a, true),
                     };
                     self.inner.metrics.routed_from_cache(stale);
-                    Decision::Route(Route { actor, addr })
+                    Decision::Route(Route {
+                        actor,
+                        addr,
+                        parked: false,
+                    })
                 }
                 None => match self.resolve(&actor, deadline, while_parked, again).await {
-                    Ok(addr) => Decision::Route(Route { actor, addr }),
+                    Ok((addr, parked)) => Decision::Route(Route {
+                        actor,
+                        addr,
+                        parked,
+                    }),
                     Err(denial) => deny(denial),
                 },
             },
@@ -311,7 +323,7 @@ impl Router {
         deadline: Instant,
         while_parked: F,
         again: bool,
-    ) -> Result<SocketAddr, Denial>
+    ) -> Result<(SocketAddr, bool), Denial>
     where
         F: Future<Output = CallerEnd>,
     {
@@ -364,11 +376,13 @@ struct Wait<'a> {
 }
 
 impl Wait<'_> {
+    /// The flight's route, and whether this caller parked on its way (see
+    /// [`Route::parked`]); or its denial.
     async fn until_done<F>(
         &mut self,
         lot: &ParkingLot,
         while_parked: F,
-    ) -> Result<SocketAddr, Denial>
+    ) -> Result<(SocketAddr, bool), Denial>
     where
         F: Future<Output = CallerEnd>,
     {
@@ -388,12 +402,13 @@ impl Wait<'_> {
                             self.park(lot)?;
                         }
                     }
+                    let parked = parked || self.slot.is_some();
                     return match result {
                         Ok(addr) => {
                             if let Some(slot) = self.slot.take() {
                                 slot.finish(ParkOutcome::Served);
                             }
-                            Ok(addr)
+                            Ok((addr, parked))
                         }
                         Err(e) => Err(self.end(Denial::Flight(self.actor.clone(), e))),
                     };
@@ -504,7 +519,9 @@ mod tests {
         let routed = wait(Ok(addr))
             .until_done(&lot, std::future::pending())
             .await;
-        assert_eq!(routed, Ok(addr));
+        // It parked (its flight did) though the lot had no room to count it: sent
+        // again after a 421, it must not be shed.
+        assert_eq!(routed, Ok((addr, true)));
         assert_eq!(lot.rejected_total(), 0);
         let failed = wait(Err(FlightError::Lost))
             .until_done(&lot, std::future::pending())
@@ -515,7 +532,7 @@ mod tests {
         let routed = wait(Ok(addr))
             .until_done(&lot, std::future::pending())
             .await;
-        assert_eq!(routed, Ok(addr));
+        assert_eq!(routed, Ok((addr, true)));
         assert_eq!((lot.admitted_total(), lot.active()), (2, 0));
     }
 }
