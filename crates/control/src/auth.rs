@@ -81,6 +81,23 @@ pub fn server_tls(
     })
 }
 
+/// Checks `ca` (`--client-ca-file`) as [`server_tls`] reads it: PEM certificates a
+/// client verifier can be built from.
+///
+/// # Errors
+/// A file that cannot be read or holds no usable CA.
+pub fn check_client_ca(ca: &Path) -> Result<(), SecurityError> {
+    let roots = pem_roots(ca).map_err(flagged("--client-ca-file"))?;
+    WebPkiClientVerifier::builder_with_provider(Arc::new(roots), Arc::new(ring::default_provider()))
+        .build()
+        .map(|_| ())
+        .map_err(|e| SecurityError {
+            flag: "--client-ca-file",
+            path: ca.to_owned(),
+            why: e.to_string(),
+        })
+}
+
 fn server_config(
     cert: &Path,
     key: &Path,

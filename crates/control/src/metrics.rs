@@ -1,11 +1,11 @@
 //! The control plane's metrics (meter `valet-control`): resumes by outcome, capacity
 //! waiters and workers by pool, hand-offs, and operation latency.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use opentelemetry::KeyValue;
-use opentelemetry::metrics::{Counter, Gauge, Histogram};
+use opentelemetry::metrics::{Counter, Histogram};
 use tonic::{Code, Status};
 use valet_proto::ateapi;
 use valet_telemetry::{Registry, SECONDS_BUCKETS};
@@ -21,13 +21,13 @@ pub(crate) struct PlaneMetrics {
     handoffs: Counter<u64>,
     evictions: Counter<u64>,
     idle_suspensions: Counter<u64>,
-    waiters: Gauge<i64>,
-    workers: Gauge<i64>,
-    /// The pools the gauges showed non-empty at the last scrape (workers, waiters): one
-    /// that empties reads 0 once, not the last value it had (a gauge keeps every label
-    /// set it has seen), and is then forgotten, so pool names (which clients choose)
-    /// do not pile up here.
-    shown: std::sync::Mutex<(BTreeSet<String>, BTreeSet<String>)>,
+    /// Plain Prometheus gauges: a series can be removed (pool names come from
+    /// clients, and must not pile up in the exposition).
+    waiters: prometheus::IntGaugeVec,
+    workers: prometheus::IntGaugeVec,
+    /// The pools each gauge shows (workers, waiters), and whether each read 0 at the
+    /// last scrape: a pool that empties reads 0 once, then its series go.
+    shown: std::sync::Mutex<(BTreeMap<String, bool>, BTreeMap<String, bool>)>,
     operation: Histogram<f64>,
     revocation: Histogram<f64>,
 }
@@ -35,6 +35,28 @@ pub(crate) struct PlaneMetrics {
 impl PlaneMetrics {
     pub(crate) fn new() -> Self {
         let registry = Registry::new(METER);
+        let waiters = prometheus::IntGaugeVec::new(
+            prometheus::Opts::new(
+                "valet_control_waiters",
+                "Resumes waiting for capacity, by pool.",
+            ),
+            &["pool"],
+        )
+        .expect("valid metric");
+        let workers = prometheus::IntGaugeVec::new(
+            prometheus::Opts::new(
+                "valet_control_workers",
+                "Attached workers by pool and state (free, busy).",
+            ),
+            &["pool", "state"],
+        )
+        .expect("valid metric");
+        for g in [&waiters, &workers] {
+            registry
+                .prometheus()
+                .register(Box::new(g.clone()))
+                .expect("each name is registered once");
+        }
         let meter = registry.meter();
         Self {
             resumes: meter
@@ -57,14 +79,8 @@ impl PlaneMetrics {
                 .u64_counter("valet.control.idle_suspensions")
                 .with_description("Actors suspended for being idle, by pool.")
                 .build(),
-            waiters: meter
-                .i64_gauge("valet.control.waiters")
-                .with_description("Resumes waiting for capacity, by pool.")
-                .build(),
-            workers: meter
-                .i64_gauge("valet.control.workers")
-                .with_description("Attached workers by pool and state (free, busy).")
-                .build(),
+            waiters,
+            workers,
             shown: std::sync::Mutex::default(),
             operation: meter
                 .f64_histogram("valet.control.operation.duration")
@@ -145,30 +161,53 @@ impl PlaneMetrics {
     ) -> String {
         let mut shown = self.shown.lock().unwrap_or_else(|e| e.into_inner());
         let (worker_pools, waiter_pools) = &mut *shown;
-        worker_pools.extend(pools.keys().cloned());
-        for pool in worker_pools.iter() {
-            let (all, free) = pools.get(pool).copied().unwrap_or_default();
-            for (state, n) in [("free", free), ("busy", all - free)] {
-                self.workers.record(
-                    n as i64,
-                    &[
-                        KeyValue::new("pool", pool.clone()),
-                        KeyValue::new("state", state),
-                    ],
-                );
+        for (pool, (all, free)) in pools {
+            for (state, n) in [("free", *free), ("busy", all - free)] {
+                self.workers
+                    .with_label_values(&[pool.as_str(), state])
+                    .set(n as i64);
             }
+            worker_pools.insert(pool.clone(), false);
         }
-        worker_pools.retain(|pool| pools.contains_key(pool));
-        waiter_pools.extend(waiters.iter().map(|(pool, _)| pool.clone()));
-        for pool in waiter_pools.iter() {
-            let n = waiters
-                .iter()
-                .find_map(|(p, n)| (p == pool).then_some(*n))
-                .unwrap_or(0);
-            self.waiters
-                .record(n as i64, &[KeyValue::new("pool", pool.clone())]);
+        worker_pools.retain(|pool, zeroed| {
+            if pools.contains_key(pool) {
+                return true;
+            }
+            for state in ["free", "busy"] {
+                if *zeroed {
+                    let _ = self.workers.remove_label_values(&[pool.as_str(), state]);
+                } else {
+                    self.workers
+                        .with_label_values(&[pool.as_str(), state])
+                        .set(0);
+                }
+            }
+            let keep = !*zeroed;
+            *zeroed = true;
+            keep
+        });
+        let waiting: BTreeMap<&str, usize> = waiters
+            .iter()
+            .filter(|(_, n)| *n > 0)
+            .map(|(p, n)| (p.as_str(), *n))
+            .collect();
+        for (pool, n) in &waiting {
+            self.waiters.with_label_values(&[*pool]).set(*n as i64);
+            waiter_pools.insert((*pool).to_owned(), false);
         }
-        waiter_pools.retain(|pool| waiters.iter().any(|(p, n)| p == pool && *n > 0));
+        waiter_pools.retain(|pool, zeroed| {
+            if waiting.contains_key(pool.as_str()) {
+                return true;
+            }
+            if *zeroed {
+                let _ = self.waiters.remove_label_values(&[pool.as_str()]);
+            } else {
+                self.waiters.with_label_values(&[pool.as_str()]).set(0);
+            }
+            let keep = !*zeroed;
+            *zeroed = true;
+            keep
+        });
         drop(shown);
         self.registry.render()
     }
@@ -224,17 +263,18 @@ mod tests {
             Some(0.0),
             "{text}"
         );
-        // Still 0 once forgotten.
+        // Then its series are gone.
         let text = m.render(&BTreeMap::new(), &[]);
         assert_eq!(
             sample(&text, "valet_control_workers", &busy),
-            Some(0.0),
+            None,
             "{text}"
         );
     }
 
-    /// Pool names come from clients (a worker's join, an actor's template): the pools
-    /// remembered between scrapes are only those not empty at the last one.
+    /// Pool names come from clients (a worker's join, an actor's template): a pool that
+    /// empties reads 0 once, then its series are gone from the exposition and from
+    /// memory (before, every name ever shown stayed).
     #[test]
     fn emptied_pools_are_not_remembered() {
         let m = PlaneMetrics::new();
@@ -242,7 +282,14 @@ mod tests {
             let pool = format!("p{i}");
             m.render(&BTreeMap::from([(pool.clone(), (1, 1))]), &[(pool, 1)]);
         }
-        m.render(&BTreeMap::new(), &[]);
+        // Each reads 0 once, then its series go.
+        let text = m.render(&BTreeMap::new(), &[]);
+        assert_eq!(
+            sample(&text, "valet_control_waiters", &["pool=\"p199\""]),
+            Some(0.0)
+        );
+        let text = m.render(&BTreeMap::new(), &[]);
+        assert!(!text.contains("pool=\"p"), "{text}");
         let shown = m.shown.lock().unwrap();
         assert_eq!((shown.0.len(), shown.1.len()), (0, 0));
     }

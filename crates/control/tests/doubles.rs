@@ -1116,3 +1116,38 @@ async fn the_welcome_comes_before_any_restore() {
     w.answer(r.id, Ok(()));
     assert_eq!(waiting.await.unwrap().unwrap().0.status, S::Running as i32);
 }
+
+/// A `wait_for_capacity` past what the clock holds (any client may send one) is taken
+/// as a long wait, not a panic of the call.
+#[tokio::test(start_paused = true)]
+async fn a_wait_for_capacity_past_the_clock_is_a_long_wait() {
+    let store = MemoryStore::default();
+    let plane = Plane::open(
+        Arc::new(store.clone()),
+        PlaneConfig {
+            capacity_wait: true,
+            ..config()
+        },
+    )
+    .await
+    .unwrap();
+    plane.create_atespace("demo").await.unwrap();
+    plane
+        .create_actor(key("a"), "default", "counter", Vec::new())
+        .await
+        .unwrap();
+    let waiting = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key("a"), Some(Duration::MAX)).await })
+    };
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(1), |p| p.waiters("counter") == 1)
+            .await,
+        "it waits"
+    );
+    let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    let r = expect(&mut w, "restore").await;
+    w.answer(r.id, Ok(()));
+    assert_eq!(waiting.await.unwrap().unwrap().0.status, S::Running as i32);
+}

@@ -478,6 +478,20 @@ impl IngressArgs {
     pub(crate) fn resolve(
         &self,
     ) -> Result<Option<(std::net::SocketAddr, valet_proxy::tls::IngressTls)>, String> {
+        let resolved = self.check()?;
+        if resolved.is_some() && self.ingress_tls_cert_file.is_none() {
+            tracing::warn!(
+                "no --ingress-tls-cert-file: the HTTPS listener serves a self-signed certificate generated at start"
+            );
+        }
+        Ok(resolved)
+    }
+
+    /// [`Self::resolve`] without a word: a check of the flags made before the real
+    /// start (`valet up`'s).
+    pub(crate) fn check(
+        &self,
+    ) -> Result<Option<(std::net::SocketAddr, valet_proxy::tls::IngressTls)>, String> {
         use valet_proxy::tls::{IngressCert, IngressTls, SpiffeAllowlist};
         if self.listen_https.is_empty() {
             if let Some((flag, value)) = self.given().into_iter().next() {
@@ -508,15 +522,10 @@ impl IngressArgs {
             (Some(cert), Some(key)) => IngressCert::Files { cert, key },
             _ => IngressCert::SelfSigned(vec!["localhost".into(), addr.ip().to_string()]),
         };
-        let self_signed = matches!(cert, IngressCert::SelfSigned(_));
+        // The warning (in `resolve`) only once the configuration holds: a refused one
+        // prints its one line.
         let tls = IngressTls::new(cert, self.ingress_client_ca_file.as_deref(), allowlist)
             .map_err(|e| e.to_string())?;
-        // Only once the configuration holds: a refused one prints its one line.
-        if self_signed {
-            tracing::warn!(
-                "no --ingress-tls-cert-file: the HTTPS listener serves a self-signed certificate generated at start"
-            );
-        }
         Ok(Some((addr, tls)))
     }
 }

@@ -780,6 +780,35 @@ fn a_client_ca_needs_a_server_certificate() {
     );
 }
 
+/// With `valet up --tls`, a --client-ca-file (which goes with the throwaway
+/// certificate) is checked before the data dir is touched too.
+#[test]
+fn valet_up_checks_its_client_ca_before_the_data_dir() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("d");
+    let missing = tmp.path().join("missing-ca.pem");
+    let o = valet(
+        &[
+            "up",
+            "--tls",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--client-ca-file",
+            missing.to_str().unwrap(),
+            "--ateapi-cert-file",
+            "/etc/hosts",
+            "--ateapi-key-file",
+            "/etc/hosts",
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(64));
+    let lines = stderr_lines(&o);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(lines[0].contains("--client-ca-file"), "{lines:?}");
+    assert!(!data.exists(), "nothing written");
+}
+
 /// A value starting with `-` is refused by its flag's own rule, which names the flag.
 #[test]
 fn a_negative_value_names_its_flag() {

@@ -211,6 +211,9 @@ impl Plane {
                     // That waiter left: take the worker back and try the next one.
                     unused.settled = true;
                     let mut st = self.lock();
+                    // Its stream may have ended in between: the departure must not
+                    // keep the reservation either.
+                    st.forget_departed_reservation(worker, &unused.actor);
                     if let Some(w) = st.workers.get_mut(worker)
                         && w.slot == Slot::Reserved(unused.actor.clone())
                     {

@@ -23,6 +23,9 @@ use crate::metrics::ResumeHow;
 use crate::model::{ActorKey, ActorStatus, Template};
 use crate::store::{ActorRow, Batch};
 
+/// The longest capacity wait honoured (`wait_for_capacity` comes from any client).
+const MAX_CAPACITY_WAIT: Duration = Duration::from_secs(365 * 24 * 3600);
+
 /// How a resume gets its worker.
 enum Start {
     Reserved(Reservation),
@@ -124,7 +127,8 @@ impl Plane {
     ) -> Result<(ateapi::Actor, ResumeHow), Status> {
         // This call's own deadline for capacity, kept across joins: "up to the given
         // duration" from its arrival.
-        let mine = wait.map(|d| Instant::now() + d);
+        // A wait from the wire may be past what the clock holds: a year is as good.
+        let mine = wait.map(|d| Instant::now() + d.min(MAX_CAPACITY_WAIT));
         // A resume that joined a wait whose callers all left just before it joined
         // finds no outcome: it starts over (once more at most).
         let mut abandoned = 0;

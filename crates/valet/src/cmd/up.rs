@@ -103,7 +103,7 @@ fn precheck(args: &UpArgs) -> Result<valet_router::RouterConfig, UpError> {
         .resolve()
         .map_err(|e| UpError::Config(e.to_string()))?;
     if !args.tls || args.ingress.ingress_tls_cert_file.is_some() {
-        args.ingress.resolve().map_err(UpError::Config)?;
+        args.ingress.check().map_err(UpError::Config)?;
     }
     Ok(config)
 }
@@ -165,6 +165,9 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
     // holds the dir). What the throwaway certificates stand in for is checked once
     // they are made, below.
     let config = precheck(&args)?;
+    if let Some(ca) = &throwaway_client_ca {
+        valet_control::auth::check_client_ca(ca).map_err(|e| UpError::Config(e.to_string()))?;
+    }
     if args.check {
         for (flag, value) in config.with_flags(args.ingress.given()).effective_flags() {
             say!("{flag}={value}");
