@@ -242,6 +242,7 @@ mod tests {
             last_renewal: tokio::time::Instant::now(),
             leaving: false,
             incarnation: 0,
+            not_kept: Vec::new(),
         }
     }
 

@@ -334,10 +334,13 @@ impl Plane {
 
     async fn restore(&self, key: &ActorKey, row: &ActorRow) -> Result<(), LinkError> {
         let worker = row.worker.clone().unwrap_or_default();
+        // Not to a worker that attached again, without the actor, since it was
+        // claimed for it (see `WorkerRec::not_kept`).
         let Some(link) = self
             .lock()
             .workers
             .get(&worker)
+            .filter(|w| !w.not_kept.contains(key))
             .map(|w| Arc::clone(&w.link))
         else {
             return Err(LinkError::Gone);

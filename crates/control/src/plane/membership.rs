@@ -160,6 +160,19 @@ impl Plane {
                     .entry(k.clone())
                     .or_insert_with(super::policy::Activity::restored);
             }
+            // Those an operation holds now may end RUNNING here all the same (their
+            // last write was landing): released once it ends, unless the worker
+            // attached again meanwhile (that attach decides).
+            let held: Vec<ActorKey> = st
+                .actors
+                .iter()
+                .filter(|(k, r)| {
+                    r.worker.as_deref() == Some(id.as_str())
+                        && kept.as_ref() != Some(*k)
+                        && st.busy(k).is_some()
+                })
+                .map(|(k, _)| k.clone())
+                .collect();
             // The Welcome goes first (after an Evict of what it may not keep), under
             // the lock that makes the worker visible: no Restore can be queued before
             // it (a worker that read a Welcome keeping nothing after a Restore would
@@ -178,6 +191,7 @@ impl Plane {
                     last_renewal: tokio::time::Instant::now(),
                     leaving,
                     incarnation: join.incarnation,
+                    not_kept: held.clone(),
                 },
             );
             self.inner.stats.attachments.fetch_add(1, Ordering::Relaxed);
@@ -212,19 +226,6 @@ impl Plane {
                         OpKind::Busy("releasing"),
                     )
                 })
-                .collect();
-            // Those an operation holds now may end RUNNING here all the same (their
-            // last write was landing): released once it ends, unless the worker
-            // attached again meanwhile (that attach decides).
-            let held: Vec<ActorKey> = st
-                .actors
-                .iter()
-                .filter(|(k, r)| {
-                    r.worker.as_deref() == Some(id.as_str())
-                        && kept.as_ref() != Some(*k)
-                        && st.busy(k).is_some()
-                })
-                .map(|(k, _)| k.clone())
                 .collect();
             (kept, (ops, stale), free, held)
         };

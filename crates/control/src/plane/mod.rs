@@ -171,6 +171,10 @@ pub(crate) struct WorkerRec {
     pub(crate) leaving: bool,
     /// The process attached as this worker (`Join.incarnation`; 0: unknown).
     pub(crate) incarnation: u64,
+    /// Actors the records placed on it that an operation held when it attached on
+    /// this stream, and that it did not keep: that operation sends it nothing more
+    /// here (it is released once the operation ends, if it ends RUNNING there).
+    pub(crate) not_kept: Vec<ActorKey>,
 }
 
 impl WorkerRec {
