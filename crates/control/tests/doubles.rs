@@ -44,6 +44,27 @@ async fn plane_with(store: &MemoryStore, actors: &[&str]) -> Plane {
     plane
 }
 
+/// [`plane_with`], honouring `wait_for_capacity`.
+async fn waiting_plane(store: &MemoryStore, actors: &[&str]) -> Plane {
+    let plane = Plane::open(
+        Arc::new(store.clone()),
+        PlaneConfig {
+            capacity_wait: true,
+            ..config()
+        },
+    )
+    .await
+    .unwrap();
+    plane.create_atespace("demo").await.unwrap();
+    for a in actors {
+        plane
+            .create_actor(key(a), "default", "counter", Vec::new())
+            .await
+            .unwrap();
+    }
+    plane
+}
+
 fn app() -> SocketAddr {
     APP.parse().unwrap()
 }
@@ -987,22 +1008,7 @@ async fn an_actor_whose_worker_dies_during_its_last_write_is_released() {
 #[tokio::test(start_paused = true)]
 async fn a_reservation_outlives_its_workers_reattach() {
     let store = MemoryStore::default();
-    let plane = Plane::open(
-        Arc::new(store.clone()),
-        PlaneConfig {
-            capacity_wait: true,
-            ..config()
-        },
-    )
-    .await
-    .unwrap();
-    plane.create_atespace("demo").await.unwrap();
-    for a in ["a", "b"] {
-        plane
-            .create_actor(key(a), "default", "counter", Vec::new())
-            .await
-            .unwrap();
-    }
+    let plane = waiting_plane(&store, &["a", "b"]).await;
     let (w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
     store.gate.close();
     let resume = |name: &'static str, wait: Option<Duration>| {
@@ -1079,20 +1085,7 @@ async fn a_reservation_that_ended_while_its_worker_was_away_is_forgotten() {
 #[tokio::test(start_paused = true)]
 async fn the_welcome_comes_before_any_restore() {
     let store = MemoryStore::default();
-    let plane = Plane::open(
-        Arc::new(store.clone()),
-        PlaneConfig {
-            capacity_wait: true,
-            ..config()
-        },
-    )
-    .await
-    .unwrap();
-    plane.create_atespace("demo").await.unwrap();
-    plane
-        .create_actor(key("a"), "default", "counter", Vec::new())
-        .await
-        .unwrap();
+    let plane = waiting_plane(&store, &["a"]).await;
     let waiting = {
         let plane = plane.clone();
         tokio::spawn(async move {
@@ -1122,20 +1115,7 @@ async fn the_welcome_comes_before_any_restore() {
 #[tokio::test(start_paused = true)]
 async fn a_wait_for_capacity_past_the_clock_is_a_long_wait() {
     let store = MemoryStore::default();
-    let plane = Plane::open(
-        Arc::new(store.clone()),
-        PlaneConfig {
-            capacity_wait: true,
-            ..config()
-        },
-    )
-    .await
-    .unwrap();
-    plane.create_atespace("demo").await.unwrap();
-    plane
-        .create_actor(key("a"), "default", "counter", Vec::new())
-        .await
-        .unwrap();
+    let plane = waiting_plane(&store, &["a"]).await;
     let waiting = {
         let plane = plane.clone();
         tokio::spawn(async move { plane.resume_actor(key("a"), Some(Duration::MAX)).await })

@@ -4,7 +4,8 @@ use valet_extproc::bootstrap::{EnvoyListeners, bootstrap_yaml};
 use valet_router::RouterArgs;
 use yaml_rust2::{Yaml, YamlLoader};
 
-fn doc(flags: &[&str]) -> Yaml {
+/// The bootstrap for a router with `flags` (Envoy on 0.0.0.0:10000), or why not.
+fn bootstrap_for(flags: &[&str]) -> Result<String, valet_extproc::bootstrap::BootstrapError> {
     let config = RouterArgs::try_parse_flags(flags)
         .unwrap()
         .resolve()
@@ -14,7 +15,11 @@ fn doc(flags: &[&str]) -> Yaml {
         admin: "127.0.0.1:9901".parse().unwrap(),
         https: None,
     };
-    let text = bootstrap_yaml(&config, listeners).unwrap();
+    bootstrap_yaml(&config, listeners)
+}
+
+fn doc(flags: &[&str]) -> Yaml {
+    let text = bootstrap_for(flags).unwrap();
     let mut docs =
         YamlLoader::load_from_str(&text).unwrap_or_else(|e| panic!("invalid YAML: {e}\n{text}"));
     assert_eq!(docs.len(), 1);
@@ -296,18 +301,7 @@ fn an_https_listener_enforces_client_certificates_and_the_spiffe_allowlist() {
 /// is refused, naming the flag, instead of a bootstrap Envoy would not load.
 #[test]
 fn a_budget_past_envoys_message_timeout_bound_is_refused() {
-    let bootstrap = |budget: &str| {
-        let config = RouterArgs::try_parse_flags(["--parked-request-budget", budget])
-            .unwrap()
-            .resolve()
-            .unwrap();
-        let listeners = EnvoyListeners {
-            http: "0.0.0.0:10000".parse().unwrap(),
-            admin: "127.0.0.1:9901".parse().unwrap(),
-            https: None,
-        };
-        bootstrap_yaml(&config, listeners)
-    };
+    let bootstrap = |budget: &str| bootstrap_for(&["--parked-request-budget", budget]);
     assert!(bootstrap("3595s").is_ok());
     let e = bootstrap("3596s").unwrap_err().to_string();
     assert!(
