@@ -960,6 +960,16 @@ async fn an_actor_evicted_by_a_reattach_during_its_last_write_is_released() {
         "released: {:?}",
         plane.status_of("demo", "a")
     );
+    // A later activation of it may use that worker, on that same stream.
+    let resume = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
+    };
+    let r = tokio::time::timeout(Duration::from_secs(10), expect(&mut again, "restore"))
+        .await
+        .unwrap_or_else(|_| panic!("no restore: {:?}", plane.status_of("demo", "a")));
+    again.answer(r.id, Ok(()));
+    assert_eq!(resume.await.unwrap().unwrap().0.status, S::Running as i32);
 }
 
 /// The same when the worker's process dies during that write (its port refuses at

@@ -327,20 +327,20 @@ impl Plane {
         reservation.claimed();
         self.lock().refused.remove(key);
         let started = Instant::now();
-        let result = self.restore(key, &claimed).await;
+        let result = self.restore(key, &claimed, op.id()).await;
         self.metrics().operation("restore", started.elapsed());
         Ok(self.after_restore(op, key, claimed, result).await)
     }
 
-    async fn restore(&self, key: &ActorKey, row: &ActorRow) -> Result<(), LinkError> {
+    /// Restores `key` on its worker for operation `op`: not if the worker attached
+    /// again, without the actor, since `op` claimed it (see `WorkerRec::not_kept`).
+    async fn restore(&self, key: &ActorKey, row: &ActorRow, op: u64) -> Result<(), LinkError> {
         let worker = row.worker.clone().unwrap_or_default();
-        // Not to a worker that attached again, without the actor, since it was
-        // claimed for it (see `WorkerRec::not_kept`).
         let Some(link) = self
             .lock()
             .workers
             .get(&worker)
-            .filter(|w| !w.not_kept.contains(key))
+            .filter(|w| !w.not_kept.iter().any(|(k, id)| k == key && *id == op))
             .map(|w| Arc::clone(&w.link))
         else {
             return Err(LinkError::Gone);

@@ -173,6 +173,14 @@ impl Plane {
                 })
                 .map(|(k, _)| k.clone())
                 .collect();
+            let not_kept: Vec<(ActorKey, u64)> = held
+                .iter()
+                .filter_map(|k| {
+                    st.ops
+                        .get(&OpTarget::Actor(k.clone()))
+                        .map(|(id, _)| (k.clone(), *id))
+                })
+                .collect();
             // The Welcome goes first (after an Evict of what it may not keep), under
             // the lock that makes the worker visible: no Restore can be queued before
             // it (a worker that read a Welcome keeping nothing after a Restore would
@@ -191,7 +199,7 @@ impl Plane {
                     last_renewal: tokio::time::Instant::now(),
                     leaving,
                     incarnation: join.incarnation,
-                    not_kept: held.clone(),
+                    not_kept,
                 },
             );
             self.inner.stats.attachments.fetch_add(1, Ordering::Relaxed);

@@ -172,9 +172,10 @@ pub(crate) struct WorkerRec {
     /// The process attached as this worker (`Join.incarnation`; 0: unknown).
     pub(crate) incarnation: u64,
     /// Actors the records placed on it that an operation held when it attached on
-    /// this stream, and that it did not keep: that operation sends it nothing more
-    /// here (it is released once the operation ends, if it ends RUNNING there).
-    pub(crate) not_kept: Vec<ActorKey>,
+    /// this stream, and that it did not keep, with that operation's id: that
+    /// operation sends it nothing more here (the actor is released once it ends, if
+    /// it ends RUNNING there). A later operation may use the worker as any other.
+    pub(crate) not_kept: Vec<(ActorKey, u64)>,
 }
 
 impl WorkerRec {

@@ -97,6 +97,11 @@ impl Op {
         }
     }
 
+    /// Tells this operation from a later one on the same target.
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
     /// The resume is past its capacity wait: later resumes no longer join it.
     pub(crate) fn stop_joining(&self) {
         let plane = Plane {
