@@ -65,6 +65,24 @@ async fn waiting_plane(store: &MemoryStore, actors: &[&str]) -> Plane {
     plane
 }
 
+/// `resume_actor(atespace demo, name, wait)` in a task of its own.
+fn spawn_resume(
+    plane: &Plane,
+    name: &str,
+    wait: Option<Duration>,
+) -> tokio::task::JoinHandle<Result<(valet_proto::ateapi::Actor, bool), tonic::Status>> {
+    let (plane, key) = (plane.clone(), key(name));
+    tokio::spawn(async move { plane.resume_actor(key, wait).await })
+}
+
+/// An address nothing listens on (a worker whose process is gone).
+fn dead_port() -> SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
 fn app() -> SocketAddr {
     APP.parse().unwrap()
 }
@@ -105,10 +123,7 @@ async fn suspending(
 
 /// Resumes `demo/<name>` and has `w` restore it: RUNNING on `w`.
 async fn restored(plane: &Plane, w: &mut FakeWorker, name: &'static str) {
-    let resume = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.resume_actor(key(name), None).await })
-    };
+    let resume = spawn_resume(plane, name, None);
     let r = expect(w, "restore").await;
     w.answer(r.id, Ok(()));
     resume.await.unwrap().unwrap();
@@ -122,10 +137,7 @@ async fn restore_timeout_crashes_the_actor() {
     let plane = plane_with(&store, &["a"]).await;
     let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
     let start = Instant::now();
-    let resume = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
-    };
+    let resume = spawn_resume(&plane, "a", None);
     expect(&mut w, "restore").await;
     let err = resume.await.unwrap().unwrap_err();
     assert_eq!(start.elapsed(), Duration::from_secs(5));
@@ -246,10 +258,7 @@ async fn a_drain_during_a_restore_checkpoints_the_actor_once_it_runs() {
     let store = MemoryStore::default();
     let plane = plane_with(&store, &["a"]).await;
     let (mut w1, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
-    let resume = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
-    };
+    let resume = spawn_resume(&plane, "a", None);
     let restore = expect(&mut w1, "restore").await;
     w1.drain();
     w1.answer(restore.id, Ok(()));
@@ -328,10 +337,7 @@ async fn shutdown_answers_waiters_waits_for_restores_and_detaches_workers() {
     let store = MemoryStore::default();
     let plane = plane_with(&store, &["a", "b"]).await;
     let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
-    let restoring = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
-    };
+    let restoring = spawn_resume(&plane, "a", None);
     let restore = expect(&mut w, "restore").await;
     let waiting = resume_waiting(&plane, "b");
     assert!(
@@ -387,10 +393,7 @@ async fn shutdown_waits_at_most_its_timeout() {
     let store = MemoryStore::default();
     let plane = plane_with(&store, &["a"]).await;
     let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
-    let _restoring = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
-    };
+    let _restoring = spawn_resume(&plane, "a", None);
     expect(&mut w, "restore").await;
     let start = Instant::now();
     plane.shutdown(Duration::from_secs(3)).await;
@@ -627,15 +630,9 @@ async fn a_busy_actor_is_left_running_by_a_suspend() {
 /// Runs `name` on a fresh worker `id` whose app port refuses connections (its process
 /// is gone as soon as its stream ends).
 async fn running_on_a_dead_port(plane: &Plane, id: &str, name: &'static str) -> FakeWorker {
-    let dead = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let dead = dead_port();
     let (mut w, _) = FakeWorker::attach(plane, id, "counter", dead, None).unwrap();
-    let resume = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.resume_actor(key(name), None).await })
-    };
+    let resume = spawn_resume(plane, name, None);
     let r = expect(&mut w, "restore").await;
     w.answer(r.id, Ok(()));
     resume.await.unwrap().unwrap();
@@ -827,10 +824,7 @@ async fn a_waiting_resume_that_joined_a_refused_one_waits_itself() {
     let (mut w1, kept) =
         FakeWorker::attach(&plane, "w1", "counter", app(), Some(&key("b"))).unwrap();
     assert!(kept);
-    let resume = |wait: Option<Duration>| {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.resume_actor(key("a"), wait).await })
-    };
+    let resume = |wait: Option<Duration>| spawn_resume(&plane, "a", wait);
     let no_wait = resume(None);
     assert!(
         plane
@@ -937,10 +931,7 @@ async fn an_actor_evicted_by_a_reattach_during_its_last_write_is_released() {
     let store = MemoryStore::default();
     let plane = plane_with(&store, &["a"]).await;
     let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
-    let resume = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
-    };
+    let resume = spawn_resume(&plane, "a", None);
     let r = expect(&mut w, "restore").await;
     store.gate.close();
     w.answer(r.id, Ok(()));
@@ -961,10 +952,7 @@ async fn an_actor_evicted_by_a_reattach_during_its_last_write_is_released() {
         plane.status_of("demo", "a")
     );
     // A later activation of it may use that worker, on that same stream.
-    let resume = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
-    };
+    let resume = spawn_resume(&plane, "a", None);
     let r = tokio::time::timeout(Duration::from_secs(10), expect(&mut again, "restore"))
         .await
         .unwrap_or_else(|_| panic!("no restore: {:?}", plane.status_of("demo", "a")));
@@ -979,15 +967,9 @@ async fn an_actor_evicted_by_a_reattach_during_its_last_write_is_released() {
 async fn an_actor_whose_worker_dies_during_its_last_write_is_released() {
     let store = MemoryStore::default();
     let plane = plane_with(&store, &["a"]).await;
-    let dead = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let dead = dead_port();
     let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", dead, None).unwrap();
-    let resume = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
-    };
+    let resume = spawn_resume(&plane, "a", None);
     let r = expect(&mut w, "restore").await;
     store.gate.close();
     w.answer(r.id, Ok(()));
@@ -1021,10 +1003,7 @@ async fn a_reservation_outlives_its_workers_reattach() {
     let plane = waiting_plane(&store, &["a", "b"]).await;
     let (w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
     store.gate.close();
-    let resume = |name: &'static str, wait: Option<Duration>| {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.resume_actor(key(name), wait).await })
-    };
+    let resume = |name: &'static str, wait: Option<Duration>| spawn_resume(&plane, name, wait);
     let a = resume("a", None);
     store.gate.until_waiting(1).await;
     w.leave();
@@ -1067,10 +1046,7 @@ async fn a_reservation_that_ended_while_its_worker_was_away_is_forgotten() {
     let plane = plane_with(&store, &["a", "b"]).await;
     let (w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
     store.gate.close();
-    let a = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
-    };
+    let a = spawn_resume(&plane, "a", None);
     store.gate.until_waiting(1).await;
     w.leave();
     store.gate.fail(true);
@@ -1079,10 +1055,7 @@ async fn a_reservation_that_ended_while_its_worker_was_away_is_forgotten() {
     store.gate.fail(false);
     let (mut again, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
     assert_eq!(plane.pool("counter"), (1, 1), "w1 is free");
-    let b = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.resume_actor(key("b"), None).await })
-    };
+    let b = spawn_resume(&plane, "b", None);
     let r = expect(&mut again, "restore").await;
     again.answer(r.id, Ok(()));
     assert_eq!(b.await.unwrap().unwrap().0.actor_id, "b");
@@ -1096,14 +1069,7 @@ async fn a_reservation_that_ended_while_its_worker_was_away_is_forgotten() {
 async fn the_welcome_comes_before_any_restore() {
     let store = MemoryStore::default();
     let plane = waiting_plane(&store, &["a"]).await;
-    let waiting = {
-        let plane = plane.clone();
-        tokio::spawn(async move {
-            plane
-                .resume_actor(key("a"), Some(Duration::from_secs(60)))
-                .await
-        })
-    };
+    let waiting = spawn_resume(&plane, "a", Some(Duration::from_secs(60)));
     assert!(
         plane
             .wait_until(Duration::from_secs(1), |p| p.waiters("counter") == 1)
@@ -1126,10 +1092,7 @@ async fn the_welcome_comes_before_any_restore() {
 async fn a_wait_for_capacity_past_the_clock_is_a_long_wait() {
     let store = MemoryStore::default();
     let plane = waiting_plane(&store, &["a"]).await;
-    let waiting = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.resume_actor(key("a"), Some(Duration::MAX)).await })
-    };
+    let waiting = spawn_resume(&plane, "a", Some(Duration::MAX));
     assert!(
         plane
             .wait_until(Duration::from_secs(1), |p| p.waiters("counter") == 1)
