@@ -7,7 +7,7 @@ use plotters::prelude::*;
 
 use crate::record::Record;
 
-/// Draws `records` to an SVG file at `path`.
+/// Draws `records` to an SVG file at `path`, written whole or not at all.
 ///
 /// # Errors
 /// When the file cannot be written.
@@ -17,7 +17,22 @@ pub fn latency_chart(
     records: &[Record],
     budget_s: Option<f64>,
 ) -> Result<(), String> {
-    let root = SVGBackend::new(path, (900, 480)).into_drawing_area();
+    let mut svg = String::new();
+    draw(
+        SVGBackend::with_string(&mut svg, (900, 480)).into_drawing_area(),
+        title,
+        records,
+        budget_s,
+    )?;
+    crate::record::write_file_atomically(path, |w| w.write_all(svg.as_bytes()))
+}
+
+fn draw(
+    root: DrawingArea<SVGBackend<'_>, plotters::coord::Shift>,
+    title: &str,
+    records: &[Record],
+    budget_s: Option<f64>,
+) -> Result<(), String> {
     root.fill(&WHITE).map_err(|e| e.to_string())?;
     let max_x = records
         .iter()

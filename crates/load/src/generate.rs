@@ -117,7 +117,9 @@ pub fn schedule(rate: f64, duration: Duration) -> Vec<Duration> {
     if rate <= 0.0 {
         return Vec::new();
     }
-    let n = (rate * duration.as_secs_f64()).floor() as usize;
+    // Every i with i / rate < duration; the tolerance keeps a product such as
+    // 0.1 x 30 (3.0000000000000004) from scheduling a send at the very end.
+    let n = (rate * duration.as_secs_f64() - 1e-9).ceil().max(0.0) as usize;
     (0..n)
         .map(|i| Duration::from_secs_f64(i as f64 / rate))
         .collect()
@@ -300,6 +302,10 @@ mod tests {
         assert_eq!(s[1], Duration::from_millis(250));
         assert_eq!(s[7], Duration::from_millis(1750));
         assert!(schedule(0.0, Duration::from_secs(1)).is_empty());
+        // 0, 1/3, 2/3, 1 and 4/3 s all fall within 1.5 s.
+        assert_eq!(schedule(3.0, Duration::from_millis(1500)).len(), 5);
+        assert_eq!(schedule(0.1, Duration::from_secs(30)).len(), 3);
+        assert_eq!(schedule(0.5, Duration::from_secs(1)).len(), 1);
     }
 
     /// A server that takes 10 s per answer does not slow the open loop down: every

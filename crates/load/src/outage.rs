@@ -39,11 +39,23 @@ struct ControlPlane {
 }
 
 impl ControlPlane {
-    async fn start(exe: &Path, data: &Path, listen: &str, lease: Duration) -> Result<Self, String> {
+    async fn start(
+        exe: &Path,
+        data: &Path,
+        listen: &str,
+        opts: &LeaseOpts,
+    ) -> Result<Self, String> {
         let mut child = crate::processes::part_command(exe)
             .args(["control-plane", "--listen", listen, "--data-dir"])
             .arg(data)
-            .args(["--route-lease", &valet_router::config::fmt_duration(lease)])
+            .args([
+                "--route-lease",
+                &valet_router::config::fmt_duration(opts.lease),
+            ])
+            .args([
+                "--capacity-wait",
+                if opts.capacity_wait { "on" } else { "off" },
+            ])
             .stdout(Stdio::piped())
             .spawn()
             .map_err(|e| format!("{}: {e}", exe.display()))?;
@@ -89,6 +101,10 @@ pub struct LeaseOpts {
     pub outage: Duration,
     /// Clients per data plane during the outage run.
     pub clients: usize,
+    /// The control plane's `--capacity-wait`.
+    pub capacity_wait: bool,
+    /// The router's `--parked-request-budget`.
+    pub budget: Duration,
 }
 
 /// Runs the scenario.
@@ -98,7 +114,7 @@ pub struct LeaseOpts {
 pub async fn leases(opts: &LeaseOpts) -> Result<Report, String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let data = dir.path().join("data");
-    let cp = ControlPlane::start(&opts.exe, &data, "127.0.0.1:0", opts.lease).await?;
+    let cp = ControlPlane::start(&opts.exe, &data, "127.0.0.1:0", opts).await?;
     let cp_addr = cp.addr;
     let url = format!("http://{cp_addr}");
     let mut workers = Vec::new();
@@ -143,6 +159,7 @@ pub async fn leases(opts: &LeaseOpts) -> Result<Report, String> {
         .map_err(|e| e.to_string())?;
     }
 
+    let budget = valet_router::config::fmt_duration(opts.budget);
     let config = RouterArgs::try_parse_flags_only([
         "--control-plane",
         url.as_str(),
@@ -150,6 +167,8 @@ pub async fn leases(opts: &LeaseOpts) -> Result<Report, String> {
         "127.0.0.1:0",
         "--extproc-listen",
         "127.0.0.1:0",
+        "--parked-request-budget",
+        budget.as_str(),
     ])
     .map_err(|e| e.to_string())?
     .resolve()
@@ -192,7 +211,12 @@ pub async fn leases(opts: &LeaseOpts) -> Result<Report, String> {
         .await
         .map_err(|_| "the router never watched its leases")?;
 
-    let mut text = String::new();
+    let mut text = format!(
+        "control plane: --route-lease {}, --capacity-wait {}; router: --parked-request-budget {}\n",
+        valet_router::config::fmt_duration(opts.lease),
+        if opts.capacity_wait { "on" } else { "off" },
+        budget,
+    );
     revocations(
         &mut text,
         &router,
@@ -229,7 +253,7 @@ pub async fn leases(opts: &LeaseOpts) -> Result<Report, String> {
         name: "leases".into(),
         text,
         records,
-        budget_s: Some(5.0),
+        budget_s: Some(opts.budget.as_secs_f64()),
     })
 }
 
@@ -389,7 +413,7 @@ async fn outage(
         opts.outage
     );
     tokio::time::sleep(opts.outage).await;
-    let back = ControlPlane::start(exe, data, &cp_addr.to_string(), opts.lease).await?;
+    let back = ControlPlane::start(exe, data, &cp_addr.to_string(), opts).await?;
     let restarted = t0.elapsed();
     eprintln!("leases: control plane restarted");
     tokio::time::sleep(Duration::from_secs(10)).await;

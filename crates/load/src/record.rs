@@ -1,6 +1,7 @@
 //! One record per request, and their CSV form.
 
 use std::io::Write;
+use std::path::Path;
 use std::time::Duration;
 
 /// What happened to one request.
@@ -70,9 +71,79 @@ pub fn write_csv(records: &[Record], mut w: impl Write) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Writes a results file whole or not at all: into a temporary file beside `path`,
+/// flushed and synced, then renamed over it. A full disk or a crash leaves the last
+/// complete file (or none), never a cut one, and the error names the file.
+///
+/// # Errors
+/// When the directory, the temporary file, a write, the sync or the rename fails.
+pub fn write_file_atomically(
+    path: &Path,
+    write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
+) -> Result<(), String> {
+    let named = |e: std::io::Error| format!("{}: {e}", path.display());
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let tmp = tempfile::NamedTempFile::new_in(dir).map_err(named)?;
+    let mut w = std::io::BufWriter::new(tmp);
+    write(&mut w).map_err(named)?;
+    let tmp = w.into_inner().map_err(|e| named(e.into_error()))?;
+    tmp.as_file().sync_all().map_err(named)?;
+    tmp.persist(path).map_err(|e| named(e.error))?;
+    Ok(())
+}
+
+/// Writes `records` as CSV to `path` (see [`write_file_atomically`]).
+///
+/// # Errors
+/// When the file cannot be written whole.
+pub fn write_csv_file(path: &Path, records: &[Record]) -> Result<(), String> {
+    write_file_atomically(path, |w| write_csv(records, w))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failed_write_keeps_the_last_complete_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("results").join("run.csv");
+        let one = Record {
+            label: "t".into(),
+            actor: "demo/p1".into(),
+            start: Duration::ZERO,
+            end: Duration::from_millis(5),
+            status: 200,
+            body: String::new(),
+        };
+        write_csv_file(&path, std::slice::from_ref(&one)).unwrap();
+        let complete = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(complete.lines().count(), 2, "{complete}");
+
+        let err = write_file_atomically(&path, |w| {
+            w.write_all(&[b'x'; 20_000])?;
+            Err(std::io::Error::other("disk full"))
+        })
+        .unwrap_err();
+        assert!(
+            err.contains("run.csv") && err.contains("disk full"),
+            "{err}"
+        );
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), complete);
+        let left: Vec<_> = std::fs::read_dir(path.parent().unwrap())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(
+            left,
+            [std::ffi::OsString::from("run.csv")],
+            "no temporary file stays"
+        );
+    }
 
     #[test]
     fn csv_quotes_what_needs_it() {

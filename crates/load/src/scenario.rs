@@ -121,18 +121,17 @@ pub async fn timeline(
         row(&mut text, r);
     }
     row(&mut text, &served);
-    let full = Summary::of(records.iter().filter(|r| r.label == "p3-no-free-worker"));
-    if let Some(l) = &full.all {
-        let _ = writeln!(
-            text,
-            "full pool: {} requests, {} x 503, in {} to {} (budget {})",
-            full.total,
-            full.count(503),
-            secs(l.min),
-            secs(l.max),
-            secs(budget)
-        );
-    }
+    let full: Vec<Record> = records
+        .iter()
+        .filter(|r| r.label == "p3-no-free-worker")
+        .cloned()
+        .collect();
+    let _ = writeln!(
+        text,
+        "full pool: {} (budget {})",
+        refusals(&full),
+        secs(budget)
+    );
     let _ = writeln!(
         text,
         "freed a worker {} into the wait; p3 answered {} after the suspend returned ({} total); ResumeActor calls for that wait: {calls}",
@@ -272,14 +271,17 @@ pub async fn bursts(sys: &System, levels: &[usize], rounds: usize) -> Result<Rep
             level.extend(batch);
         }
         let s = Summary::of(&level);
-        let l = s.all.ok_or("no requests")?;
+        // Median and slowest of the 200s: a failure is counted, not timed.
+        let (median, slowest) = s.ok.as_ref().map_or(("-".to_owned(), "-".to_owned()), |l| {
+            (secs(l.median), secs(l.max))
+        });
         let _ = writeln!(
             text,
             "{n:>6} {:>9} {:>9} {:>9} {:>9}",
             s.total,
             s.count(200),
-            secs(l.median),
-            secs(l.max)
+            median,
+            slowest
         );
         records.extend(level);
     }
@@ -577,6 +579,17 @@ pub async fn eviction(
 /// One overflow round's outcome: the 200s, the 503s (and when they came), and any
 /// other status apart (a transport failure is not a 503).
 fn overflow_line(batch: &[Record], s: &Summary, ok: &str) -> String {
+    format!(
+        "{} of {} returned 200 ({ok}); {}",
+        s.count(200),
+        s.total,
+        refusals(batch)
+    )
+}
+
+/// How many of `batch` returned 503 and when (over the 503s only), then how many
+/// failed otherwise (a reset at 10 ms is no early 503).
+fn refusals(batch: &[Record]) -> String {
     let refused = Latencies::of(
         batch
             .iter()
@@ -584,12 +597,13 @@ fn overflow_line(batch: &[Record], s: &Summary, ok: &str) -> String {
             .map(Record::latency)
             .collect(),
     );
-    let other = s.total - s.count(200) - s.count(503);
+    let other = batch
+        .iter()
+        .filter(|r| r.status != 200 && r.status != 503)
+        .count();
     format!(
-        "{} of {} returned 200 ({ok}); {} returned 503{}{}",
-        s.count(200),
-        s.total,
-        s.count(503),
+        "{} returned 503{}{}",
+        refused.as_ref().map_or(0, |l| l.count),
         refused
             .map(|l| format!(" after {} to {}", secs(l.min), secs(l.max)))
             .unwrap_or_default(),
@@ -626,5 +640,10 @@ mod tests {
             overflow_line(&batch, &s, "ok"),
             "1 of 3 returned 200 (ok); 1 returned 503 after 5.100s to 5.100s; 1 failed otherwise"
         );
+        assert_eq!(
+            refusals(&[record(503, 5000), record(0, 10)]),
+            "1 returned 503 after 5.000s to 5.000s; 1 failed otherwise"
+        );
+        assert_eq!(refusals(&[record(200, 10)]), "0 returned 503");
     }
 }

@@ -77,7 +77,7 @@ async fn request(router: SocketAddr, host: &str, give_up: Option<Duration>) -> (
     let answered = match give_up {
         Some(after) => match tokio::time::timeout(after, exchange).await {
             Ok(a) => a,
-            Err(_) => return (Outcome::Abandoned, String::new()),
+            Err(_) => return (Outcome::Abandoned, "abandoned by the client".into()),
         },
         None => tokio::time::timeout(crate::generate::NO_ANSWER_AFTER, exchange)
             .await
@@ -86,7 +86,7 @@ async fn request(router: SocketAddr, host: &str, give_up: Option<Duration>) -> (
     };
     match answered {
         Some((status, body)) => (Outcome::Answered(status), body),
-        None => (Outcome::Broken, String::new()),
+        None => (Outcome::Broken, "broken: no complete answer".into()),
     }
 }
 

@@ -63,6 +63,8 @@ pub struct Summary {
     pub by_status: BTreeMap<u16, usize>,
     /// Over every request.
     pub all: Option<Latencies>,
+    /// Over the requests that got an HTTP answer (not a transport error, status 0).
+    pub answered: Option<Latencies>,
     /// Over the 200s.
     pub ok: Option<Latencies>,
 }
@@ -72,9 +74,13 @@ impl Summary {
         let mut by_status = BTreeMap::new();
         let mut all = Vec::new();
         let mut ok = Vec::new();
+        let mut answered = Vec::new();
         for r in records {
             *by_status.entry(r.status).or_insert(0) += 1;
             all.push(r.latency());
+            if r.status != 0 {
+                answered.push(r.latency());
+            }
             if r.status == 200 {
                 ok.push(r.latency());
             }
@@ -83,6 +89,7 @@ impl Summary {
             total: all.len(),
             by_status,
             all: Latencies::of(all),
+            answered: Latencies::of(answered),
             ok: Latencies::of(ok),
         }
     }
@@ -130,8 +137,10 @@ impl fmt::Display for Summary {
             })
             .collect();
         write!(f, "{} requests ({})", self.total, statuses.join(", "))?;
-        if let Some(l) = &self.all {
-            write!(f, "; latency {l}")?;
+        // A refused connection answers in microseconds: it is no latency of the
+        // system's, so the figure is of the answers only.
+        if let Some(l) = &self.answered {
+            write!(f, "; latency of the answers {l}")?;
         }
         Ok(())
     }

@@ -63,7 +63,7 @@ async fn timeline_shape() {
         );
         assert!(r.records[3].body.starts_with("hello from: demo/p3"));
         assert!(
-            r.text.contains("full pool: 1 requests, 1 x 503"),
+            r.text.contains("full pool: 1 returned 503 after "),
             "{}",
             r.text
         );
@@ -244,7 +244,10 @@ async fn soak_books_balance() {
     assert!(report.text.contains("books: balanced"), "{}", report.text);
     assert!(
         report.records.iter().any(|r| r.status == 200)
-            && report.records.iter().any(|r| r.status == 0),
+            && report
+                .records
+                .iter()
+                .any(|r| r.status == 0 && r.body == "abandoned by the client"),
         "served and abandoned requests both happened"
     );
     sys.shutdown().await;

@@ -436,6 +436,33 @@ fn load_run_rates_are_checked() {
         assert_eq!(o.status.code(), Some(64), "--rate {rate}");
         assert_eq!(stderr_lines(&o).first().map(String::as_str), Some(line));
     }
+    for (flags, line) in [
+        (
+            &["--duration", "0s"][..],
+            "valet load: invalid configuration: --duration=0s: must be > 0",
+        ),
+        (
+            &["--rate", "1e-12", "--duration", "1ms"],
+            "valet load: invalid configuration: --rate=0.000000000001 with --duration=1ms: schedules no request",
+        ),
+        (
+            &["--path", "foo"],
+            "valet load: invalid configuration: --path=foo: must start with / and hold no spaces",
+        ),
+    ] {
+        let mut args = vec![
+            "load",
+            "run",
+            "--router",
+            "127.0.0.1:1",
+            "--actors",
+            "demo/p1",
+        ];
+        args.extend_from_slice(flags);
+        let o = valet(&args, &[]);
+        assert_eq!(o.status.code(), Some(64), "{flags:?}");
+        assert_eq!(stderr_lines(&o).first().map(String::as_str), Some(line));
+    }
 }
 
 /// A hosting lease too short for the workers' renewals every second (the control plane

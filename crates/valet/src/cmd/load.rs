@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use valet_load::generate::{HttpClient, closed_loop, open_loop, schedule};
 use valet_load::processes::ClusterOpts;
-use valet_load::record::write_csv;
+use valet_load::record::write_csv_file;
 use valet_load::scenario::{self, Report};
 use valet_load::system::{System, SystemOpts};
 use valet_load::{Summary, chart};
@@ -73,6 +73,17 @@ async fn load_run(args: LoadRunArgs) -> Result<(), Failure> {
             "invalid configuration: --actors: name at least one actor".into(),
         ));
     }
+    if args.duration.is_zero() {
+        return Err(Failure::Usage(
+            "invalid configuration: --duration=0s: must be > 0".into(),
+        ));
+    }
+    if !args.path.starts_with('/') || args.path.bytes().any(|b| b.is_ascii_whitespace()) {
+        return Err(Failure::Usage(format!(
+            "invalid configuration: --path={}: must start with / and hold no spaces",
+            args.path
+        )));
+    }
     let client = HttpClient::new(&args.actor_domain);
     let (router, path) = (args.router, args.path.clone());
     let send = move |actor: String| {
@@ -81,7 +92,14 @@ async fn load_run(args: LoadRunArgs) -> Result<(), Failure> {
     };
     let records = match (args.rate, args.concurrency) {
         (Some(rate), _) if rate > 0.0 && rate * args.duration.as_secs_f64() <= MAX_SCHEDULED => {
-            open_loop("load", &schedule(rate, args.duration), &args.actors, send).await
+            let at = schedule(rate, args.duration);
+            if at.is_empty() {
+                return Err(Failure::Usage(format!(
+                    "invalid configuration: --rate={rate} with --duration={:?}: schedules no request",
+                    args.duration
+                )));
+            }
+            open_loop("load", &at, &args.actors, send).await
         }
         (Some(rate), _) if rate > 0.0 && rate.is_finite() => {
             return Err(Failure::Usage(format!(
@@ -113,15 +131,6 @@ async fn load_run(args: LoadRunArgs) -> Result<(), Failure> {
         println!("wrote {}", path.display());
     }
     Ok(())
-}
-
-fn write_csv_file(path: &Path, records: &[valet_load::Record]) -> Result<(), String> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    }
-    let file = std::fs::File::create(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    write_csv(records, std::io::BufWriter::new(file))
-        .map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// Writes a report's CSV and chart into `out` and prints it.
@@ -350,6 +359,8 @@ async fn run_scenario(args: ScenarioArgs) -> Result<(), Failure> {
                     cycles: args.runs,
                     outage: args.duration.unwrap_or(Duration::from_secs(10)),
                     clients: 8,
+                    capacity_wait: cw,
+                    budget: t.budget,
                 })
                 .await?
             }
