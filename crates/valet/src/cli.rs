@@ -1041,7 +1041,7 @@ pub(crate) fn parse_error_exit(e: &clap::Error) -> ExitCode {
                     .map(str::trim)
                     .take_while(|l| !l.is_empty())
                     .collect();
-                eprintln!("{line} {}", missing.join(", "));
+                say_err!("{line} {}", missing.join(", "));
                 return ExitCode::from(EXIT_CONFIG);
             }
             // The rule of an enumerated flag is its possible values: on the same line.
@@ -1050,8 +1050,8 @@ pub(crate) fn parse_error_exit(e: &clap::Error) -> ExitCode {
                 .map(str::trim)
                 .find(|l| l.starts_with("[possible values:"))
             {
-                Some(values) => eprintln!("{line} {values}"),
-                None => eprintln!("{line}"),
+                Some(values) => say_err!("{line} {values}"),
+                None => say_err!("{line}"),
             }
             ExitCode::from(EXIT_CONFIG)
         }

@@ -13,6 +13,23 @@ macro_rules! say {
     }};
 }
 
+/// `print!` that never panics (see `say!`).
+macro_rules! say_raw {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = write!(std::io::stdout(), $($arg)*);
+    }};
+}
+
+/// `eprintln!` that never panics: with stderr a closed pipe (`valet up 2>&1 | tee`,
+/// tee gone with the first Ctrl-C), a panic would end the task that was to exit.
+macro_rules! say_err {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod admin;
 mod cli;
 mod cmd;
@@ -77,7 +94,7 @@ fn main() -> ExitCode {
     if let Some(m) = matches.subcommand_matches("up")
         && m.value_source("control_plane") == Some(ValueSource::CommandLine)
     {
-        eprintln!(
+        say_err!(
             "valet up: invalid configuration: --control-plane: valet up runs its own control plane (see --control-plane-listen)"
         );
         return ExitCode::from(EXIT_CONFIG);
@@ -108,7 +125,7 @@ fn main() -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("valet: cannot start the runtime: {e}");
+            say_err!("valet: cannot start the runtime: {e}");
             return ExitCode::FAILURE;
         }
     };

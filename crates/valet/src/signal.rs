@@ -89,7 +89,7 @@ fn signals(force_on_second: bool) -> impl Future<Output = ()> + Send + 'static {
                     _ = term.recv() => 128 + 15,
                     _ = int.recv() => 128 + 2,
                 };
-                eprintln!("valet: second signal: stopping now, without finishing the clean stop");
+                say_err!("valet: second signal: stopping now, without finishing the clean stop");
                 std::process::exit(code);
             });
             return;

@@ -314,6 +314,51 @@ async fn a_second_sigterm_stops_the_drain_at_once() {
     assert_eq!(parked.await.unwrap(), None, "cut short with the process");
 }
 
+/// The second SIGTERM stops the router at once even when stderr is a closed pipe
+/// (`valet router 2>&1 | tee`, tee ended by the first signal). Before, its message
+/// panicked the task that was to exit, and the router drained on for the budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_sigterm_stops_the_drain_with_stderr_closed() {
+    let nowhere = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let url = format!("http://{nowhere}");
+    let mut r = Proc::start_stderr_closed(
+        "admin",
+        &[
+            "router",
+            "--listen",
+            "127.0.0.1:0",
+            "--extproc-listen",
+            "",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--control-plane",
+            &url,
+            "--parked-request-budget",
+            "60s",
+        ],
+    )
+    .await;
+    let http = r.addrs["router"];
+    let parked =
+        tokio::spawn(async move { try_http_get(http, "/", &[("Host", &host("p1"))]).await });
+    eventually("the request parked", WITHIN, || async {
+        (r.metric("atenet_router_parking_active", &[]).await == 1.0).then_some(())
+    })
+    .await;
+    r.terminate();
+    let admin = r.addrs["admin"];
+    eventually("draining (not ready)", WITHIN, || async {
+        (common::http_get(admin, "/readyz", &[]).await.0 == 503).then_some(())
+    })
+    .await;
+    r.terminate();
+    assert_eq!(r.exit_code(WITHIN).await, Some(143));
+    assert_eq!(parked.await.unwrap(), None, "cut short with the process");
+}
+
 /// `valet router` with only its HTTP data plane, on a free port, in front of a
 /// control plane that is not there, as `cmd` starts it; and that port.
 fn lone_router(mut cmd: tokio::process::Command) -> (tokio::process::Child, std::net::SocketAddr) {

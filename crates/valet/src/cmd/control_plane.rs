@@ -64,19 +64,19 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
     let metrics_listen = match optional_listen("--metrics-listen", &args.metrics_listen) {
         Ok(a) => a,
         Err(e) => {
-            eprintln!("valet control-plane: {e}");
+            say_err!("valet control-plane: {e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
     let security = match args.security.resolve() {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("valet control-plane: {e}");
+            say_err!("valet control-plane: {e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
     if security.jwt.is_some() && security.tls.is_none() {
-        eprintln!(
+        say_err!(
             "valet control-plane: invalid configuration: --jwt-public-key-file/--jwt-jwks-file: bearer tokens need TLS (--tls-cert-file and --tls-key-file)"
         );
         return ExitCode::from(EXIT_CONFIG);
@@ -84,17 +84,17 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
     let tls = security.tls.is_some();
     if let Some(url) = &args.database {
         if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
-            eprintln!(
+            say_err!(
                 "valet control-plane: invalid configuration: --database: must be a postgres:// URL"
             );
             return ExitCode::from(EXIT_CONFIG);
         }
         if let Err(why) = PostgresStore::check_url(url) {
-            eprintln!("valet control-plane: invalid configuration: --database: {why}");
+            say_err!("valet control-plane: invalid configuration: --database: {why}");
             return ExitCode::from(EXIT_CONFIG);
         }
         if !args.leases.route_lease.is_zero() {
-            eprintln!(
+            say_err!(
                 "valet control-plane: invalid configuration: --route-lease={}: must be 0 with --database (route leases are not shared across replicas yet)",
                 humantime_secs(args.leases.route_lease)
             );
@@ -107,7 +107,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         None => match SqliteStore::open(&args.data_dir) {
             Ok(s) => Some(s),
             Err(e) => {
-                eprintln!("valet control-plane: {e}");
+                say_err!("valet control-plane: {e}");
                 return ExitCode::FAILURE;
             }
         },
@@ -130,7 +130,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
                 ))
             }
             Err(e) => {
-                eprintln!("valet control-plane: cannot listen on --metrics-listen={at}: {e}");
+                say_err!("valet control-plane: cannot listen on --metrics-listen={at}: {e}");
                 return ExitCode::FAILURE;
             }
         },
@@ -142,7 +142,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
     let socket = match reserve(args.listen) {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("valet control-plane: cannot bind {}: {e}", args.listen);
+            say_err!("valet control-plane: cannot bind {}: {e}", args.listen);
             return ExitCode::FAILURE;
         }
     };
@@ -179,7 +179,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         let reserved = match socket.take().map_or_else(|| reserve(bound), Ok) {
             Ok(s) => s,
             Err(e) => {
-                eprintln!("valet control-plane: cannot bind {bound} again: {e}");
+                say_err!("valet control-plane: cannot bind {bound} again: {e}");
                 break ExitCode::FAILURE;
             }
         };
@@ -192,7 +192,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
             {
                 Ok(s) => (Arc::new(s), CancellationToken::new()),
                 Err(e) => {
-                    eprintln!("valet control-plane: {e}");
+                    say_err!("valet control-plane: {e}");
                     break ExitCode::FAILURE;
                 }
             },
@@ -203,7 +203,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
                 }
                 Ok(None) => break ExitCode::SUCCESS,
                 Err(e) => {
-                    eprintln!("valet control-plane: {e}");
+                    say_err!("valet control-plane: {e}");
                     break ExitCode::FAILURE;
                 }
             },
@@ -222,7 +222,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
                 continue;
             }
             Err(e) => {
-                eprintln!("valet control-plane: {e}");
+                say_err!("valet control-plane: {e}");
                 break ExitCode::FAILURE;
             }
         };
@@ -237,7 +237,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         {
             Ok(l) => l,
             Err(e) => {
-                eprintln!("valet control-plane: cannot listen on {bound}: {e}");
+                say_err!("valet control-plane: cannot listen on {bound}: {e}");
                 break ExitCode::FAILURE;
             }
         };
@@ -284,7 +284,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
                 ExitCode::SUCCESS
             }
             Err(e) => {
-                eprintln!("valet control-plane: {e}");
+                say_err!("valet control-plane: {e}");
                 ExitCode::FAILURE
             }
         };

@@ -15,7 +15,7 @@ pub(crate) async fn run(args: CtlArgs) -> ExitCode {
     let (credentials, urls) = match resolved {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("valet ctl: {e}");
+            say_err!("valet ctl: {e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
@@ -32,7 +32,7 @@ pub(crate) async fn run(args: CtlArgs) -> ExitCode {
         match credentials.endpoint(url) {
             Ok(e) => endpoints.push(e.connect_timeout(std::time::Duration::from_secs(3))),
             Err(e) => {
-                eprintln!(
+                say_err!(
                     "valet ctl: invalid configuration: --control-plane={}: {e}",
                     args.control_plane
                 );
@@ -64,15 +64,15 @@ pub(crate) async fn run(args: CtlArgs) -> ExitCode {
     }
     match result {
         Ok(out) => {
-            print!("{out}");
+            say_raw!("{out}");
             ExitCode::SUCCESS
         }
         Err(CtlError::Usage(msg)) => {
-            eprintln!("valet ctl: {msg}");
+            say_err!("valet ctl: {msg}");
             ExitCode::from(EXIT_CONFIG)
         }
         Err(CtlError::Rpc(status)) => {
-            eprintln!(
+            say_err!(
                 "valet ctl: {}: {}",
                 valet_router::control::code_name(status.code()),
                 status.message()

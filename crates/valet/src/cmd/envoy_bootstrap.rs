@@ -11,14 +11,14 @@ pub(crate) fn run(args: &EnvoyBootstrapArgs) -> ExitCode {
     let config = match args.router.resolve() {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("valet envoy-bootstrap: {e}");
+            say_err!("valet envoy-bootstrap: {e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
     let https = match envoy_https(args) {
         Ok(h) => h,
         Err(e) => {
-            eprintln!("valet envoy-bootstrap: {e}");
+            say_err!("valet envoy-bootstrap: {e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
@@ -29,11 +29,11 @@ pub(crate) fn run(args: &EnvoyBootstrapArgs) -> ExitCode {
     };
     match bootstrap_yaml(&config, listeners) {
         Ok(yaml) => {
-            print!("{yaml}");
+            say_raw!("{yaml}");
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("valet envoy-bootstrap: {e}");
+            say_err!("valet envoy-bootstrap: {e}");
             ExitCode::from(EXIT_CONFIG)
         }
     }

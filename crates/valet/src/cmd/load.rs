@@ -43,11 +43,11 @@ pub(crate) async fn run(cmd: LoadCommand) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::Usage(e)) => {
-            eprintln!("valet load: {e}");
+            say_err!("valet load: {e}");
             ExitCode::from(EXIT_CONFIG)
         }
         Err(Failure::Run(e)) => {
-            eprintln!("valet load: {e}");
+            say_err!("valet load: {e}");
             ExitCode::FAILURE
         }
     }
@@ -120,15 +120,15 @@ async fn load_run(args: LoadRunArgs) -> Result<(), Failure> {
         (None, c) => closed_loop("load", c.unwrap_or(1), args.duration, &args.actors, send).await,
     };
     let summary = Summary::of(&records);
-    println!("{summary}");
-    print!("{}", summary.seed_block());
+    say!("{summary}");
+    say_raw!("{}", summary.seed_block());
     if let Some(path) = &args.csv {
         write_csv_file(path, &records)?;
-        println!("wrote {}", path.display());
+        say!("wrote {}", path.display());
     }
     if let Some(path) = &args.svg {
         chart::latency_chart(path, "valet load", &records, None)?;
-        println!("wrote {}", path.display());
+        say!("wrote {}", path.display());
     }
     Ok(())
 }
@@ -146,9 +146,9 @@ fn publish(report: &Report, tag: &str, out: &Path) -> Result<(), String> {
         &report.records,
         report.budget_s,
     )?;
-    println!("== {stem}");
-    print!("{}", report.text);
-    println!(
+    say!("== {stem}");
+    say_raw!("{}", report.text);
+    say!(
         "   (records: {}, chart: {})\n",
         csv.display(),
         svg.display()
@@ -186,7 +186,7 @@ async fn system(target: &TargetArgs, opts: &SystemOpts) -> Result<System, String
         };
         let sys = System::cluster(&cluster).await?;
         if let Some(p) = sys.processes() {
-            println!(
+            say!(
                 "cluster: {} workers; replicas {} (the first active, the second a standby) on {}; routers {}\n",
                 opts.workers,
                 p.replicas.join(" "),
@@ -395,27 +395,28 @@ async fn with_progress<T>(what: &str, work: impl std::future::Future<Output = T>
     loop {
         tokio::select! {
             r = &mut work => return r,
-            _ = tick.tick() => eprintln!("{what}: running for {:.0}s", start.elapsed().as_secs_f64()),
+            _ = tick.tick() => say_err!("{what}: running for {:.0}s", start.elapsed().as_secs_f64()),
         }
     }
 }
 
 pub(crate) async fn demo_parking(args: DemoArgs) -> ExitCode {
     if let Err(Failure::Usage(e) | Failure::Run(e)) = check_target(&args.target, None) {
-        eprintln!("valet demo parking: {e}");
+        say_err!("valet demo parking: {e}");
         return ExitCode::from(EXIT_CONFIG);
     }
     let result = until_terminated(with_progress("valet demo parking", async {
         let t = &args.target;
         let tag = if t.cluster { "-cluster" } else { "" };
-        println!(
+        say!(
             "valet demo parking: pool of 2 workers (restore {:?}), actors p1..p4, budget {:?}\n",
-            t.restore_delay, t.budget
+            t.restore_delay,
+            t.budget
         );
         let sys = system(t, &opts(t, 2, true, &[])).await?;
         let timeline = scenario::timeline(&sys, t.budget, 3, Duration::from_millis(2370)).await?;
         publish(&timeline, tag, &args.out)?;
-        println!(
+        say!(
             "load run: 4 actors on 2 workers for {:?}, each answer followed by a suspend\n",
             args.duration
         );
@@ -428,7 +429,7 @@ pub(crate) async fn demo_parking(args: DemoArgs) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::Usage(e) | Failure::Run(e)) => {
-            eprintln!("valet demo parking: {e}");
+            say_err!("valet demo parking: {e}");
             ExitCode::FAILURE
         }
     }

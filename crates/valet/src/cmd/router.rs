@@ -12,27 +12,27 @@ pub(crate) async fn run(cmd: RouterCmd) -> ExitCode {
     let config = match cmd.args.resolve() {
         Ok(c) => c.with_flags(cmd.ingress.given()),
         Err(e) => {
-            eprintln!("valet router: {e}");
+            say_err!("valet router: {e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
     let https = match cmd.ingress.resolve() {
         Ok(h) => h,
         Err(e) => {
-            eprintln!("valet router: {e}");
+            say_err!("valet router: {e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
     if cmd.check {
         for (flag, value) in config.effective_flags() {
-            println!("{flag}={value}");
+            say!("{flag}={value}");
         }
         return ExitCode::SUCCESS;
     }
     let running = match RunningRouter::start(config, https).await {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("valet router: {e}");
+            say_err!("valet router: {e}");
             return ExitCode::FAILURE;
         }
     };

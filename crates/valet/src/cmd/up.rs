@@ -16,11 +16,11 @@ pub(crate) async fn run(args: UpArgs) -> ExitCode {
     match up(args, terminated).await {
         Ok(()) | Err(UpError::Checked) => ExitCode::SUCCESS,
         Err(UpError::Config(e)) => {
-            eprintln!("valet up: {e}");
+            say_err!("valet up: {e}");
             ExitCode::from(EXIT_CONFIG)
         }
         Err(UpError::Start(e)) => {
-            eprintln!("valet up: {e}");
+            say_err!("valet up: {e}");
             ExitCode::FAILURE
         }
     }

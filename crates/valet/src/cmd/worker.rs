@@ -15,19 +15,19 @@ pub(crate) async fn run(args: WorkerArgs) -> ExitCode {
     let (credentials, control_plane) = match resolved {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("valet worker: {e}");
+            say_err!("valet worker: {e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
     if args.listen.ip().is_unspecified() && args.advertise_address.is_none() {
-        eprintln!(
+        say_err!(
             "valet worker: invalid configuration: --listen={}: routers cannot reach an unspecified address; give --advertise-address (the pod IP)",
             args.listen
         );
         return ExitCode::from(EXIT_CONFIG);
     }
     if args.advertise_address.is_some_and(|ip| ip.is_unspecified()) {
-        eprintln!(
+        say_err!(
             "valet worker: invalid configuration: --advertise-address: must be an address routers can reach, not 0.0.0.0 or ::"
         );
         return ExitCode::from(EXIT_CONFIG);
@@ -46,7 +46,7 @@ pub(crate) async fn run(args: WorkerArgs) -> ExitCode {
     {
         Ok(w) => w,
         Err(e) => {
-            eprintln!("valet worker: {e}");
+            say_err!("valet worker: {e}");
             return ExitCode::FAILURE;
         }
     };

@@ -29,32 +29,55 @@ pub struct Proc {
     pub logs: std::sync::Arc<std::sync::Mutex<String>>,
 }
 
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Stderr {
+    Inherit,
+    Logged,
+    Closed,
+}
+
 impl Proc {
     /// Starts `valet <args>` and waits (bounded) for its `listening <part> <addr>` line
     /// (or `bound <part> <addr>`, with `part` = `bound <part>`).
     pub async fn start(part: &str, args: &[&str]) -> Self {
-        Self::spawn(part, args, false).await
+        Self::spawn(part, args, Stderr::Inherit).await
     }
 
     /// As [`Proc::start`], logging everything at `debug` into [`Proc::logs`].
     pub async fn start_logged(part: &str, args: &[&str]) -> Self {
-        Self::spawn(part, args, true).await
+        Self::spawn(part, args, Stderr::Logged).await
     }
 
-    async fn spawn(part: &str, args: &[&str], logged: bool) -> Self {
+    /// As [`Proc::start`], with stderr a pipe whose reader is gone (`valet … 2>&1 |
+    /// tee`, tee ended by the first Ctrl-C).
+    pub async fn start_stderr_closed(part: &str, args: &[&str]) -> Self {
+        Self::spawn(part, args, Stderr::Closed).await
+    }
+
+    async fn spawn(part: &str, args: &[&str], stderr: Stderr) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_valet"))
             .args(args)
-            .env("VALET_LOG", if logged { "debug" } else { "warn" })
+            .env(
+                "VALET_LOG",
+                if stderr == Stderr::Logged {
+                    "debug"
+                } else {
+                    "warn"
+                },
+            )
             .stdout(Stdio::piped())
-            .stderr(if logged {
-                Stdio::piped()
-            } else {
+            .stderr(if stderr == Stderr::Inherit {
                 Stdio::inherit()
+            } else {
+                Stdio::piped()
             })
             .kill_on_drop(true)
             .spawn()
             .expect("valet starts");
         let logs = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        if stderr == Stderr::Closed {
+            drop(child.stderr.take());
+        }
         if let Some(stderr) = child.stderr.take() {
             let logs = logs.clone();
             tokio::spawn(async move {
