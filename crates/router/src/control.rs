@@ -115,8 +115,25 @@ pub fn is_transport_failure(status: &tonic::Status) -> bool {
     std::error::Error::source(status).is_some() || status.message().starts_with(MISSING_STATUS)
 }
 
+/// Whether `status` is the client library's own timer ending the call (the
+/// `grpc-timeout` the request carries is also enforced locally): no answer in time,
+/// as the router's timer would have said a moment later.
+fn timed_out_locally(status: &tonic::Status) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(e) = source {
+        if e.is::<tonic::TimeoutExpired>() {
+            return true;
+        }
+        source = e.source();
+    }
+    false
+}
+
 impl From<tonic::Status> for ResumeError {
     fn from(status: tonic::Status) -> Self {
+        if timed_out_locally(&status) {
+            return Self::new(Code::DeadlineExceeded, "resume attempt timed out");
+        }
         if is_transport_failure(&status) {
             return Self::new(Code::Unavailable, status.message());
         }
@@ -224,7 +241,8 @@ impl GrpcControlPlane {
 
     /// A client of several replicas: attempts go to the replica that last answered;
     /// one that cannot be reached (a transport failure, or no answer in time) is
-    /// passed over for [`FAILOVER_HOLD`] and the next one is tried. A failed attempt
+    /// passed over for [`FAILOVER_HOLD`] and the next one is tried; after one that
+    /// answered `Unavailable` itself, the next attempt goes to the next one. A failed attempt
     /// counts as `Unavailable`, so a parked request's next attempt goes to the next
     /// replica; one with no answer within `--resume-attempt-timeout` counts as
     /// `DeadlineExceeded`, which ends the flight (the spec's verdict table), and the
@@ -330,12 +348,19 @@ impl ControlPlane for GrpcControlPlane {
                     ))
                 }
             };
-            // Only a replica that could not be reached (or never answered) is passed
-            // over; an answer, even `Unavailable`, came from a live replica.
+            // A replica that could not be reached (or never answered) is passed over
+            // for a while; one that answered `Unavailable` itself (its database write
+            // failed, it is stopping) lives, but the next attempt goes to the next
+            // replica, which may serve.
             let n = self.replicas.len();
             if n > 1 {
                 replica.mark(unreachable);
-                let next = if unreachable { (index + 1) % n } else { index };
+                let refused = matches!(&result, Err(e) if e.code() == Code::Unavailable);
+                let next = if unreachable || refused {
+                    (index + 1) % n
+                } else {
+                    index
+                };
                 self.next.store(next, std::sync::atomic::Ordering::Relaxed);
             }
             result

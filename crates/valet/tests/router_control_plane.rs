@@ -255,3 +255,69 @@ async fn silent_control_plane_is_unavailable_not_a_timeout() {
     );
     cluster.shutdown().await;
 }
+
+/// A control plane that takes the call and never answers gives `DeadlineExceeded`
+/// every time (the verdict table's 504), never `Unavailable`. Before, tonic's own
+/// timer (from `grpc-timeout`) raced the router's, and when both fired in the same
+/// millisecond the attempt counted as a transport failure, one run in several.
+#[tokio::test]
+async fn an_attempt_no_one_answers_is_always_deadline_exceeded() {
+    use valet_router::ControlPlane as _;
+    let url = common::netfault::unanswering_server().await;
+    let config = RouterArgs::try_parse_flags(["--control-plane", &url])
+        .unwrap()
+        .resolve()
+        .unwrap();
+    let cp = GrpcControlPlane::connect_lazy(config.control_plane(), config.credentials()).unwrap();
+    let mut codes = std::collections::BTreeMap::new();
+    for _ in 0..60 {
+        let e = cp
+            .resume_actor(valet_router::control::ResumeRequest {
+                actor: "demo/p1".parse().unwrap(),
+                wait_for_capacity: None,
+                timeout: Duration::from_millis(20),
+                lease_holder: None,
+            })
+            .await
+            .unwrap_err();
+        *codes.entry(format!("{:?}", e.code())).or_insert(0) += 1;
+    }
+    assert_eq!(
+        codes,
+        std::collections::BTreeMap::from([("DeadlineExceeded".to_owned(), 60)])
+    );
+}
+
+/// A replica that answers `Unavailable` itself (its database write failed) is left
+/// for the next one on the next attempt. Before, only a replica that could not be
+/// reached was, and every attempt went back to the refusing one.
+#[tokio::test]
+async fn a_replica_that_answers_unavailable_is_left_for_the_next() {
+    use valet_router::ControlPlane as _;
+    let s = setup(&[]).await;
+    let refusing = common::netfault::unavailable_server().await;
+    let config = RouterArgs::try_parse_flags(["--control-plane", &refusing])
+        .unwrap()
+        .resolve()
+        .unwrap();
+    let cp =
+        GrpcControlPlane::replicas(&[refusing, s.cluster.url()], config.credentials()).unwrap();
+    let attempt = || {
+        cp.resume_actor(valet_router::control::ResumeRequest {
+            actor: "demo/p1".parse().unwrap(),
+            wait_for_capacity: None,
+            timeout: WAIT,
+            lease_holder: None,
+        })
+    };
+    let first = attempt().await.unwrap_err();
+    assert_eq!(
+        (first.code(), first.message()),
+        (tonic::Code::Unavailable, "the database write failed")
+    );
+    let second = attempt()
+        .await
+        .expect("the second attempt goes to the live replica");
+    assert_eq!(second.actor.status, ateapi::actor::Status::Running as i32);
+    s.cluster.shutdown().await;
+}
