@@ -512,3 +512,95 @@ async fn renewed_in_9s_then_cut_off(plane: &Plane, w: FakeWorker) {
     );
     assert_eq!(renewed.elapsed(), Duration::from_secs(15));
 }
+
+/// The lease book keeps no record of what has ended: a suspend with no lease
+/// outstanding drops the actor's record, and a grant drops the ended leases of
+/// routers that came and went (router ids are new with every router process).
+/// Before, both stayed for good, one per actor ever leased and per router start.
+#[tokio::test(start_paused = true)]
+async fn the_lease_book_forgets_what_has_ended() {
+    let store = MemoryStore::default();
+    let plane = plane_on(&store, &["a"]).await;
+    let (_addr, _app, mut w) = live_worker(&plane, "w1").await;
+    for i in 0..20 {
+        let id = format!("router-{i}");
+        let _r = watch(&plane, &id);
+        let t = {
+            let plane = plane.clone();
+            tokio::spawn(async move { resume(&plane, "a", Some(&id)).await })
+        };
+        if i == 0 {
+            let restore = w.next().await.unwrap();
+            w.answer(restore.id, Ok(()));
+        }
+        assert!(t.await.unwrap().is_some());
+        tokio::time::sleep(LEASE + Duration::from_secs(1)).await;
+        w.renew();
+    }
+    assert_eq!(plane.lease_records(), (1, 1), "only the last grant is kept");
+    let suspend = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.suspend_actor(key("a")).await })
+    };
+    let checkpoint = w.next().await.unwrap();
+    w.answer(checkpoint.id, Ok(()));
+    suspend.await.unwrap().unwrap();
+    assert_eq!(plane.lease_records(), (0, 0));
+}
+
+/// A router behind on its watch (its queue full) still gets every Revoke once it
+/// reads: a suspend waits for its ack, not for the lease to end. Before, a Revoke
+/// that found the queue full was dropped, and that suspend waited out the lease.
+#[tokio::test(start_paused = true)]
+async fn a_revoke_waits_for_room_on_a_full_watch() {
+    let store = MemoryStore::default();
+    let plane = plane_on(&store, &["a", "b"]).await;
+    for id in ["w1", "w2"] {
+        let (_addr, app, mut w) = live_worker(&plane, id).await;
+        tokio::spawn(async move {
+            let _app = app;
+            serve_commands(&mut w).await;
+        });
+    }
+    let (tx, rx) = mpsc::channel(1);
+    plane.router_watching("r1", tx).unwrap();
+    let mut r = Router {
+        id: "r1".into(),
+        rx,
+    };
+    for a in ["a", "b"] {
+        assert!(resume(&plane, a, Some("r1")).await.is_some());
+    }
+    let start = Instant::now();
+    let suspends: Vec<_> = ["a", "b"]
+        .into_iter()
+        .map(|a| {
+            let plane = plane.clone();
+            tokio::spawn(async move { plane.suspend_actor(key(a)).await })
+        })
+        .collect();
+    // Both revocations are under way before the router reads: the queue holds one.
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    for _ in 0..2 {
+        let (actor, through) = tokio::time::timeout(Duration::from_secs(1), r.revoked())
+            .await
+            .expect("every Revoke arrives");
+        let (atespace, name) = actor.split_once('/').unwrap();
+        plane.lease_acked(
+            &r.id,
+            &pb::Actor {
+                atespace: atespace.into(),
+                name: name.into(),
+            },
+            through,
+        );
+    }
+    for s in suspends {
+        s.await.unwrap().unwrap();
+    }
+    assert!(
+        start.elapsed() < LEASE,
+        "acked, not waited out: {:?}",
+        start.elapsed()
+    );
+}

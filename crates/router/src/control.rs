@@ -180,6 +180,18 @@ pub fn channel(
     Ok(credentials.connect_lazy(&endpoint, http))
 }
 
+/// The longest route lease taken from the wire: a year (the plane's own bound on
+/// durations), so that adding it to the clock can never overflow.
+pub const MAX_WIRE_LEASE: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// A lease length the control plane sent: `None` for none or zero, at most
+/// [`MAX_WIRE_LEASE`].
+pub fn wire_lease(d: Option<prost_types::Duration>) -> Option<Duration> {
+    d.and_then(|d| Duration::try_from(d).ok())
+        .filter(|d| !d.is_zero())
+        .map(|d| d.min(MAX_WIRE_LEASE))
+}
+
 /// The boxed future a [`ControlPlane`] returns.
 pub type ResumeFuture<'a> = Pin<Box<dyn Future<Output = Result<Resumed, ResumeError>> + Send + 'a>>;
 
@@ -324,14 +336,10 @@ impl ControlPlane for GrpcControlPlane {
             {
                 Ok(Ok(response)) => {
                     let r = response.into_inner();
-                    let grant = r
-                        .lease
-                        .and_then(|d| Duration::try_from(d).ok())
-                        .filter(|d| !d.is_zero())
-                        .map(|lease| Grant {
-                            lease,
-                            id: r.lease_id,
-                        });
+                    let grant = wire_lease(r.lease).map(|lease| Grant {
+                        lease,
+                        id: r.lease_id,
+                    });
                     r.actor
                         .map(|actor| Resumed { actor, grant })
                         .ok_or_else(|| ResumeError::new(Code::Internal, "response without actor"))
@@ -418,6 +426,23 @@ mod tests {
         );
         assert!(!ResumeError::from(other).is_crashed());
         assert!(!ResumeError::from(tonic::Status::failed_precondition("x")).is_crashed());
+    }
+
+    /// A lease from the wire is bounded, so that adding it to the clock cannot
+    /// panic (a misbehaving plane's `i64::MAX` seconds); zero and negative are none.
+    #[test]
+    fn wire_leases_are_bounded() {
+        let d = |seconds| Some(prost_types::Duration { seconds, nanos: 0 });
+        assert_eq!(wire_lease(d(i64::MAX)), Some(MAX_WIRE_LEASE));
+        assert!(
+            tokio::time::Instant::now()
+                .checked_add(MAX_WIRE_LEASE)
+                .is_some()
+        );
+        assert_eq!(wire_lease(d(5)), Some(Duration::from_secs(5)));
+        assert_eq!(wire_lease(d(0)), None);
+        assert_eq!(wire_lease(d(-1)), None);
+        assert_eq!(wire_lease(None), None);
     }
 
     #[test]

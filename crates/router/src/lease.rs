@@ -423,6 +423,10 @@ impl LeaseClient {
             let wait = match ended {
                 Watched::Stopped => return,
                 Watched::Unsupported => {
+                    // A plane that grants none revokes none: routes from leases an
+                    // earlier plane granted (restarted with --route-lease 0, say) would
+                    // be kept past a move no one tells this router of.
+                    self.cache.clear();
                     tracing::info!(
                         "the control plane grants no route leases; one ResumeActor per request"
                     );
@@ -490,18 +494,9 @@ impl LeaseClient {
                 Ok(Some(pb::PlaneMessage {
                     message: Some(pb::plane_message::Message::Welcome(w)),
                 })) => {
-                    let grants = w
-                        .route_lease
-                        .and_then(|d| Duration::try_from(d).ok())
-                        .is_some_and(|d| !d.is_zero());
-                    if !grants {
+                    let Some(lease) = crate::control::wire_lease(w.route_lease) else {
                         return Watched::Unsupported;
-                    }
-
-                    let lease = w
-                        .route_lease
-                        .and_then(|d| Duration::try_from(d).ok())
-                        .unwrap_or_default();
+                    };
                     self.up.store(true, Ordering::Relaxed);
                     self.cache.set_holder(Some((self.router_id.clone(), lease)));
                     self.cache.answered(true);

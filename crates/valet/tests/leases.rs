@@ -482,3 +482,40 @@ async fn against_a_control_plane_without_the_extension_every_request_asks() {
     stop.cancel();
     server.abort();
 }
+
+/// A control plane restarted with `--route-lease 0` grants and revokes nothing: the
+/// router drops the routes it cached under the previous run's leases as soon as its
+/// watch says so, instead of using them to the end of a 60 s lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_cached_before_a_restart_without_leases_are_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let cp = control_plane(&data, "127.0.0.1:0", &["--route-lease", "60s"]).await;
+    let addr = cp.addr;
+    let c = client(addr);
+    let _w = worker(addr, &dir.path().join("snapshots"), "w1").await;
+    workers_joined(&c, 1).await;
+    c.clone()
+        .create_atespace(ateapi::CreateAtespaceRequest {
+            name: "demo".into(),
+        })
+        .await
+        .unwrap();
+    create(&c, "demo/p1").await.unwrap();
+    let r = router(addr, &[]).await;
+    let http = r.addrs["router"];
+    eventually("a route is cached under a lease", WITHIN, || async {
+        let (s, _) = common::http_get(http, "/", &[("Host", &host("p1"))]).await;
+        let leases = r.metric("atenet_router_leases_active", &[]).await;
+        (s == 200 && leases == 1.0).then_some(())
+    })
+    .await;
+    cp.kill().await;
+    let _cp = control_plane(&data, &addr.to_string(), &["--route-lease", "0"]).await;
+    eventually(
+        "the cached route is dropped",
+        Duration::from_secs(20),
+        || async { (r.metric("atenet_router_leases_active", &[]).await == 0.0).then_some(()) },
+    )
+    .await;
+}

@@ -85,6 +85,10 @@ impl State {
         let id = self.leases.last_id;
         let al = self.leases.actors.entry(key.clone()).or_default();
         al.last_id = id;
+        // Router ids are new with every router process: ended leases go here, or the
+        // map would keep one per router start for as long as the actor runs.
+        let now = Instant::now();
+        al.held.retain(|_, h| h.until > now);
         al.held.insert(
             holder.to_owned(),
             Held {
@@ -201,7 +205,8 @@ impl Plane {
             return;
         }
         tokio::time::sleep_until(self.inner.leases_unknown_until).await;
-        let waits: Vec<(oneshot::Receiver<()>, Instant)> = {
+        type Wait = (oneshot::Receiver<()>, Instant, Option<WatchTx>);
+        let (waits, through): (Vec<Wait>, u64) = {
             let mut st = self.lock();
             let now = Instant::now();
             let State { leases, .. } = &mut *st;
@@ -209,30 +214,44 @@ impl Plane {
                 return;
             };
             al.held.retain(|_, h| h.until > now);
+            if al.held.is_empty() {
+                // Nothing outstanding: the actor's entry goes, or every actor ever
+                // leased would keep one.
+                leases.actors.remove(key);
+                return;
+            }
             let through = al.last_id;
-            al.held
+            let waits = al
+                .held
                 .iter_mut()
                 .map(|(router, h)| {
                     let (tx, rx) = oneshot::channel();
                     h.ack = Some(tx);
-                    if let Some(w) = leases.routers.get(router) {
-                        let revoke = pb::PlaneMessage {
-                            message: Some(pb::plane_message::Message::Revoke(pb::Revoke {
-                                actor: Some(actor_of(key)),
-                                through,
-                            })),
-                        };
-                        let _ = w.tx.try_send(Ok(revoke));
-                    }
-                    (rx, h.until)
+                    (
+                        rx,
+                        h.until,
+                        leases.routers.get(router).map(|w| w.tx.clone()),
+                    )
                 })
-                .collect()
+                .collect();
+            (waits, through)
         };
-        if waits.is_empty() {
-            return;
-        }
         let started = Instant::now();
-        for (rx, until) in waits {
+        // Sent with the lock released: a watch whose queue is full (a router behind
+        // on many revocations at once, as at shutdown) gets its Revoke when there is
+        // room, not never; each send waits at most until that lease ends anyway.
+        for (_, until, tx) in &waits {
+            if let Some(tx) = tx {
+                let revoke = pb::PlaneMessage {
+                    message: Some(pb::plane_message::Message::Revoke(pb::Revoke {
+                        actor: Some(actor_of(key)),
+                        through,
+                    })),
+                };
+                let _ = tokio::time::timeout_at(*until, tx.send(Ok(revoke))).await;
+            }
+        }
+        for (rx, until, _) in waits {
             tokio::select! {
                 _ = rx => {}
                 () = tokio::time::sleep_until(until) => {}
@@ -241,6 +260,14 @@ impl Plane {
         self.lock().leases.actors.remove(key);
         self.metrics().revoked(started.elapsed());
         tracing::debug!(actor = %key, took = ?started.elapsed(), "route leases revoked");
+    }
+
+    /// How many actors the lease book keeps records of, and how many holders those
+    /// records name, ended or not (tests: the book does not grow without bound).
+    pub fn lease_records(&self) -> (usize, usize) {
+        let st = self.lock();
+        let actors = &st.leases.actors;
+        (actors.len(), actors.values().map(|al| al.held.len()).sum())
     }
 
     /// Route leases outstanding on `atespace/name` now.
