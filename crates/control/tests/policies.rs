@@ -301,3 +301,44 @@ async fn a_refused_suspension_is_tried_again() {
             .await
     );
 }
+
+/// A route lease's renewal is no activity of the actor's: a router renews the lease
+/// of an actor it routed to at some point in the lease, and the worker's own reports
+/// say when that was. Before, each renewal restarted the idle clock, so an idle actor
+/// under a lease was suspended up to a lease late.
+#[tokio::test(start_paused = true)]
+async fn a_lease_renewal_is_no_activity() {
+    let config = PlaneConfig {
+        idle_suspend_after: Duration::from_secs(300),
+        route_lease: Duration::from_secs(60),
+        ..PlaneConfig::default()
+    };
+    let plane = plane(config, &["a"]).await;
+    let (tx, _watch) = tokio::sync::mpsc::channel(16);
+    plane.router_watching("r1", tx).unwrap();
+    let mut w = worker(&plane, "w");
+    let start = Instant::now();
+    let resume = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_leased(key("a"), None, Some("r1")).await })
+    };
+    let r = w.next().await.unwrap();
+    w.answer(r.id, Ok(()));
+    assert!(resume.await.unwrap().unwrap().2.is_some(), "leased");
+
+    tokio::time::sleep(Duration::from_secs(50)).await;
+    w.renew();
+    let (_, _, renewed) = plane
+        .resume_leased(key("a"), None, Some("r1"))
+        .await
+        .unwrap();
+    assert!(renewed.is_some(), "renewed");
+
+    let c = policy_checkpoint(&mut w, 0).await;
+    assert_eq!(
+        start.elapsed(),
+        Duration::from_secs(300),
+        "300 s after the restore, the renewal aside"
+    );
+    w.answer(c.id, Ok(()));
+}

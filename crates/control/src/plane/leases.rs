@@ -100,6 +100,16 @@ impl State {
         Some((lease, id))
     }
 
+    /// Whether `holder` holds a lease on `key` that has not ended.
+    pub(crate) fn holds_lease(&self, key: &ActorKey, holder: &str) -> bool {
+        let now = Instant::now();
+        self.leases
+            .actors
+            .get(key)
+            .and_then(|al| al.held.get(holder))
+            .is_some_and(|h| h.until > now)
+    }
+
     /// Leases not yet ended, for tests and status.
     pub(crate) fn leases_held(&self, key: &ActorKey) -> usize {
         let now = Instant::now();

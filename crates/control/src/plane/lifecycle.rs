@@ -98,7 +98,10 @@ impl Plane {
         }
         self.inner.changed.send_modify(|v| *v += 1);
         let wait = wait_for_capacity.filter(|d| !d.is_zero() && self.config().capacity_wait);
-        let result = self.resume(&key, wait).await;
+        // A holder renewing its lease routed to the actor at some point in it, which
+        // the worker's own reports already told: no activity of its own.
+        let renewal = holder.is_some_and(|h| self.lock().holds_lease(&key, h));
+        let result = self.resume(&key, wait, !renewal).await;
         self.metrics().resumed(&result, started.elapsed());
         let (actor, how) = result?;
         let resumed = how == ResumeHow::Activated;
@@ -120,10 +123,12 @@ impl Plane {
         Ok((actor, resumed, grant))
     }
 
+    /// Resumes `key`; a running actor's idle clock restarts when `activity`.
     async fn resume(
         &self,
         key: &ActorKey,
         wait: Option<Duration>,
+        activity: bool,
     ) -> Result<(ateapi::Actor, ResumeHow), Status> {
         // This call's own deadline for capacity, kept across joins: "up to the given
         // duration" from its arrival.
@@ -164,7 +169,7 @@ impl Plane {
                                 )));
                             }
                             let actor = st.to_proto(row);
-                            if let Some(a) = st.activity.get_mut(key) {
+                            if let Some(a) = st.activity.get_mut(key).filter(|_| activity) {
                                 a.touch();
                             }
                             return Ok((actor, ResumeHow::Running));
