@@ -362,6 +362,13 @@ impl Outgoing {
                         Denial::MalformedBody(route.actor.clone(), why)
                     }
                     Some(CallerEnd::Gone) => Denial::CallerGone(route.actor.clone()),
+                    // A lease's worker that refuses the connection (nothing was sent):
+                    // the actor may have left it (it died with the control plane,
+                    // say), as a 421 would say; the request is decided again.
+                    None if route.cached && e.is_connect() => {
+                        tracing::debug!(actor = %route.actor, worker = %route.addr, error = %e, "a leased route's worker cannot be reached");
+                        return Sent::Moved;
+                    }
                     None => {
                         tracing::warn!(actor = %route.actor, worker = %route.addr, error = %e, "worker unreachable");
                         Denial::WorkerUnreachable(route.actor.clone())

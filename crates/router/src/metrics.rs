@@ -175,7 +175,7 @@ impl Metrics {
             replays: meter
                 .u64_counter("atenet.router.requests.replayed")
                 .with_description(
-                    "Requests sent through the pipeline again after the worker answered 421 (the actor moved).",
+                    "Requests sent through the pipeline again after the worker answered 421 (the actor moved), or after a leased route's worker refused the connection.",
                 )
                 .build(),
             after_route: meter

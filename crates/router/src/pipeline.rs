@@ -30,6 +30,10 @@ pub struct Route {
     /// parked): sent through the pipeline again after a 421, it is never shed
     /// ([`Router::decide_again`]).
     pub parked: bool,
+    /// Whether it came from the route cache (a lease) rather than from a control-plane
+    /// answer to this request: a worker that cannot be reached there may be one the
+    /// actor has left, so the data plane asks again rather than answering 502.
+    pub cached: bool,
 }
 
 /// The router's decision for one request.
@@ -215,6 +219,7 @@ impl Router {
                         actor,
                         addr,
                         parked: false,
+                        cached: true,
                     })
                 }
                 None => match self.resolve(&actor, deadline, while_parked, again).await {
@@ -222,6 +227,7 @@ impl Router {
                         actor,
                         addr,
                         parked,
+                        cached: false,
                     }),
                     Err(denial) => deny(denial),
                 },

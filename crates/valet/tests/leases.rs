@@ -519,3 +519,53 @@ async fn routes_cached_before_a_restart_without_leases_are_dropped() {
     )
     .await;
 }
+
+/// The control plane and the worker of a leased actor die together (a machine lost):
+/// the router's route (stale, the plane unreachable) points at a worker that refuses
+/// the connection. The request is decided again, parks, and is served once a control
+/// plane and a worker are back. Before, it got `502 unreachable` at once, as did every
+/// request for the stale window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leased_route_to_a_dead_worker_parks_instead_of_502() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let snaps = dir.path().join("snapshots");
+    let flags = ["--route-lease", "2s", "--hosting-lease", "4s"];
+    let cp = control_plane(&data, "127.0.0.1:0", &flags).await;
+    let addr = cp.addr;
+    let c = client(addr);
+    let w1 = worker(addr, &snaps, "w1").await;
+    workers_joined(&c, 1).await;
+    c.clone()
+        .create_atespace(ateapi::CreateAtespaceRequest {
+            name: "demo".into(),
+        })
+        .await
+        .unwrap();
+    create(&c, "demo/p1").await.unwrap();
+    let r = router(addr, &["--parked-request-budget", "60s"]).await;
+    let http = r.addrs["router"];
+    eventually("a route is cached under a lease", WITHIN, || async {
+        let (s, _) = common::http_get(http, "/", &[("Host", &host("p1"))]).await;
+        let leases = r.metric("atenet_router_leases_active", &[]).await;
+        (s == 200 && leases == 1.0).then_some(())
+    })
+    .await;
+    cp.kill().await;
+    w1.kill().await;
+    let request =
+        tokio::spawn(async move { common::http_get(http, "/", &[("Host", &host("p1"))]).await });
+    eventually("the request parked", WITHIN, || async {
+        (r.metric("atenet_router_parking_active", &[]).await == 1.0).then_some(())
+    })
+    .await;
+    assert!(!request.is_finished(), "no 502");
+    let _cp = control_plane(&data, &addr.to_string(), &flags).await;
+    let _w2 = worker(addr, &snaps, "w2").await;
+    let (s, body) = tokio::time::timeout(Duration::from_secs(60), request)
+        .await
+        .expect("answered within its budget")
+        .unwrap();
+    assert_eq!(s, 200, "{body}");
+    assert!(body.starts_with("hello from: demo/p1"), "{body}");
+}
