@@ -536,6 +536,11 @@ pub struct ParkingConfig {
     resume_attempt_timeout: Duration,
 }
 
+/// The largest `--parked-request-max`: twice it (the derived
+/// `--extproc-max-requests`) still fits the ext_proc server's `u32` stream cap, and
+/// the lot's semaphore holds it.
+pub const MAX_PARKED: usize = (u32::MAX / 2) as usize;
+
 impl ParkingConfig {
     /// Validates a parking configuration on its own (the rules of `parking.md`).
     ///
@@ -582,6 +587,13 @@ impl ParkingConfig {
                 "--resume-attempt-timeout",
                 fmt_duration(resume_attempt_timeout),
                 "must be > 0",
+            ));
+        }
+        if max_parked > MAX_PARKED {
+            return Err(ConfigError::new(
+                "--parked-request-max",
+                max_parked,
+                format!("must be <= {MAX_PARKED}"),
             ));
         }
         Ok(Self {
@@ -734,14 +746,24 @@ impl RouterArgs {
         let drain_timeout = if p.drain_timeout.is_zero() {
             parking.flight_budget() + DECISION_MARGIN
         } else {
-            if p.drain_timeout < parking.budget {
-                return Err(ConfigError::new(
-                    "--drain-timeout",
-                    fmt_duration(p.drain_timeout),
+            // A flight retries for its budget: with parking disabled that is the fixed
+            // budget for `Aborted`, not `--parked-request-budget` (unused then).
+            if p.drain_timeout < parking.flight_budget() {
+                let rule = if parking.enabled() {
                     format!(
                         "must be >= --parked-request-budget ({}), or 0 to derive it",
                         fmt_duration(parking.budget)
-                    ),
+                    )
+                } else {
+                    format!(
+                        "must be >= {} (how long a request retries with parking disabled), or 0 to derive it",
+                        fmt_duration(parking.flight_budget())
+                    )
+                };
+                return Err(ConfigError::new(
+                    "--drain-timeout",
+                    fmt_duration(p.drain_timeout),
+                    rule,
                 ));
             }
             p.drain_timeout
@@ -828,14 +850,19 @@ pub fn parse_control_plane(value: &str) -> Result<String, ConfigError> {
         .or_else(|| value.strip_prefix("https://").map(|r| ("https", r)))
         .ok_or_else(|| ConfigError::new("--control-plane", value, rule))?;
     let authority = rest.strip_suffix('/').unwrap_or(rest);
+    // The port is named: a URL without one would silently mean 80 or 443.
     let valid = !authority.is_empty()
         && !authority.contains('/')
         && !authority.contains(['@', '?', '#'])
-        && value.parse::<http::Uri>().is_ok();
+        && value
+            .parse::<http::Uri>()
+            .is_ok_and(|u| u.port_u16().is_some());
     if !valid {
         return Err(ConfigError::new("--control-plane", value, rule));
     }
-    Ok(format!("{scheme}://{authority}"))
+    // Host names are case-insensitive: one spelling, so a replica listed twice in two
+    // cases is seen as listed twice.
+    Ok(format!("{scheme}://{}", authority.to_ascii_lowercase()))
 }
 
 /// Parses a duration: a number with `ms`, `s` or `m`, or `0`. Fractions are allowed
@@ -953,6 +980,16 @@ mod tests {
         );
         let twice = rule_of(&["--control-plane", "http://a:1,http://a:1"]);
         assert!(twice.contains("listed twice"), "{twice}");
+        let twice = rule_of(&["--control-plane", "http://CP:1,http://cp:1"]);
+        assert!(
+            twice.contains("listed twice"),
+            "host names are case-insensitive: {twice}"
+        );
+        let no_port = rule_of(&["--control-plane", "http://cp"]);
+        assert!(
+            no_port.contains("must be http://<host>:<port>"),
+            "a port is named: {no_port}"
+        );
         let empty = rule_of(&["--control-plane", "http://a:1,"]);
         assert!(empty.contains("--control-plane"), "{empty}");
         // Nothing that could carry a secret into logs and /statusz: credentials, a
@@ -1035,6 +1072,36 @@ mod tests {
             rule_of(&["--parked-request-budget", "2s", "--drain-timeout", "1500ms"]),
             "invalid configuration: --drain-timeout=1.5s: must be >= --parked-request-budget (2s), or 0 to derive it"
         );
+        // With parking disabled a request retries `Aborted` for the fixed budget, and
+        // --parked-request-budget is unused.
+        assert_eq!(
+            rule_of(&["--parked-request-max", "0", "--drain-timeout", "5s"]),
+            "invalid configuration: --drain-timeout=5s: must be >= 15s (how long a request retries with parking disabled), or 0 to derive it"
+        );
+        let c = resolve(&[
+            "--parked-request-max",
+            "0",
+            "--parked-request-budget",
+            "30s",
+            "--drain-timeout",
+            "20s",
+        ])
+        .unwrap();
+        assert_eq!(c.drain_timeout(), Duration::from_secs(20));
+    }
+
+    /// A lot past what the ext_proc stream cap (twice the lot, in a `u32`) and the
+    /// lot's semaphore hold is refused, naming the flag.
+    #[test]
+    fn the_lot_has_a_bound() {
+        assert_eq!(
+            rule_of(&["--parked-request-max", "4294967296"]),
+            format!(
+                "invalid configuration: --parked-request-max=4294967296: must be <= {MAX_PARKED}"
+            )
+        );
+        let c = resolve(&["--parked-request-max", &MAX_PARKED.to_string()]).unwrap();
+        assert_eq!(c.extproc_max_requests() as usize, 2 * MAX_PARKED);
     }
 
     #[test]
