@@ -189,7 +189,9 @@ impl Worker {
     /// # Errors
     /// When the listener or the snapshot dir cannot be set up.
     pub async fn spawn(config: WorkerConfig) -> Result<Self, WorkerError> {
-        std::fs::create_dir_all(&config.snapshot_dir).map_err(|source| {
+        // Durably: the first checkpoint acknowledged must not vanish with a directory
+        // entry that never reached the disk.
+        app::create_dir_durably(&config.snapshot_dir).map_err(|source| {
             WorkerError::SnapshotDir {
                 path: config.snapshot_dir.clone(),
                 source,
