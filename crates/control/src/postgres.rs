@@ -169,16 +169,7 @@ fn describe(config: &Config) -> String {
 fn why(e: &tokio_postgres::Error) -> String {
     match e.as_db_error() {
         Some(db) => format!("{}: {}", db.severity(), db.message()),
-        None => {
-            let mut s = e.to_string();
-            let mut source = std::error::Error::source(e);
-            while let Some(inner) = source {
-                s.push_str(": ");
-                s.push_str(&inner.to_string());
-                source = inner.source();
-            }
-            s
-        }
+        None => valet_proto::error_chain(e),
     }
 }
 

@@ -56,3 +56,42 @@ pub mod leases {
 
 pub mod auth;
 pub mod reload;
+
+/// `e` and every error under it, joined by `": "`: a transport error's own text is
+/// often only `transport error`, its cause (a refused connection, an unknown issuer)
+/// is in its sources.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(inner) = source {
+        let text = inner.to_string();
+        // Some errors repeat their source's text in their own.
+        if !s.ends_with(&text) {
+            s.push_str(": ");
+            s.push_str(&text);
+        }
+        source = inner.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_error_chain_names_every_cause() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        #[derive(Debug)]
+        struct Outer(std::io::Error);
+        impl std::fmt::Display for Outer {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("transport error")
+            }
+        }
+        impl std::error::Error for Outer {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        assert_eq!(super::error_chain(&Outer(io)), "transport error: refused");
+    }
+}

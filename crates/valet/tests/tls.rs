@@ -287,6 +287,27 @@ async fn a_control_plane_not_signed_by_the_pinned_ca_is_unavailable() {
     );
 }
 
+/// A worker that does not trust the control plane's certificate says why in its
+/// log, not only `transport error` (the text of tonic's error, whose cause is in its
+/// sources): before, it retried for good saying nothing of the certificate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_cannot_verify_the_control_plane_says_why() {
+    let pki = pki();
+    let cp = control_plane(&pki, &[]).await;
+    let w = worker_trusting(&pki, &cp, &pki.other_ca, &[]).await;
+    common::eventually(
+        "the worker says why it cannot attach",
+        Duration::from_secs(30),
+        || async {
+            let logs = w.logs();
+            logs.lines()
+                .find(|l| l.contains("control plane unreachable") && l.contains("UnknownIssuer"))
+                .map(drop)
+        },
+    )
+    .await;
+}
+
 fn now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)

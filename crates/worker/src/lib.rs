@@ -552,7 +552,7 @@ impl Agent {
         let channel = credentials
             .connect(endpoint, valet_proto::auth::tcp_connector())
             .await
-            .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+            .map_err(|e| tonic::Status::unavailable(valet_proto::error_chain(&e)))?;
         let mut client = WorkersClient::new(channel);
         let (tx, rx) = mpsc::channel(16);
         let hosting = self.slot.borrow().as_ref().map(|h| {
