@@ -18,6 +18,7 @@ use valet_proto::reload::Reloading;
 pub struct IngressTls {
     pub(crate) config: Reloading<ServerConfig>,
     pub(crate) allowlist: Option<Arc<SpiffeAllowlist>>,
+    checks_clients: bool,
 }
 
 impl std::fmt::Debug for IngressTls {
@@ -110,7 +111,13 @@ impl IngressTls {
         Ok(Self {
             config,
             allowlist: allowlist.map(Arc::new),
+            checks_clients: client_ca.is_some(),
         })
+    }
+
+    /// Whether clients must present a certificate verified against a client CA.
+    pub fn checks_client_certificates(&self) -> bool {
+        self.checks_clients
     }
 }
 

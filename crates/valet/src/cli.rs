@@ -439,7 +439,9 @@ pub(crate) struct IngressArgs {
         requires = "ingress_tls_cert_file"
     )]
     pub(crate) ingress_tls_key_file: Option<PathBuf>,
-    /// PEM CA client certificates must chain to; makes them required.
+    /// PEM CA client certificates must chain to; makes them required on
+    /// --listen-https (only: --listen and --extproc-listen ask for none; set them
+    /// empty or to loopback to require certificates of every client).
     #[arg(long, env = "VALET_INGRESS_CLIENT_CA_FILE", value_name = "PATH")]
     pub(crate) ingress_client_ca_file: Option<PathBuf>,
     /// Comma-separated SPIFFE IDs admitted (the client certificate's only URI SAN):

@@ -32,6 +32,22 @@ async fn bind(flag: &str, addr: SocketAddr) -> Result<TcpListener, String> {
         .map_err(|e| format!("cannot listen on {flag}={addr}: {e}"))
 }
 
+/// With client certificates checked on `--listen-https`, a plaintext listener other
+/// hosts can reach serves the same actors with no certificate: the check (and the
+/// SPIFFE allowlist) would be for show. Said once at start, per listener.
+fn warn_plain_listeners(config: &RouterConfig) {
+    for (flag, addr) in [
+        ("--listen", config.listen()),
+        ("--extproc-listen", config.extproc_listen()),
+    ] {
+        if let Some(addr) = addr.filter(|a| !a.ip().is_loopback()) {
+            tracing::warn!(
+                "{flag}={addr} serves actors with no client certificate: --ingress-client-ca-file and --ingress-allowed-spiffe-ids apply to --listen-https only (set {flag} '' or a loopback address to require them)"
+            );
+        }
+    }
+}
+
 impl RunningRouter {
     /// Binds every configured listener and starts serving; prints one
     /// `listening <part> <address>` line per listener.
@@ -39,6 +55,12 @@ impl RunningRouter {
         config: RouterConfig,
         https: Option<(SocketAddr, valet_proxy::tls::IngressTls)>,
     ) -> Result<Self, String> {
+        if https
+            .as_ref()
+            .is_some_and(|(_, tls)| tls.checks_client_certificates())
+        {
+            warn_plain_listeners(&config);
+        }
         let config = Arc::new(config);
         let cp = GrpcControlPlane::replicas(config.control_planes(), config.credentials())
             .map_err(|e| format!("--control-plane={}: {e}", config.control_plane()))?;

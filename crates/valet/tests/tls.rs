@@ -308,6 +308,49 @@ async fn a_worker_that_cannot_verify_the_control_plane_says_why() {
     .await;
 }
 
+/// Client certificates checked on `--listen-https` while a plaintext listener other
+/// hosts can reach serves the same actors with none: the router says so at start,
+/// naming the flag. A loopback plaintext listener is not warned about.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plaintext_listener_beside_checked_client_certificates_is_warned_about() {
+    let pki = pki();
+    let start = |listen: &'static str| {
+        let ca = s(&pki.ca).to_owned();
+        async move {
+            Proc::start_logged(
+                "admin",
+                &[
+                    "router",
+                    "--listen",
+                    listen,
+                    "--extproc-listen",
+                    "",
+                    "--admin-listen",
+                    "127.0.0.1:0",
+                    "--listen-https",
+                    "127.0.0.1:0",
+                    "--ingress-client-ca-file",
+                    &ca,
+                    "--control-plane",
+                    "http://127.0.0.1:9",
+                ],
+            )
+            .await
+        }
+    };
+    let warning = "serves actors with no client certificate";
+    let open = start("0.0.0.0:0").await;
+    eventually("the warning", Duration::from_secs(10), || async {
+        open.logs()
+            .lines()
+            .find(|l| l.contains(warning) && l.contains("--listen=0.0.0.0:0"))
+            .map(drop)
+    })
+    .await;
+    let local = start("127.0.0.1:0").await;
+    assert!(!local.logs().contains(warning), "{}", local.logs());
+}
+
 fn now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
