@@ -342,3 +342,71 @@ async fn a_lease_renewal_is_no_activity() {
     );
     w.answer(c.id, Ok(()));
 }
+
+/// A stop's checkpoint of every actor also takes the one still being restored (a
+/// parked request's resume, say): it is checkpointed once it runs. Before, only the
+/// actors RUNNING when the stop began were, and that one stayed RUNNING on a worker
+/// about to stop, reported by no one.
+#[tokio::test(start_paused = true)]
+async fn checkpoint_all_takes_an_actor_being_restored() {
+    let plane = plane(PlaneConfig::default(), &["a", "b"]).await;
+    let mut wa = worker(&plane, "wa");
+    let mut wb = worker(&plane, "wb");
+    resumed_on(&plane, &mut wa, "a").await;
+    let resume_b = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key("b"), None).await })
+    };
+    let restore = wb.next().await.unwrap();
+    assert!(
+        matches!(restore.command, Command::Restore(_)),
+        "{restore:?}"
+    );
+
+    let all = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.checkpoint_all(Duration::from_secs(10)).await })
+    };
+    let c = wa.next().await.unwrap();
+    assert!(matches!(c.command, Command::Checkpoint(_)), "{c:?}");
+    wa.answer(c.id, Ok(()));
+    wb.answer(restore.id, Ok(()));
+    resume_b.await.unwrap().unwrap();
+    let c = tokio::time::timeout(Duration::from_secs(30), wb.next())
+        .await
+        .expect("b is checkpointed too")
+        .unwrap();
+    assert!(matches!(c.command, Command::Checkpoint(_)), "b too: {c:?}");
+    wb.answer(c.id, Ok(()));
+    assert_eq!(all.await.unwrap(), Vec::<String>::new());
+    assert_eq!(plane.status_of("demo", "a"), Some(S::Suspended));
+    assert_eq!(plane.status_of("demo", "b"), Some(S::Suspended));
+}
+
+/// An actor whose requests in flight do not end in time (`Aborted`) is tried again
+/// within the stop's timeout.
+#[tokio::test(start_paused = true)]
+async fn checkpoint_all_tries_a_busy_actor_again() {
+    let plane = plane(PlaneConfig::default(), &["a"]).await;
+    let mut wa = worker(&plane, "wa");
+    resumed_on(&plane, &mut wa, "a").await;
+    let start = Instant::now();
+    let all = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.checkpoint_all(Duration::from_secs(10)).await })
+    };
+    let c = wa.next().await.unwrap();
+    wa.answer_busy(c.id);
+    let c = tokio::time::timeout(Duration::from_secs(30), wa.next())
+        .await
+        .expect("asked again")
+        .unwrap();
+    assert!(
+        matches!(c.command, Command::Checkpoint(_)),
+        "asked again: {c:?}"
+    );
+    wa.answer(c.id, Ok(()));
+    assert_eq!(all.await.unwrap(), Vec::<String>::new());
+    assert!(start.elapsed() < Duration::from_secs(10));
+    assert_eq!(plane.status_of("demo", "a"), Some(S::Suspended));
+}

@@ -13,6 +13,9 @@ use valet_proto::ateapi;
 use valet_proto::worker::{self as wk, worker_command::Command};
 
 use super::capacity::{Reservation, Ticket};
+
+/// How soon [`Plane::checkpoint_all`] tries a busy actor again when nothing changed.
+pub(crate) const CHECKPOINT_ALL_RETRY: Duration = Duration::from_millis(100);
 use super::op::CapacityWait;
 use super::{
     Op, OpKind, OpTarget, Outcome, Plane, aborted, crashed, no_room, not_found, shutting_down,
@@ -636,32 +639,85 @@ impl Plane {
         }
     }
 
-    /// Suspends every RUNNING actor at once, each waiting for its requests in flight;
-    /// returns the actors still not suspended after `timeout`.
+    /// Suspends every RUNNING actor at once, each waiting for its requests in flight,
+    /// until none is left or `timeout` passes; returns the actors still not suspended.
+    /// One that another operation holds (an eviction, a restore a parked request
+    /// started) or whose requests did not end in time (`Aborted`) is tried again once
+    /// something changes (or after [`CHECKPOINT_ALL_RETRY`]); one still being restored
+    /// is suspended once it runs. A checkpoint that failed otherwise is not repeated.
     pub async fn checkpoint_all(&self, timeout: Duration) -> Vec<String> {
-        let running: Vec<ActorKey> = self
-            .lock()
-            .actors
-            .iter()
-            .filter(|(_, r)| r.status == ActorStatus::Running)
-            .map(|(k, _)| k.clone())
-            .collect();
+        use std::collections::BTreeSet;
+        let deadline = Instant::now() + timeout;
+        let mut changes = self.inner.changed.subscribe();
         let mut suspends = tokio::task::JoinSet::new();
-        for key in running.clone() {
-            let plane = self.clone();
-            suspends.spawn(async move { plane.suspend_actor(key).await });
+        // Actors that needed a checkpoint; those with one under way; those to try
+        // again after the next change; those whose checkpoint failed for good.
+        let mut seen = BTreeSet::new();
+        let mut under_way = BTreeSet::new();
+        let mut blocked = BTreeSet::new();
+        let mut failed = BTreeSet::new();
+        loop {
+            changes.mark_unchanged();
+            let todo: Vec<ActorKey> = self
+                .lock()
+                .actors
+                .iter()
+                .filter(|(_, r)| {
+                    r.status != ActorStatus::Suspended && r.status != ActorStatus::Crashed
+                })
+                .map(|(k, _)| k.clone())
+                .collect();
+            seen.extend(todo.iter().cloned());
+            let mut waiting = false;
+            for key in todo {
+                if failed.contains(&key) || under_way.contains(&key) {
+                    continue;
+                }
+                if blocked.contains(&key) {
+                    waiting = true;
+                    continue;
+                }
+                under_way.insert(key.clone());
+                let plane = self.clone();
+                suspends.spawn(async move {
+                    let r = plane.suspend_actor(key.clone()).await;
+                    (key, r)
+                });
+            }
+            if suspends.is_empty() && !waiting {
+                break;
+            }
+            tokio::select! {
+                Some(done) = suspends.join_next() => {
+                    if let Ok((key, r)) = done {
+                        under_way.remove(&key);
+                        match r {
+                            Ok(_) => {}
+                            Err(e) if e.code() == tonic::Code::Aborted => {
+                                blocked.insert(key);
+                            }
+                            Err(_) => {
+                                failed.insert(key);
+                            }
+                        }
+                    }
+                }
+                r = changes.changed() => {
+                    if r.is_err() {
+                        break;
+                    }
+                    blocked.clear();
+                }
+                () = tokio::time::sleep(CHECKPOINT_ALL_RETRY), if waiting => blocked.clear(),
+                () = tokio::time::sleep_until(deadline) => break,
+            }
         }
-        let _ = tokio::time::timeout(timeout, async {
-            while suspends.join_next().await.is_some() {}
-        })
-        .await;
         let st = self.lock();
-        running
-            .iter()
+        seen.iter()
             .filter(|k| {
                 st.actors
                     .get(*k)
-                    .is_none_or(|r| r.status != ActorStatus::Suspended)
+                    .is_some_and(|r| r.status != ActorStatus::Suspended)
             })
             .map(ToString::to_string)
             .collect()
