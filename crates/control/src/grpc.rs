@@ -510,13 +510,16 @@ impl leases_server::Leases for LeasesService {
             }
         };
         let (tx, rx) = mpsc::channel(256);
-        let conn = self.plane.router_watching(&router, tx.clone())?;
+        // The Welcome is queued before the watch is registered: a Revoke (sent once
+        // it is) comes after it, never before, when the router knows the lease length
+        // its memory of the revocation must last.
         let welcome = lp::PlaneMessage {
             message: Some(lp::plane_message::Message::Welcome(lp::Welcome {
                 route_lease: self.plane.route_lease().try_into().ok(),
             })),
         };
-        let _ = tx.send(Ok(welcome)).await;
+        let _ = tx.try_send(Ok(welcome));
+        let conn = self.plane.router_watching(&router, tx.clone())?;
         // Weak: the stream ends when the plane drops its sender.
         let ending = tx.downgrade();
         drop(tx);

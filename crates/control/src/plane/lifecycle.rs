@@ -110,12 +110,24 @@ impl Plane {
         let resumed = how == ResumeHow::Activated;
         let grant = holder.and_then(|h| {
             let mut st = self.lock();
+            // The answer must still be the record: a caller that joined an activation
+            // wakes after its operation ended, and the actor may have moved since
+            // (a lease on the old address would outlive every revocation).
             let leasable = st.busy(&key).is_none()
                 && st.actors.get(&key).is_some_and(|r| {
                     r.status == ActorStatus::Running
                         && r.worker
                             .as_ref()
                             .is_some_and(|w| st.workers.contains_key(w))
+                        && {
+                            let now = st.to_proto(r);
+                            (&now.ateom_pod_name, &now.ateom_pod_ip, now.worker_port)
+                                == (
+                                    &actor.ateom_pod_name,
+                                    &actor.ateom_pod_ip,
+                                    actor.worker_port,
+                                )
+                        }
                 });
             if leasable {
                 st.grant(&key, h, self.config().route_lease)
