@@ -16,6 +16,9 @@ use valet_control::plane::DEFAULT_SHUTDOWN_TIMEOUT;
 use valet_control::{Plane, PlaneConfig, SqliteStore};
 use valet_worker::{Worker, WorkerConfig};
 
+/// How long a stop waits for the control plane's remaining tasks.
+const CLOSE_MAX: Duration = Duration::from_secs(10);
+
 /// How long workers may take to join their pools.
 const JOIN_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -244,9 +247,22 @@ impl Cluster {
         if let Some(m) = self.metrics {
             let _ = m.await;
         }
+        // Together: each may finish a restore or checkpoint in progress first, and a
+        // stop waits for the slowest of them, not for their sum.
+        let mut workers = tokio::task::JoinSet::new();
         for w in self.workers {
-            w.shutdown().await;
+            workers.spawn(w.shutdown());
         }
-        self.plane.close().await;
+        workers.join_all().await;
+        // The plane's shutdown (in `serve`) already gave its operations their time:
+        // what is left of its tasks gets a bounded moment, then ends with the process.
+        if tokio::time::timeout(CLOSE_MAX, self.plane.close())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "the control plane's tasks did not end within {CLOSE_MAX:?}; stopping without them"
+            );
+        }
     }
 }
