@@ -15,6 +15,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use crate::record::Record;
 
@@ -117,9 +118,13 @@ pub fn schedule(rate: f64, duration: Duration) -> Vec<Duration> {
     if rate <= 0.0 {
         return Vec::new();
     }
-    // Every i with i / rate < duration; the tolerance keeps a product such as
-    // 0.1 x 30 (3.0000000000000004) from scheduling a send at the very end.
-    let n = (rate * duration.as_secs_f64() - 1e-9).ceil().max(0.0) as usize;
+    if duration.is_zero() {
+        return Vec::new();
+    }
+    // Every i with i / rate < duration (the send at 0 always); the tolerance keeps a
+    // product such as 0.1 x 30 (3.0000000000000004) from scheduling a send at the
+    // very end.
+    let n = (rate * duration.as_secs_f64() - 1e-9).ceil().max(1.0) as usize;
     (0..n)
         .map(|i| Duration::from_secs_f64(i as f64 / rate))
         .collect()
@@ -137,12 +142,31 @@ where
     F: Fn(String) -> Fut,
     Fut: Future<Output = (u16, String)> + Send + 'static,
 {
+    open_loop_until(label, at, actors, send, &CancellationToken::new()).await
+}
+
+/// [`open_loop`], ending early once `stop` is cancelled: nothing more is sent, and
+/// the requests in flight then are given up (not recorded).
+pub async fn open_loop_until<F, Fut>(
+    label: &str,
+    at: &[Duration],
+    actors: &[String],
+    send: F,
+    stop: &CancellationToken,
+) -> Vec<Record>
+where
+    F: Fn(String) -> Fut,
+    Fut: Future<Output = (u16, String)> + Send + 'static,
+{
     let start = Instant::now();
     let total = at.last().copied().unwrap_or_default();
     let progress = Progress::spawn(label, total, start);
     let mut tasks = JoinSet::new();
     for (i, offset) in at.iter().enumerate() {
-        tokio::time::sleep_until(start + *offset).await;
+        tokio::select! {
+            () = tokio::time::sleep_until(start + *offset) => {}
+            () = stop.cancelled() => break,
+        }
         let actor = actors[i % actors.len()].clone();
         let fut = send(actor.clone());
         let label = label.to_owned();
@@ -151,20 +175,24 @@ where
         // Latency counts from the scheduled time, not from when the request left: a
         // generator (or a runtime) that falls behind must not hide the delay.
         let scheduled = *offset;
+        let stop = stop.clone();
         tasks.spawn(async move {
-            let (status, body) = fut.await;
+            let (status, body) = tokio::select! {
+                answered = fut => answered,
+                () = stop.cancelled() => return None,
+            };
             counters.1.fetch_add(1, Ordering::Relaxed);
-            Record {
+            Some(Record {
                 label,
                 actor,
                 start: scheduled,
                 end: start.elapsed(),
                 status,
                 body: Record::prefix(&body),
-            }
+            })
         });
     }
-    let mut records: Vec<Record> = tasks.join_all().await;
+    let mut records: Vec<Record> = tasks.join_all().await.into_iter().flatten().collect();
     progress.stop();
     records.sort_by_key(|r| r.start);
     records
@@ -182,6 +210,31 @@ where
     F: Fn(String) -> Fut + Clone + Send + 'static,
     Fut: Future<Output = (u16, String)> + Send + 'static,
 {
+    closed_loop_until(
+        label,
+        concurrency,
+        duration,
+        actors,
+        send,
+        &CancellationToken::new(),
+    )
+    .await
+}
+
+/// [`closed_loop`], ending early once `stop` is cancelled: the requests in flight
+/// then are given up (not recorded).
+pub async fn closed_loop_until<F, Fut>(
+    label: &str,
+    concurrency: usize,
+    duration: Duration,
+    actors: &[String],
+    send: F,
+    stop: &CancellationToken,
+) -> Vec<Record>
+where
+    F: Fn(String) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = (u16, String)> + Send + 'static,
+{
     let start = Instant::now();
     let progress = Progress::spawn(label, duration, start);
     let mut tasks = JoinSet::new();
@@ -190,6 +243,7 @@ where
         let actors = actors.to_vec();
         let label = label.to_owned();
         let counters = Arc::clone(&progress.counters);
+        let stop = stop.clone();
         tasks.spawn(async move {
             let mut out = Vec::new();
             let mut i = c;
@@ -198,7 +252,10 @@ where
                 i += concurrency;
                 counters.0.fetch_add(1, Ordering::Relaxed);
                 let sent = start.elapsed();
-                let (status, body) = send(actor.clone()).await;
+                let (status, body) = tokio::select! {
+                    answered = send(actor.clone()) => answered,
+                    () = stop.cancelled() => break,
+                };
                 counters.1.fetch_add(1, Ordering::Relaxed);
                 out.push(Record {
                     label: label.clone(),
@@ -240,7 +297,7 @@ impl Progress {
                     // Answered first: a request counted in between is in flight.
                     let done = counters.1.load(Ordering::Relaxed);
                     let sent = counters.0.load(Ordering::Relaxed);
-                    eprintln!(
+                    progress!(
                         "{label}: {:>4.0}s/{:.0}s  sent {sent}  answered {done}  in flight {}",
                         start.elapsed().as_secs_f64(),
                         total.as_secs_f64(),
@@ -306,6 +363,11 @@ mod tests {
         assert_eq!(schedule(3.0, Duration::from_millis(1500)).len(), 5);
         assert_eq!(schedule(0.1, Duration::from_secs(30)).len(), 3);
         assert_eq!(schedule(0.5, Duration::from_secs(1)).len(), 1);
+        assert_eq!(
+            schedule(1e-12, Duration::from_millis(1)).len(),
+            1,
+            "the send at 0"
+        );
     }
 
     /// A server that takes 10 s per answer does not slow the open loop down: every

@@ -9,6 +9,15 @@
 
 #![forbid(unsafe_code)]
 
+/// `progress!` for progress lines that never panics: a closed stderr (the reader of
+/// `valet load … 2>&1 | tee` gone) must not end a run and lose its results.
+macro_rules! progress {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 pub mod chart;
 pub mod extproc;
 pub mod generate;

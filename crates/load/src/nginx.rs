@@ -131,7 +131,7 @@ mod tests {
     async fn a_dropped_nginx_leaves_no_process_behind() {
         let worker: SocketAddr = "127.0.0.1:9".parse().unwrap();
         let Some(nginx) = Nginx::start(worker, "demo/p1").await.unwrap() else {
-            eprintln!("no nginx on PATH: nothing to check");
+            progress!("no nginx on PATH: nothing to check");
             return;
         };
         let group = format!("-{}", nginx.child.id().unwrap());

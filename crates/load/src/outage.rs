@@ -408,14 +408,14 @@ async fn outage(
             Some((name, end.saturating_duration_since(t0)))
         })
         .collect();
-    eprintln!(
+    progress!(
         "leases: control plane SIGKILLed; down for {:?}",
         opts.outage
     );
     tokio::time::sleep(opts.outage).await;
     let back = ControlPlane::start(exe, data, &cp_addr.to_string(), opts).await?;
     let restarted = t0.elapsed();
-    eprintln!("leases: control plane restarted");
+    progress!("leases: control plane restarted");
     tokio::time::sleep(Duration::from_secs(10)).await;
     stop.store(true, Ordering::Relaxed);
     let mut records: Vec<Record> = tasks.join_all().await.into_iter().flatten().collect();

@@ -70,11 +70,11 @@ pub async fn parked_scale(sys: &System, o: &ParkedScaleOpts) -> Result<Report, S
     }
     let idle_kib = sys.router_rss_kib();
 
-    eprintln!("parked-scale: opening {} connections", o.requests);
+    progress!("parked-scale: opening {} connections", o.requests);
     let streams = connect_all(sys, o.requests).await?;
     let connected_kib = sys.router_rss_kib();
 
-    eprintln!("parked-scale: sending {} requests", o.requests);
+    progress!("parked-scale: sending {} requests", o.requests);
     let t0 = Instant::now();
     let barrier = Arc::new(Barrier::new(o.requests + 1));
     let payload = Bytes::from(vec![b'x'; o.body]);
@@ -184,7 +184,7 @@ async fn connect_all(sys: &System, n: usize) -> Result<Vec<TcpStream>, String> {
     while let Some(r) = set.join_next().await {
         out.push(r.map_err(|e| e.to_string())??);
         if out.len() == next_report && out.len() < n {
-            eprintln!("parked-scale: {}/{n} connected", out.len());
+            progress!("parked-scale: {}/{n} connected", out.len());
             next_report += n / 4;
         }
     }
@@ -348,7 +348,7 @@ async fn extproc_cost(text: &mut String, sys: &System, n: usize) -> Result<(), S
         Ok(crate::extproc::Answer::Routed(_)) => {}
         other => return Err(format!("ext_proc warm-up for holder: {other:?}")),
     }
-    eprintln!("parked-scale: {n} ext_proc exchanges");
+    progress!("parked-scale: {n} ext_proc exchanges");
     let cpu0 = sys.router_cpu();
     let calls0 = sys.resume_calls();
     let started = Instant::now();

@@ -91,6 +91,14 @@ pub fn write_file_atomically(
     let mut w = std::io::BufWriter::new(tmp);
     write(&mut w).map_err(named)?;
     let tmp = w.into_inner().map_err(|e| named(e.into_error()))?;
+    // Results are for reading (a temporary file is made owner-only).
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        tmp.as_file()
+            .set_permissions(std::fs::Permissions::from_mode(0o644))
+            .map_err(named)?;
+    }
     tmp.as_file().sync_all().map_err(named)?;
     tmp.persist(path).map_err(|e| named(e.error))?;
     Ok(())
@@ -123,6 +131,12 @@ mod tests {
         write_csv_file(&path, std::slice::from_ref(&one)).unwrap();
         let complete = std::fs::read_to_string(&path).unwrap();
         assert_eq!(complete.lines().count(), 2, "{complete}");
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt as _;
+            let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o644, "results are readable by others");
+        }
 
         let err = write_file_atomically(&path, |w| {
             w.write_all(&[b'x'; 20_000])?;

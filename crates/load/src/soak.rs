@@ -176,7 +176,7 @@ pub async fn soak(sys: &System, opts: &SoakOpts) -> Result<Report, String> {
         }
         if Instant::now() >= next_progress {
             next_progress += Duration::from_secs(10);
-            eprintln!(
+            progress!(
                 "soak: {:.0}s of {:.0}s, {} parked now, {} suspends",
                 started.elapsed().as_secs_f64(),
                 opts.duration.as_secs_f64(),

@@ -4,7 +4,7 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use valet_load::generate::{HttpClient, closed_loop, open_loop, schedule};
+use valet_load::generate::{HttpClient, closed_loop_until, open_loop_until, schedule};
 use valet_load::processes::ClusterOpts;
 use valet_load::record::write_csv_file;
 use valet_load::scenario::{self, Report};
@@ -33,13 +33,11 @@ where
 }
 
 pub(crate) async fn run(cmd: LoadCommand) -> ExitCode {
-    let result = until_terminated(async {
-        match cmd {
-            LoadCommand::Run(args) => load_run(args).await,
-            LoadCommand::Scenario(args) => run_scenario(args).await,
-        }
-    })
-    .await;
+    let result = match cmd {
+        // A run keeps what it measured when interrupted (it stops by itself).
+        LoadCommand::Run(args) => load_run(args).await,
+        LoadCommand::Scenario(args) => until_terminated(run_scenario(args)).await,
+    };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::Usage(e)) => {
@@ -90,34 +88,50 @@ async fn load_run(args: LoadRunArgs) -> Result<(), Failure> {
         let (client, path) = (client.clone(), path.clone());
         async move { client.get(router, &actor, &path).await }
     };
-    let records = match (args.rate, args.concurrency) {
-        (Some(rate), _) if rate > 0.0 && rate * args.duration.as_secs_f64() <= MAX_SCHEDULED => {
-            let at = schedule(rate, args.duration);
-            if at.is_empty() {
-                return Err(Failure::Usage(format!(
-                    "invalid configuration: --rate={rate} with --duration={:?}: schedules no request",
-                    args.duration
-                )));
-            }
-            open_loop("load", &at, &args.actors, send).await
+    // SIGTERM or SIGINT ends the run early: nothing more is sent, what was answered
+    // is summed up and written, and the exit says the run was cut short.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let interrupted = {
+        let stop = stop.clone();
+        async move {
+            crate::signal::terminated_without_force().await;
+            stop.cancel();
+            std::future::pending::<()>().await;
         }
-        (Some(rate), _) if rate > 0.0 && rate.is_finite() => {
-            return Err(Failure::Usage(format!(
+    };
+    let started = tokio::time::Instant::now();
+    let run = async {
+        match (args.rate, args.concurrency) {
+            (Some(rate), _)
+                if rate > 0.0 && rate * args.duration.as_secs_f64() <= MAX_SCHEDULED =>
+            {
+                let at = schedule(rate, args.duration);
+                Ok(open_loop_until("load", &at, &args.actors, send, &stop).await)
+            }
+            (Some(rate), _) if rate > 0.0 && rate.is_finite() => Err(Failure::Usage(format!(
                 "invalid configuration: --rate={rate} with --duration={:?}: at most {MAX_SCHEDULED} requests in one run",
                 args.duration
-            )));
-        }
-        (Some(rate), _) => {
-            return Err(Failure::Usage(format!(
+            ))),
+            (Some(rate), _) => Err(Failure::Usage(format!(
                 "invalid configuration: --rate={rate}: must be a finite number > 0"
-            )));
-        }
-        (None, Some(0)) => {
-            return Err(Failure::Usage(
+            ))),
+            (None, Some(0)) => Err(Failure::Usage(
                 "invalid configuration: --concurrency=0: must be >= 1".into(),
-            ));
+            )),
+            (None, c) => Ok(closed_loop_until(
+                "load",
+                c.unwrap_or(1),
+                args.duration,
+                &args.actors,
+                send,
+                &stop,
+            )
+            .await),
         }
-        (None, c) => closed_loop("load", c.unwrap_or(1), args.duration, &args.actors, send).await,
+    };
+    let records = tokio::select! {
+        r = run => r?,
+        () = interrupted => unreachable!("pending after the signal"),
     };
     let summary = Summary::of(&records);
     say!("{summary}");
@@ -129,6 +143,13 @@ async fn load_run(args: LoadRunArgs) -> Result<(), Failure> {
     if let Some(path) = &args.svg {
         chart::latency_chart(path, "valet load", &records, None)?;
         say!("wrote {}", path.display());
+    }
+    if stop.is_cancelled() {
+        return Err(Failure::Run(format!(
+            "interrupted after {:.1}s of {:?}: the results above are of the requests answered until then",
+            started.elapsed().as_secs_f64(),
+            args.duration
+        )));
     }
     Ok(())
 }
