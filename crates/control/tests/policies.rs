@@ -410,3 +410,90 @@ async fn checkpoint_all_tries_a_busy_actor_again() {
     assert!(start.elapsed() < Duration::from_secs(10));
     assert_eq!(plane.status_of("demo", "a"), Some(S::Suspended));
 }
+
+/// A resume waiting for capacity when the stop begins (still SUSPENDED, its
+/// operation held) gets the worker the stop's first checkpoint frees, and is then
+/// checkpointed in turn: the stop leaves nothing running.
+#[tokio::test(start_paused = true)]
+async fn checkpoint_all_takes_a_resume_waiting_for_capacity() {
+    let plane = plane(PlaneConfig::default(), &["a", "b"]).await;
+    let mut w = worker(&plane, "w");
+    resumed_on(&plane, &mut w, "a").await;
+    let resume_b = {
+        let plane = plane.clone();
+        tokio::spawn(async move {
+            plane
+                .resume_actor(key("b"), Some(Duration::from_secs(60)))
+                .await
+        })
+    };
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(1), |p| p.waiters("counter") == 1)
+            .await,
+        "b waits for capacity"
+    );
+    let all = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.checkpoint_all(Duration::from_secs(30)).await })
+    };
+    let within = Duration::from_secs(10);
+    let c = tokio::time::timeout(within, w.next()).await.unwrap().unwrap();
+    assert!(matches!(c.command, Command::Checkpoint(_)), "a first: {c:?}");
+    w.answer(c.id, Ok(()));
+    let r = tokio::time::timeout(within, w.next()).await.unwrap().unwrap();
+    assert!(matches!(r.command, Command::Restore(_)), "b gets the worker: {r:?}");
+    w.answer(r.id, Ok(()));
+    resume_b.await.unwrap().unwrap();
+    let c = tokio::time::timeout(within, w.next())
+        .await
+        .expect("b is checkpointed too")
+        .unwrap();
+    assert!(matches!(c.command, Command::Checkpoint(_)), "{c:?}");
+    w.answer(c.id, Ok(()));
+    assert_eq!(all.await.unwrap(), Vec::<String>::new());
+    assert_eq!(plane.status_of("demo", "b"), Some(S::Suspended));
+}
+
+/// A resume still waiting for capacity (SUSPENDED, its operation held) when the stop
+/// begins, with no running actor at all, is waited for: once a worker frees up and
+/// it runs, it is checkpointed. Before, the stop found nothing RUNNING and ended at
+/// once, and the actor then ran on, reported by no one.
+#[tokio::test(start_paused = true)]
+async fn checkpoint_all_waits_for_a_resume_that_holds_its_actor() {
+    let plane = plane(PlaneConfig::default(), &["b"]).await;
+    let resume_b = {
+        let plane = plane.clone();
+        tokio::spawn(async move {
+            plane
+                .resume_actor(key("b"), Some(Duration::from_secs(60)))
+                .await
+        })
+    };
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(1), |p| p.waiters("counter") == 1)
+            .await,
+        "b waits for capacity"
+    );
+    let all = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.checkpoint_all(Duration::from_secs(30)).await })
+    };
+    // The paused clock moves only once every task waits: the stop has looked.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut w = worker(&plane, "w");
+    let within = Duration::from_secs(10);
+    let r = tokio::time::timeout(within, w.next()).await.unwrap().unwrap();
+    assert!(matches!(r.command, Command::Restore(_)), "{r:?}");
+    w.answer(r.id, Ok(()));
+    resume_b.await.unwrap().unwrap();
+    let c = tokio::time::timeout(within, w.next())
+        .await
+        .expect("b is checkpointed once it runs")
+        .unwrap();
+    assert!(matches!(c.command, Command::Checkpoint(_)), "{c:?}");
+    w.answer(c.id, Ok(()));
+    assert_eq!(all.await.unwrap(), Vec::<String>::new());
+    assert_eq!(plane.status_of("demo", "b"), Some(S::Suspended));
+}

@@ -658,37 +658,43 @@ impl Plane {
     /// something changes (or after [`CHECKPOINT_ALL_RETRY`]); one still being restored
     /// is suspended once it runs. A checkpoint that failed otherwise is not repeated.
     pub async fn checkpoint_all(&self, timeout: Duration) -> Vec<String> {
-        use std::collections::BTreeSet;
+        use std::collections::{BTreeMap, BTreeSet};
         let deadline = Instant::now() + timeout;
         let mut changes = self.inner.changed.subscribe();
         let mut suspends = tokio::task::JoinSet::new();
-        // Actors that needed a checkpoint; those with one under way; those to try
-        // again after the next change; those whose checkpoint failed for good.
+        // Actors that needed a checkpoint; those with one under way; when to try one
+        // that answered `Aborted` again; those whose checkpoint failed for good.
         let mut seen = BTreeSet::new();
         let mut under_way = BTreeSet::new();
-        let mut blocked = BTreeSet::new();
+        let mut retry_at: BTreeMap<ActorKey, Instant> = BTreeMap::new();
         let mut failed = BTreeSet::new();
         loop {
             changes.mark_unchanged();
-            let todo: Vec<ActorKey> = self
-                .lock()
-                .actors
-                .iter()
-                .filter(|(_, r)| {
-                    r.status != ActorStatus::Suspended && r.status != ActorStatus::Crashed
-                })
-                .map(|(k, _)| k.clone())
-                .collect();
+            // Not suspended, or held by an operation (a resume still SUSPENDED while
+            // it waits for capacity or writes its claim): either may end RUNNING.
+            let todo: Vec<ActorKey> = {
+                let st = self.lock();
+                st.actors
+                    .iter()
+                    .filter(|(k, r)| {
+                        (r.status != ActorStatus::Suspended && r.status != ActorStatus::Crashed)
+                            || st.busy(k).is_some()
+                    })
+                    .map(|(k, _)| k.clone())
+                    .collect()
+            };
             seen.extend(todo.iter().cloned());
-            let mut waiting = false;
+            // One that is done by now (suspended by another call) is not tried again.
+            retry_at.retain(|k, _| todo.contains(k));
+            let now = Instant::now();
             for key in todo {
-                if failed.contains(&key) || under_way.contains(&key) {
+                if failed.contains(&key)
+                    || under_way.contains(&key)
+                    || retry_at.get(&key).is_some_and(|at| now < *at)
+                {
                     continue;
                 }
-                if blocked.contains(&key) {
-                    waiting = true;
-                    continue;
-                }
+                retry_at.remove(&key);
                 under_way.insert(key.clone());
                 let plane = self.clone();
                 suspends.spawn(async move {
@@ -696,7 +702,8 @@ impl Plane {
                     (key, r)
                 });
             }
-            if suspends.is_empty() && !waiting {
+            let next_retry = retry_at.values().min().copied();
+            if suspends.is_empty() && next_retry.is_none() {
                 break;
             }
             tokio::select! {
@@ -706,7 +713,7 @@ impl Plane {
                         match r {
                             Ok(_) => {}
                             Err(e) if e.code() == tonic::Code::Aborted => {
-                                blocked.insert(key);
+                                retry_at.insert(key, Instant::now() + CHECKPOINT_ALL_RETRY);
                             }
                             Err(_) => {
                                 failed.insert(key);
@@ -714,13 +721,13 @@ impl Plane {
                         }
                     }
                 }
+                // A change may bring an actor to checkpoint (one restored meanwhile).
                 r = changes.changed() => {
                     if r.is_err() {
                         break;
                     }
-                    blocked.clear();
                 }
-                () = tokio::time::sleep(CHECKPOINT_ALL_RETRY), if waiting => blocked.clear(),
+                () = tokio::time::sleep_until(next_retry.unwrap_or(deadline)), if next_retry.is_some() => {}
                 () = tokio::time::sleep_until(deadline) => break,
             }
         }
@@ -729,7 +736,7 @@ impl Plane {
             .filter(|k| {
                 st.actors
                     .get(*k)
-                    .is_some_and(|r| r.status != ActorStatus::Suspended)
+                    .is_some_and(|r| r.status != ActorStatus::Suspended || st.busy(k).is_some())
             })
             .map(ToString::to_string)
             .collect()
