@@ -438,11 +438,23 @@ async fn checkpoint_all_takes_a_resume_waiting_for_capacity() {
         tokio::spawn(async move { plane.checkpoint_all(Duration::from_secs(30)).await })
     };
     let within = Duration::from_secs(10);
-    let c = tokio::time::timeout(within, w.next()).await.unwrap().unwrap();
-    assert!(matches!(c.command, Command::Checkpoint(_)), "a first: {c:?}");
+    let c = tokio::time::timeout(within, w.next())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(c.command, Command::Checkpoint(_)),
+        "a first: {c:?}"
+    );
     w.answer(c.id, Ok(()));
-    let r = tokio::time::timeout(within, w.next()).await.unwrap().unwrap();
-    assert!(matches!(r.command, Command::Restore(_)), "b gets the worker: {r:?}");
+    let r = tokio::time::timeout(within, w.next())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(r.command, Command::Restore(_)),
+        "b gets the worker: {r:?}"
+    );
     w.answer(r.id, Ok(()));
     resume_b.await.unwrap().unwrap();
     let c = tokio::time::timeout(within, w.next())
@@ -484,7 +496,10 @@ async fn checkpoint_all_waits_for_a_resume_that_holds_its_actor() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     let mut w = worker(&plane, "w");
     let within = Duration::from_secs(10);
-    let r = tokio::time::timeout(within, w.next()).await.unwrap().unwrap();
+    let r = tokio::time::timeout(within, w.next())
+        .await
+        .unwrap()
+        .unwrap();
     assert!(matches!(r.command, Command::Restore(_)), "{r:?}");
     w.answer(r.id, Ok(()));
     resume_b.await.unwrap().unwrap();

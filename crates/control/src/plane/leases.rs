@@ -215,8 +215,12 @@ impl Plane {
             return;
         }
         tokio::time::sleep_until(self.inner.leases_unknown_until).await;
-        type Wait = (oneshot::Receiver<()>, Instant, Option<WatchTx>);
-        let (waits, through): (Vec<Wait>, u64) = {
+        type Wait = (
+            oneshot::Receiver<()>,
+            Instant,
+            Option<mpsc::WeakSender<Result<pb::PlaneMessage, Status>>>,
+        );
+        let (mut waits, through): (Vec<Wait>, u64) = {
             let mut st = self.lock();
             let now = Instant::now();
             let State { leases, .. } = &mut *st;
@@ -237,29 +241,40 @@ impl Plane {
                 .map(|(router, h)| {
                     let (tx, rx) = oneshot::channel();
                     h.ack = Some(tx);
+                    // Weak: a watch the plane ends meanwhile (shutdown, its router
+                    // gone) is not held open by a revocation waiting for its ack.
                     (
                         rx,
                         h.until,
-                        leases.routers.get(router).map(|w| w.tx.clone()),
+                        leases.routers.get(router).map(|w| w.tx.downgrade()),
                     )
                 })
                 .collect();
             (waits, through)
         };
         let started = Instant::now();
-        // Sent with the lock released: a watch whose queue is full (a router behind
-        // on many revocations at once, as at shutdown) gets its Revoke when there is
-        // room, not never; each send waits at most until that lease ends anyway.
-        for (_, until, tx) in &waits {
-            if let Some(tx) = tx {
-                let revoke = pb::PlaneMessage {
-                    message: Some(pb::plane_message::Message::Revoke(pb::Revoke {
-                        actor: Some(actor_of(key)),
-                        through,
-                    })),
-                };
-                let _ = tokio::time::timeout_at(*until, tx.send(Ok(revoke))).await;
+        // Sent with the lock released. A watch whose queue is full (a router behind on
+        // many revocations at once, as at shutdown) gets its Revoke when there is room,
+        // not never: after every other holder got theirs, each send waiting at most
+        // until that lease ends anyway.
+        let revoke = || {
+            Ok(pb::PlaneMessage {
+                message: Some(pb::plane_message::Message::Revoke(pb::Revoke {
+                    actor: Some(actor_of(key)),
+                    through,
+                })),
+            })
+        };
+        let mut behind = Vec::new();
+        for (_, until, tx) in &mut waits {
+            if let Some(tx) = tx.take().and_then(|w| w.upgrade())
+                && let Err(mpsc::error::TrySendError::Full(m)) = tx.try_send(revoke())
+            {
+                behind.push((tx, m, *until));
             }
+        }
+        for (tx, m, until) in behind {
+            let _ = tokio::time::timeout_at(until, tx.send(m)).await;
         }
         for (rx, until, _) in waits {
             tokio::select! {
