@@ -182,6 +182,10 @@ pub(crate) enum Sent {
     Denied(Verdict),
     /// The worker does not host the actor (any more): 421.
     Moved,
+    /// A leased route's worker refused the connection (nothing was sent): the actor
+    /// may have left it. Decided again when the request can be replayed, this
+    /// verdict (unreachable) otherwise.
+    Refused(Verdict),
 }
 
 impl Outgoing {
@@ -367,7 +371,9 @@ impl Outgoing {
                     // say), as a 421 would say; the request is decided again.
                     None if route.cached && e.is_connect() => {
                         tracing::debug!(actor = %route.actor, worker = %route.addr, error = %e, "a leased route's worker cannot be reached");
-                        return Sent::Moved;
+                        return Sent::Refused(Verdict::of(&Denial::WorkerUnreachable(
+                            route.actor.clone(),
+                        )));
                     }
                     None => {
                         tracing::warn!(actor = %route.actor, worker = %route.addr, error = %e, "worker unreachable");

@@ -1010,15 +1010,17 @@ async fn send(
     deadline: Instant,
     parked: bool,
 ) -> (Response<Body>, Option<SocketAddr>, &'static str) {
-    match out.send(&shared.client, &shared.tunnels, route).await {
+    let moved = Verdict::of(&Denial::ActorMoved(route.actor.clone()));
+    // What the client gets when the request cannot be sent through again.
+    let otherwise = match out.send(&shared.client, &shared.tunnels, route).await {
         Sent::Answer(resp) => return (resp, Some(route.addr), "routed"),
         Sent::Denied(v) => return denied_after_route(shared, &v, route.addr),
-        Sent::Moved => {}
-    }
+        Sent::Moved => moved.clone(),
+        Sent::Refused(v) => v,
+    };
     shared.router.forget_route(&route.actor, route.addr);
-    let moved = Verdict::of(&Denial::ActorMoved(route.actor.clone()));
     if !out.replayable() {
-        return denied_after_route(shared, &moved, route.addr);
+        return denied_after_route(shared, &otherwise, route.addr);
     }
     shared.router.metrics().replayed();
     // Should the replay park, the body it holds is charged to the lot's bytes
@@ -1041,6 +1043,10 @@ async fn send(
         Decision::Route(again) => match out.send(&shared.client, &shared.tunnels, &again).await {
             Sent::Answer(resp) => (resp, Some(again.addr), "routed"),
             Sent::Denied(v) => denied_after_route(shared, &v, again.addr),
+            Sent::Refused(v) => {
+                shared.router.forget_route(&again.actor, again.addr);
+                denied_after_route(shared, &v, again.addr)
+            }
             Sent::Moved => {
                 shared.router.forget_route(&again.actor, again.addr);
                 denied_after_route(shared, &moved, again.addr)

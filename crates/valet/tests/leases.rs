@@ -524,7 +524,7 @@ async fn routes_cached_before_a_restart_without_leases_are_dropped() {
 /// the router's route (stale, the plane unreachable) points at a worker that refuses
 /// the connection. The request is decided again, parks, and is served once a control
 /// plane and a worker are back. Before, it got `502 unreachable` at once, as did every
-/// request for the stale window.
+/// request for the stale window. (A body too large to replay still gets the 502.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leased_route_to_a_dead_worker_parks_instead_of_502() {
     let dir = tempfile::tempdir().unwrap();
@@ -553,6 +553,18 @@ async fn a_leased_route_to_a_dead_worker_parks_instead_of_502() {
     .await;
     cp.kill().await;
     w1.kill().await;
+    // A body too large to hold for a replay cannot be sent through again: the
+    // unreachable worker's verdict, as for any route.
+    let (s, _, body) = common::request(http, "POST", &host("p1"), "/", vec![b'x'; 1 << 20]).await;
+    assert_eq!(
+        (s, String::from_utf8_lossy(&body).as_ref()),
+        (502, "actor demo/p1 unreachable")
+    );
+    assert_eq!(
+        r.metric("atenet_router_leases_active", &[]).await,
+        0.0,
+        "forgotten"
+    );
     let request =
         tokio::spawn(async move { common::http_get(http, "/", &[("Host", &host("p1"))]).await });
     eventually("the request parked", WITHIN, || async {
