@@ -119,11 +119,16 @@ pub(crate) fn read_counter(path: &Path) -> std::io::Result<Option<i64>> {
 /// writes: what a checkpoint has not taken may be lost, never torn).
 pub(crate) fn write_atomically(path: &Path, content: &[u8]) -> std::io::Result<()> {
     // A name of its own per write: two writers of one file (an app and a restore's
-    // revert, two processes over one snapshot dir) never rename each other's bytes.
+    // revert, two processes over one snapshot dir, both pid 1 in their containers)
+    // never rename each other's bytes.
     static WRITES: AtomicU64 = AtomicU64::new(0);
     let n = WRITES.fetch_add(1, Ordering::Relaxed);
     let mut name = path.file_name().unwrap_or_default().to_owned();
-    name.push(format!(".{}.{n}.tmp", std::process::id()));
+    name.push(format!(
+        ".{}.{n}.{:016x}.tmp",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
     let tmp = path.with_file_name(name);
     let written = std::fs::write(&tmp, content)
         .and_then(|()| std::fs::File::open(&tmp)?.sync_all())
