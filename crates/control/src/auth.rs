@@ -12,7 +12,7 @@ use tokio_rustls::rustls::server::WebPkiClientVerifier;
 use tokio_rustls::rustls::{ServerConfig, crypto::ring};
 use tonic::service::Interceptor;
 use tonic::{Request, Status};
-use valet_proto::auth::{CredentialError, pem_certificates, pem_private_key, pem_roots};
+use valet_proto::auth::{CredentialError, pem_certificates_valid_now, pem_private_key, pem_roots};
 use valet_proto::reload::Reloading;
 
 /// Clock skew tolerated on `exp` and `nbf`.
@@ -103,7 +103,7 @@ fn server_config(
     key: &Path,
     client_ca: Option<&Path>,
 ) -> Result<ServerConfig, SecurityError> {
-    let chain = pem_certificates(cert).map_err(flagged("--tls-cert-file"))?;
+    let chain = pem_certificates_valid_now(cert).map_err(flagged("--tls-cert-file"))?;
     let key_der = pem_private_key(key).map_err(flagged("--tls-key-file"))?;
     let provider = Arc::new(ring::default_provider());
     let builder = ServerConfig::builder_with_provider(Arc::clone(&provider))

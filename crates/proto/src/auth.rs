@@ -99,6 +99,41 @@ pub fn pem_certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, Cre
     }
 }
 
+/// The PEM certificate chain in `path` that a server presents, its first (leaf)
+/// certificate valid now: an expired or not-yet-valid certificate swapped in would
+/// fail every new handshake, so it is refused like an unreadable one (a reload keeps
+/// the last good one).
+///
+/// # Errors
+/// As [`pem_certificates`], and a leaf outside its validity period.
+pub fn pem_certificates_valid_now(
+    path: &Path,
+) -> Result<Vec<CertificateDer<'static>>, CredentialError> {
+    use x509_parser::prelude::{FromDer, X509Certificate};
+    let chain = pem_certificates(path)?;
+    let refused = |why: String| CredentialError {
+        path: path.to_owned(),
+        why,
+    };
+    let (_, leaf) = X509Certificate::from_der(&chain[0])
+        .map_err(|e| refused(format!("unreadable certificate ({e})")))?;
+    let validity = leaf.validity();
+    let now = x509_parser::time::ASN1Time::now();
+    if now > validity.not_after {
+        return Err(refused(format!(
+            "the certificate expired at {}",
+            validity.not_after
+        )));
+    }
+    if now < validity.not_before {
+        return Err(refused(format!(
+            "the certificate is not valid before {}",
+            validity.not_before
+        )));
+    }
+    Ok(chain)
+}
+
 /// A PEM private key from `path`.
 ///
 /// # Errors

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::rustls::server::WebPkiClientVerifier;
 use tokio_rustls::rustls::{ServerConfig, crypto::ring};
-use valet_proto::auth::{CredentialError, pem_certificates, pem_private_key, pem_roots};
+use valet_proto::auth::{CredentialError, pem_certificates_valid_now, pem_private_key, pem_roots};
 use valet_proto::reload::Reloading;
 
 /// The HTTPS listener's TLS settings. The configuration is rebuilt whenever one of its
@@ -127,7 +127,7 @@ fn server_config(
 ) -> Result<ServerConfig, IngressTlsError> {
     let (chain, key) = match identity {
         Identity::Files { cert, key } => (
-            pem_certificates(cert).map_err(flagged("--ingress-tls-cert-file"))?,
+            pem_certificates_valid_now(cert).map_err(flagged("--ingress-tls-cert-file"))?,
             pem_private_key(key).map_err(flagged("--ingress-tls-key-file"))?,
         ),
         Identity::Generated(chain, key) => (chain.clone(), key.clone_key()),

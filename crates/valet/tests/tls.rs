@@ -1226,7 +1226,34 @@ async fn ingress_certificates_rotate_on_disk_without_a_restart() {
     assert!(r.logs().contains("SIGHUP received"), "{}", r.logs());
     let tls = tls_connect(addr, &client).await.expect("still serving");
     assert_eq!(presented(&tls), der(&second));
+
+    // An expired certificate (and its key) swapped in would fail every handshake:
+    // refused like an unreadable one, the last good certificate kept.
+    let (expired, expired_key) = expired_leaf(&authority, &["localhost"]);
+    pki.extra_keys.lock().unwrap().push(expired_key.clone());
+    replace(&key, &expired_key);
+    replace(&cert, &expired);
+    eventually("the expired certificate is refused", WITHIN, || async {
+        r.logs()
+            .lines()
+            .find(|l| l.contains("reload failed") && l.contains("the certificate expired at"))
+            .map(drop)
+    })
+    .await;
+    let tls = tls_connect(addr, &client).await.expect("still serving");
+    assert_eq!(presented(&tls), der(&second));
     assert_no_secrets(&pki, &[&r], &[]).await;
+}
+
+/// As [`leaf`], valid only in 2001.
+fn expired_leaf(authority: &CertifiedIssuer<'static, KeyPair>, names: &[&str]) -> (String, String) {
+    let key = KeyPair::generate().unwrap();
+    let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
+    let mut params = CertificateParams::new(names).unwrap();
+    params.not_before = rcgen::date_time_ymd(2001, 1, 1);
+    params.not_after = rcgen::date_time_ymd(2001, 12, 31);
+    let cert = params.signed_by(&key, authority).unwrap();
+    (cert.pem(), key.serialize_pem())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
