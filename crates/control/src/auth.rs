@@ -189,7 +189,7 @@ fn pem_blocks(text: &str) -> Vec<&str> {
 struct Key {
     kid: Option<String>,
     key: DecodingKey,
-    algorithms: &'static [Algorithm],
+    algorithms: Vec<Algorithm>,
 }
 
 const RSA: &[Algorithm] = &[
@@ -261,7 +261,7 @@ impl JwtVerifier {
                     .map(|(key, algorithms)| Key {
                         kid: None,
                         key,
-                        algorithms,
+                        algorithms: algorithms.to_vec(),
                     })
                     .map_err(|_| {
                         refused(format!(
@@ -320,14 +320,37 @@ impl JwtVerifier {
                 skip("not a signature key (use is not \"sig\")".into());
                 continue;
             }
-            let algorithms = match &jwk.algorithm {
+            let family: &[Algorithm] = match &jwk.algorithm {
                 AlgorithmParameters::RSA(_) => RSA,
-                AlgorithmParameters::EllipticCurve(_) => EC,
+                // An EC key verifies the one algorithm of its curve.
+                AlgorithmParameters::EllipticCurve(p) => match p.curve {
+                    jsonwebtoken::jwk::EllipticCurve::P256 => &[Algorithm::ES256],
+                    jsonwebtoken::jwk::EllipticCurve::P384 => &[Algorithm::ES384],
+                    ref other => {
+                        skip(format!(
+                            "an EC key on {other:?}: only P-256 and P-384 verify tokens"
+                        ));
+                        continue;
+                    }
+                },
                 AlgorithmParameters::OctetKeyPair(_) => ED,
                 AlgorithmParameters::OctetKey(_) => {
                     skip("a symmetric (oct) key: only asymmetric keys verify tokens".into());
                     continue;
                 }
+            };
+            // A key that names its algorithm verifies that one only (RFC 8725 §3.1).
+            let algorithms = match &jwk.common.key_algorithm {
+                None => family.to_vec(),
+                Some(declared) => match declared.to_string().parse::<Algorithm>() {
+                    Ok(a) if family.contains(&a) => vec![a],
+                    _ => {
+                        skip(format!(
+                            "its \"alg\" {declared} is not a signature algorithm of this key"
+                        ));
+                        continue;
+                    }
+                },
             };
             match DecodingKey::from_jwk(&jwk) {
                 Ok(key) => keys.push(Key {
@@ -368,6 +391,7 @@ impl JwtVerifier {
         let header =
             jsonwebtoken::decode_header(token).map_err(|e| format!("malformed token: {e}"))?;
         let mut last = String::from("no key verifies the token's algorithm");
+        let mut signed_by_a_key = false;
         for k in &self.keys {
             if header.kid.is_some() && k.kid.is_some() && header.kid != k.kid {
                 continue;
@@ -407,7 +431,17 @@ impl JwtVerifier {
                     let until = UNIX_EPOCH.checked_add(exp.saturating_add(self.leeway));
                     return Ok(until.unwrap_or(UNIX_EPOCH + exp));
                 }
-                Err(e) => last = e.to_string(),
+                // A key whose signature checked out says best why the token is
+                // refused (expired, wrong audience): later keys' "invalid signature"
+                // does not replace it.
+                Err(e) => {
+                    let bad_signature =
+                        *e.kind() == jsonwebtoken::errors::ErrorKind::InvalidSignature;
+                    if !(bad_signature && signed_by_a_key) {
+                        last = e.to_string();
+                    }
+                    signed_by_a_key |= !bad_signature;
+                }
             }
         }
         Err(last)
@@ -609,6 +643,45 @@ mod tests {
         std::fs::write(&path, "no pem here").unwrap();
         let e = JwtVerifier::from_public_key_file(&path, None, None).unwrap_err();
         assert!(e.why.contains("no RSA, EC or Ed25519 public key"), "{e}");
+    }
+
+    /// A JWK that names its algorithm verifies that one only (RFC 8725 §3.1), and an
+    /// EC key the algorithm of its curve: a P-256 key declared ES384 is no usable key.
+    #[test]
+    fn a_jwk_verifies_only_the_algorithm_it_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let (good, mislabelled) = (ec_key(), ec_key());
+        let mut wrong = jwk(&mislabelled, "wrong", "sig");
+        wrong["alg"] = "ES384".into();
+        let mut right = jwk(&good, "right", "sig");
+        right["alg"] = "ES256".into();
+        let v = JwtVerifier::from_jwks_file(
+            &write(dir.path(), &serde_json::json!({"keys": [wrong, right]})),
+            Some("valet".into()),
+            Some("test".into()),
+        )
+        .unwrap();
+        assert_eq!(v.keys.len(), 1, "the mislabelled key is skipped");
+        assert_eq!(v.keys[0].algorithms, [Algorithm::ES256]);
+        v.verify(&token(&good, "right")).unwrap();
+        assert!(v.verify(&token(&mislabelled, "wrong")).is_err());
+    }
+
+    /// With several keys, a token whose signature one key verified is refused for
+    /// that key's reason (here: expired), not for the next key's invalid signature.
+    #[test]
+    fn a_refusal_names_the_reason_of_the_key_that_signed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (signer, other) = (ec_key(), ec_key());
+        let doc = serde_json::json!({"keys": [jwk(&signer, "a", "sig"), jwk(&other, "b", "sig")]});
+        let v = JwtVerifier::from_jwks_file(&write(dir.path(), &doc), Some("valet".into()), None)
+            .unwrap()
+            .with_leeway(Duration::ZERO);
+        let claims = serde_json::json!({"aud": "valet", "exp": 1_000_000});
+        let expired =
+            jsonwebtoken::encode(&Header::new(Algorithm::ES256), &claims, &signer).unwrap();
+        let why = v.verify(&expired).unwrap_err();
+        assert!(why.contains("ExpiredSignature"), "{why}");
     }
 
     #[test]
