@@ -343,6 +343,30 @@ async fn a_lease_renewal_is_no_activity() {
     w.answer(c.id, Ok(()));
 }
 
+/// `checkpoint_all(timeout)` running on its own task.
+fn spawn_checkpoint_all(plane: &Plane, timeout: Duration) -> tokio::task::JoinHandle<Vec<String>> {
+    let plane = plane.clone();
+    tokio::spawn(async move { plane.checkpoint_all(timeout).await })
+}
+
+/// `resume_actor(name, wait)` running on its own task.
+fn spawn_resume(
+    plane: &Plane,
+    name: &str,
+    wait: Option<Duration>,
+) -> tokio::task::JoinHandle<Result<(valet_proto::ateapi::Actor, bool), tonic::Status>> {
+    let (plane, k) = (plane.clone(), key(name));
+    tokio::spawn(async move { plane.resume_actor(k, wait).await })
+}
+
+/// The worker's next command within 30 s (of the paused clock): `what` otherwise.
+async fn next_within(w: &mut FakeWorker, what: &str) -> Received {
+    tokio::time::timeout(Duration::from_secs(30), w.next())
+        .await
+        .unwrap_or_else(|_| panic!("{what}"))
+        .unwrap()
+}
+
 /// A stop's checkpoint of every actor also takes the one still being restored (a
 /// parked request's resume, say): it is checkpointed once it runs. Before, only the
 /// actors RUNNING when the stop began were, and that one stayed RUNNING on a worker
@@ -353,29 +377,20 @@ async fn checkpoint_all_takes_an_actor_being_restored() {
     let mut wa = worker(&plane, "wa");
     let mut wb = worker(&plane, "wb");
     resumed_on(&plane, &mut wa, "a").await;
-    let resume_b = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.resume_actor(key("b"), None).await })
-    };
+    let resume_b = spawn_resume(&plane, "b", None);
     let restore = wb.next().await.unwrap();
     assert!(
         matches!(restore.command, Command::Restore(_)),
         "{restore:?}"
     );
 
-    let all = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.checkpoint_all(Duration::from_secs(10)).await })
-    };
+    let all = spawn_checkpoint_all(&plane, Duration::from_secs(10));
     let c = wa.next().await.unwrap();
     assert!(matches!(c.command, Command::Checkpoint(_)), "{c:?}");
     wa.answer(c.id, Ok(()));
     wb.answer(restore.id, Ok(()));
     resume_b.await.unwrap().unwrap();
-    let c = tokio::time::timeout(Duration::from_secs(30), wb.next())
-        .await
-        .expect("b is checkpointed too")
-        .unwrap();
+    let c = next_within(&mut wb, "b is checkpointed too").await;
     assert!(matches!(c.command, Command::Checkpoint(_)), "b too: {c:?}");
     wb.answer(c.id, Ok(()));
     assert_eq!(all.await.unwrap(), Vec::<String>::new());
@@ -391,16 +406,10 @@ async fn checkpoint_all_tries_a_busy_actor_again() {
     let mut wa = worker(&plane, "wa");
     resumed_on(&plane, &mut wa, "a").await;
     let start = Instant::now();
-    let all = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.checkpoint_all(Duration::from_secs(10)).await })
-    };
+    let all = spawn_checkpoint_all(&plane, Duration::from_secs(10));
     let c = wa.next().await.unwrap();
     wa.answer_busy(c.id);
-    let c = tokio::time::timeout(Duration::from_secs(30), wa.next())
-        .await
-        .expect("asked again")
-        .unwrap();
+    let c = next_within(&mut wa, "asked again").await;
     assert!(
         matches!(c.command, Command::Checkpoint(_)),
         "asked again: {c:?}"
@@ -419,48 +428,28 @@ async fn checkpoint_all_takes_a_resume_waiting_for_capacity() {
     let plane = plane(PlaneConfig::default(), &["a", "b"]).await;
     let mut w = worker(&plane, "w");
     resumed_on(&plane, &mut w, "a").await;
-    let resume_b = {
-        let plane = plane.clone();
-        tokio::spawn(async move {
-            plane
-                .resume_actor(key("b"), Some(Duration::from_secs(60)))
-                .await
-        })
-    };
+    let resume_b = spawn_resume(&plane, "b", Some(Duration::from_secs(60)));
     assert!(
         plane
             .wait_until(Duration::from_secs(1), |p| p.waiters("counter") == 1)
             .await,
         "b waits for capacity"
     );
-    let all = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.checkpoint_all(Duration::from_secs(30)).await })
-    };
-    let within = Duration::from_secs(10);
-    let c = tokio::time::timeout(within, w.next())
-        .await
-        .unwrap()
-        .unwrap();
+    let all = spawn_checkpoint_all(&plane, Duration::from_secs(30));
+    let c = next_within(&mut w, "a command").await;
     assert!(
         matches!(c.command, Command::Checkpoint(_)),
         "a first: {c:?}"
     );
     w.answer(c.id, Ok(()));
-    let r = tokio::time::timeout(within, w.next())
-        .await
-        .unwrap()
-        .unwrap();
+    let r = next_within(&mut w, "a command").await;
     assert!(
         matches!(r.command, Command::Restore(_)),
         "b gets the worker: {r:?}"
     );
     w.answer(r.id, Ok(()));
     resume_b.await.unwrap().unwrap();
-    let c = tokio::time::timeout(within, w.next())
-        .await
-        .expect("b is checkpointed too")
-        .unwrap();
+    let c = next_within(&mut w, "b is checkpointed too").await;
     assert!(matches!(c.command, Command::Checkpoint(_)), "{c:?}");
     w.answer(c.id, Ok(()));
     assert_eq!(all.await.unwrap(), Vec::<String>::new());
@@ -474,39 +463,22 @@ async fn checkpoint_all_takes_a_resume_waiting_for_capacity() {
 #[tokio::test(start_paused = true)]
 async fn checkpoint_all_waits_for_a_resume_that_holds_its_actor() {
     let plane = plane(PlaneConfig::default(), &["b"]).await;
-    let resume_b = {
-        let plane = plane.clone();
-        tokio::spawn(async move {
-            plane
-                .resume_actor(key("b"), Some(Duration::from_secs(60)))
-                .await
-        })
-    };
+    let resume_b = spawn_resume(&plane, "b", Some(Duration::from_secs(60)));
     assert!(
         plane
             .wait_until(Duration::from_secs(1), |p| p.waiters("counter") == 1)
             .await,
         "b waits for capacity"
     );
-    let all = {
-        let plane = plane.clone();
-        tokio::spawn(async move { plane.checkpoint_all(Duration::from_secs(30)).await })
-    };
+    let all = spawn_checkpoint_all(&plane, Duration::from_secs(30));
     // The paused clock moves only once every task waits: the stop has looked.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let mut w = worker(&plane, "w");
-    let within = Duration::from_secs(10);
-    let r = tokio::time::timeout(within, w.next())
-        .await
-        .unwrap()
-        .unwrap();
+    let r = next_within(&mut w, "a command").await;
     assert!(matches!(r.command, Command::Restore(_)), "{r:?}");
     w.answer(r.id, Ok(()));
     resume_b.await.unwrap().unwrap();
-    let c = tokio::time::timeout(within, w.next())
-        .await
-        .expect("b is checkpointed once it runs")
-        .unwrap();
+    let c = next_within(&mut w, "b is checkpointed once it runs").await;
     assert!(matches!(c.command, Command::Checkpoint(_)), "{c:?}");
     w.answer(c.id, Ok(()));
     assert_eq!(all.await.unwrap(), Vec::<String>::new());

@@ -483,17 +483,16 @@ async fn against_a_control_plane_without_the_extension_every_request_asks() {
     server.abort();
 }
 
-/// A control plane restarted with `--route-lease 0` grants and revokes nothing: the
-/// router drops the routes it cached under the previous run's leases as soon as its
-/// watch says so, instead of using them to the end of a 60 s lease.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn routes_cached_before_a_restart_without_leases_are_dropped() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let cp = control_plane(&data, "127.0.0.1:0", &["--route-lease", "60s"]).await;
-    let addr = cp.addr;
-    let c = client(addr);
-    let _w = worker(addr, &dir.path().join("snapshots"), "w1").await;
+/// A control plane in `dir` (with `flags`) with worker `w1` and actor `demo/p1`, and
+/// a router (with `router_flags`) that has routed to it and holds its lease.
+async fn leased_p1(
+    dir: &std::path::Path,
+    flags: &[&str],
+    router_flags: &[&str],
+) -> (Proc, Proc, Proc) {
+    let cp = control_plane(&dir.join("data"), "127.0.0.1:0", flags).await;
+    let c = client(cp.addr);
+    let w1 = worker(cp.addr, &dir.join("snapshots"), "w1").await;
     workers_joined(&c, 1).await;
     c.clone()
         .create_atespace(ateapi::CreateAtespaceRequest {
@@ -502,7 +501,7 @@ async fn routes_cached_before_a_restart_without_leases_are_dropped() {
         .await
         .unwrap();
     create(&c, "demo/p1").await.unwrap();
-    let r = router(addr, &[]).await;
+    let r = router(cp.addr, router_flags).await;
     let http = r.addrs["router"];
     eventually("a route is cached under a lease", WITHIN, || async {
         let (s, _) = common::http_get(http, "/", &[("Host", &host("p1"))]).await;
@@ -510,6 +509,18 @@ async fn routes_cached_before_a_restart_without_leases_are_dropped() {
         (s == 200 && leases == 1.0).then_some(())
     })
     .await;
+    (cp, w1, r)
+}
+
+/// A control plane restarted with `--route-lease 0` grants and revokes nothing: the
+/// router drops the routes it cached under the previous run's leases as soon as its
+/// watch says so, instead of using them to the end of a 60 s lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_cached_before_a_restart_without_leases_are_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let (cp, _w, r) = leased_p1(dir.path(), &["--route-lease", "60s"], &[]).await;
+    let addr = cp.addr;
     cp.kill().await;
     let _cp = control_plane(&data, &addr.to_string(), &["--route-lease", "0"]).await;
     eventually(
@@ -531,26 +542,9 @@ async fn a_leased_route_to_a_dead_worker_parks_instead_of_502() {
     let data = dir.path().join("data");
     let snaps = dir.path().join("snapshots");
     let flags = ["--route-lease", "2s", "--hosting-lease", "4s"];
-    let cp = control_plane(&data, "127.0.0.1:0", &flags).await;
+    let (cp, w1, r) = leased_p1(dir.path(), &flags, &["--parked-request-budget", "60s"]).await;
     let addr = cp.addr;
-    let c = client(addr);
-    let w1 = worker(addr, &snaps, "w1").await;
-    workers_joined(&c, 1).await;
-    c.clone()
-        .create_atespace(ateapi::CreateAtespaceRequest {
-            name: "demo".into(),
-        })
-        .await
-        .unwrap();
-    create(&c, "demo/p1").await.unwrap();
-    let r = router(addr, &["--parked-request-budget", "60s"]).await;
     let http = r.addrs["router"];
-    eventually("a route is cached under a lease", WITHIN, || async {
-        let (s, _) = common::http_get(http, "/", &[("Host", &host("p1"))]).await;
-        let leases = r.metric("atenet_router_leases_active", &[]).await;
-        (s == 200 && leases == 1.0).then_some(())
-    })
-    .await;
     cp.kill().await;
     w1.kill().await;
     // A body too large to hold for a replay cannot be sent through again: the

@@ -54,52 +54,47 @@ async fn pipe(
 /// An HTTP/2 server that takes every call and never answers it (pings are answered:
 /// the connection lives). Its URL.
 pub async fn unanswering_server() -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move {
-        loop {
-            let (io, _) = listener.accept().await.unwrap();
-            tokio::spawn(
-                hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-                    .serve_connection(
-                        hyper_util::rt::TokioIo::new(io),
-                        hyper::service::service_fn(|_req| async {
-                            std::future::pending::<
-                                Result<
-                                    hyper::Response<http_body_util::Empty<bytes::Bytes>>,
-                                    std::convert::Infallible,
-                                >,
-                            >()
-                            .await
-                        }),
-                    ),
-            );
-        }
-    });
-    url
+    h2_server(|| async {
+        std::future::pending::<hyper::Response<http_body_util::Empty<bytes::Bytes>>>().await
+    })
+    .await
 }
 
 /// A gRPC server that answers every call `UNAVAILABLE` itself (as a replica whose
 /// database write failed): a trailers-only answer. Its URL.
 pub async fn unavailable_server() -> String {
+    h2_server(|| async {
+        hyper::Response::builder()
+            .header("content-type", "application/grpc")
+            .header("grpc-status", "14")
+            .header("grpc-message", "the database write failed")
+            .body(http_body_util::Empty::<bytes::Bytes>::new())
+            .unwrap()
+    })
+    .await
+}
+
+/// An HTTP/2 (h2c) server on 127.0.0.1:0 answering every request with `answer()`.
+async fn h2_server<F, Fut>(answer: F) -> String
+where
+    F: Fn() -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = hyper::Response<http_body_util::Empty<bytes::Bytes>>>
+        + Send
+        + 'static,
+{
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move {
         loop {
             let (io, _) = listener.accept().await.unwrap();
+            let answer = answer.clone();
             tokio::spawn(
                 hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
                     .serve_connection(
                         hyper_util::rt::TokioIo::new(io),
-                        hyper::service::service_fn(|_req| async {
-                            Ok::<_, std::convert::Infallible>(
-                                hyper::Response::builder()
-                                    .header("content-type", "application/grpc")
-                                    .header("grpc-status", "14")
-                                    .header("grpc-message", "the database write failed")
-                                    .body(http_body_util::Empty::<bytes::Bytes>::new())
-                                    .unwrap(),
-                            )
+                        hyper::service::service_fn(move |_req| {
+                            let answer = answer.clone();
+                            async move { Ok::<_, std::convert::Infallible>(answer().await) }
                         }),
                     ),
             );
