@@ -397,7 +397,9 @@ impl JwtVerifier {
                 continue;
             }
             if !k.algorithms.contains(&header.alg) {
-                last = format!("algorithm {:?} is not accepted", header.alg);
+                if !signed_by_a_key {
+                    last = format!("algorithm {:?} is not accepted", header.alg);
+                }
                 continue;
             }
             let mut v = Validation::new(header.alg);
@@ -680,6 +682,21 @@ mod tests {
         let claims = serde_json::json!({"aud": "valet", "exp": 1_000_000});
         let expired =
             jsonwebtoken::encode(&Header::new(Algorithm::ES256), &claims, &signer).unwrap();
+        let why = v.verify(&expired).unwrap_err();
+        assert!(why.contains("ExpiredSignature"), "{why}");
+
+        // A next key of another curve (which verifies another algorithm) does not
+        // replace the reason either.
+        let p384 = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P384_SHA384).unwrap();
+        let p384 = EncodingKey::from_ec_pem(p384.serialize_pem().as_bytes()).unwrap();
+        let mut other_curve =
+            serde_json::to_value(Jwk::from_encoding_key(&p384, Algorithm::ES384).unwrap()).unwrap();
+        other_curve["use"] = "sig".into();
+        let doc = serde_json::json!({"keys": [jwk(&signer, "a", "sig"), other_curve]});
+        let v = JwtVerifier::from_jwks_file(&write(dir.path(), &doc), Some("valet".into()), None)
+            .unwrap()
+            .with_leeway(Duration::ZERO);
+        assert_eq!(v.keys[1].algorithms, [Algorithm::ES384]);
         let why = v.verify(&expired).unwrap_err();
         assert!(why.contains("ExpiredSignature"), "{why}");
     }

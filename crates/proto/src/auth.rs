@@ -99,8 +99,12 @@ pub fn pem_certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, Cre
     }
 }
 
+/// How far in the future a server certificate's `notBefore` may be (clock skew).
+pub const NOT_BEFORE_SKEW: std::time::Duration = std::time::Duration::from_secs(300);
+
 /// The PEM certificate chain in `path` that a server presents, its first (leaf)
-/// certificate valid now: an expired or not-yet-valid certificate swapped in would
+/// certificate valid now (up to [`NOT_BEFORE_SKEW`] early): an expired or not-yet-valid
+/// certificate swapped in would
 /// fail every new handshake, so it is refused like an unreadable one (a reload keeps
 /// the last good one).
 ///
@@ -118,20 +122,36 @@ pub fn pem_certificates_valid_now(
     let (_, leaf) = X509Certificate::from_der(&chain[0])
         .map_err(|e| refused(format!("unreadable certificate ({e})")))?;
     let validity = leaf.validity();
-    let now = x509_parser::time::ASN1Time::now();
-    if now > validity.not_after {
-        return Err(refused(format!(
-            "the certificate expired at {}",
-            validity.not_after
-        )));
-    }
-    if now < validity.not_before {
-        return Err(refused(format!(
-            "the certificate is not valid before {}",
-            validity.not_before
-        )));
+    if let Some(why) = outside_validity(
+        validity.not_before.timestamp(),
+        validity.not_after.timestamp(),
+        x509_parser::time::ASN1Time::now().timestamp(),
+    ) {
+        return Err(refused(why));
     }
     Ok(chain)
+}
+
+/// Why a certificate valid from `not_before` to `not_after` (Unix seconds) is not
+/// usable at `now`, if it is not: expired, or not valid before a time more than
+/// [`NOT_BEFORE_SKEW`] ahead (a certificate issued a moment ago by a clock a little
+/// ahead is used: refused, its reload would not be tried again until the files change).
+fn outside_validity(not_before: i64, not_after: i64, now: i64) -> Option<String> {
+    let at = |t: i64| {
+        x509_parser::time::ASN1Time::from_timestamp(t)
+            .map_or_else(|_| t.to_string(), |a| a.to_string())
+    };
+    let skew = i64::try_from(NOT_BEFORE_SKEW.as_secs()).unwrap_or(i64::MAX);
+    if now > not_after {
+        Some(format!("the certificate expired at {}", at(not_after)))
+    } else if now.saturating_add(skew) < not_before {
+        Some(format!(
+            "the certificate is not valid before {}",
+            at(not_before)
+        ))
+    } else {
+        None
+    }
 }
 
 /// A PEM private key from `path`.
@@ -425,6 +445,31 @@ impl Interceptor for BearerToken {
 
 #[cfg(test)]
 mod tests {
+    /// Expired is refused at once; a start a little ahead (clock skew) is not.
+    #[test]
+    fn certificate_validity_allows_a_little_skew() {
+        use super::{NOT_BEFORE_SKEW, outside_validity};
+        let now = 1_800_000_000;
+        let skew = NOT_BEFORE_SKEW.as_secs() as i64;
+        assert_eq!(outside_validity(now - 10, now + 10, now), None);
+        assert!(
+            outside_validity(now - 20, now - 1, now)
+                .unwrap()
+                .contains("expired at")
+        );
+        assert_eq!(
+            outside_validity(now + 60, now + 1000, now),
+            None,
+            "60 s ahead"
+        );
+        assert_eq!(outside_validity(now + skew, now + 1000, now), None);
+        assert!(
+            outside_validity(now + skew + 1, now + 1000, now)
+                .unwrap()
+                .contains("not valid before")
+        );
+    }
+
     use super::*;
 
     /// An empty token file is refused at start, naming the file; one emptied later (a

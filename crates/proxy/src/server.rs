@@ -1000,8 +1000,9 @@ async fn handle(
 }
 
 /// Sends a routed request; when the worker answers 421 (the actor moved, say it was
-/// checkpointed as the request arrived) sends it through the pipeline once more if it
-/// can be replayed, and answers `actor moved` otherwise.
+/// checkpointed as the request arrived), or a leased route's worker refuses the
+/// connection, sends it through the pipeline once more if it can be replayed, and
+/// answers `actor moved` (or the unreachable worker's 502) otherwise.
 async fn send(
     shared: &Shared,
     out: &mut Outgoing,

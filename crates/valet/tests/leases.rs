@@ -535,7 +535,7 @@ async fn routes_cached_before_a_restart_without_leases_are_dropped() {
 /// the router's route (stale, the plane unreachable) points at a worker that refuses
 /// the connection. The request is decided again, parks, and is served once a control
 /// plane and a worker are back. Before, it got `502 unreachable` at once, as did every
-/// request for the stale window. (A body too large to replay still gets the 502.)
+/// request for the stale window.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leased_route_to_a_dead_worker_parks_instead_of_502() {
     let dir = tempfile::tempdir().unwrap();
@@ -547,8 +547,39 @@ async fn a_leased_route_to_a_dead_worker_parks_instead_of_502() {
     let http = r.addrs["router"];
     cp.kill().await;
     w1.kill().await;
-    // A body too large to hold for a replay cannot be sent through again: the
-    // unreachable worker's verdict, as for any route.
+    let request =
+        tokio::spawn(async move { common::http_get(http, "/", &[("Host", &host("p1"))]).await });
+    eventually("the request parked", WITHIN, || async {
+        (r.metric("atenet_router_parking_active", &[]).await == 1.0).then_some(())
+    })
+    .await;
+    assert!(!request.is_finished(), "no 502");
+    assert_eq!(
+        r.metric("atenet_router_requests_replayed_total", &[]).await,
+        1.0,
+        "sent through the pipeline again after the refusal"
+    );
+    let _cp = control_plane(&data, &addr.to_string(), &flags).await;
+    let _w2 = worker(addr, &snaps, "w2").await;
+    let (s, body) = tokio::time::timeout(Duration::from_secs(60), request)
+        .await
+        .expect("answered within its budget")
+        .unwrap();
+    assert_eq!(s, 200, "{body}");
+    assert!(body.starts_with("hello from: demo/p1"), "{body}");
+}
+
+/// As above, a request whose body is too large to hold for a replay cannot be sent
+/// through again: it gets the unreachable worker's 502, as from any route, and the
+/// lease is forgotten.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leased_route_to_a_dead_worker_502s_what_cannot_be_replayed() {
+    let dir = tempfile::tempdir().unwrap();
+    let flags = ["--route-lease", "2s"];
+    let (cp, w1, r) = leased_p1(dir.path(), &flags, &["--parked-request-budget", "60s"]).await;
+    cp.kill().await;
+    w1.kill().await;
+    let http = r.addrs["router"];
     let (s, _, body) = common::request(http, "POST", &host("p1"), "/", vec![b'x'; 1 << 20]).await;
     assert_eq!(
         (s, String::from_utf8_lossy(&body).as_ref()),
@@ -559,19 +590,4 @@ async fn a_leased_route_to_a_dead_worker_parks_instead_of_502() {
         0.0,
         "forgotten"
     );
-    let request =
-        tokio::spawn(async move { common::http_get(http, "/", &[("Host", &host("p1"))]).await });
-    eventually("the request parked", WITHIN, || async {
-        (r.metric("atenet_router_parking_active", &[]).await == 1.0).then_some(())
-    })
-    .await;
-    assert!(!request.is_finished(), "no 502");
-    let _cp = control_plane(&data, &addr.to_string(), &flags).await;
-    let _w2 = worker(addr, &snaps, "w2").await;
-    let (s, body) = tokio::time::timeout(Duration::from_secs(60), request)
-        .await
-        .expect("answered within its budget")
-        .unwrap();
-    assert_eq!(s, 200, "{body}");
-    assert!(body.starts_with("hello from: demo/p1"), "{body}");
 }

@@ -14,7 +14,25 @@ use valet_proto::worker::{self as wk, worker_command::Command};
 
 use super::capacity::{Reservation, Ticket};
 
-/// How soon [`Plane::checkpoint_all`] tries a busy actor again when nothing changed.
+/// Whether a stop's [`Plane::checkpoint_all`] waits for a SUSPENDED actor held by
+/// `op`: one about to run (a resume handed a worker, writing its claim), yes; one still
+/// queued for capacity, no (it may never get a worker, and the plane's shutdown answers
+/// it), nor one another operation holds that leaves it suspended.
+fn stop_waits_for(st: &super::State, key: &ActorKey) -> bool {
+    match st.busy(key) {
+        Some(OpKind::Resuming {
+            joinable: false, ..
+        }) => true,
+        // Handed a worker (reserved under the lock) before its task has run.
+        Some(OpKind::Resuming { .. }) => st
+            .workers
+            .values()
+            .any(|w| matches!(&w.slot, super::Slot::Reserved(k) if k == key)),
+        _ => false,
+    }
+}
+
+/// How soon [`Plane::checkpoint_all`] tries a busy actor again.
 pub(crate) const CHECKPOINT_ALL_RETRY: Duration = Duration::from_millis(100);
 use super::op::CapacityWait;
 use super::{
@@ -654,9 +672,10 @@ impl Plane {
     /// Suspends every RUNNING actor at once, each waiting for its requests in flight,
     /// until none is left or `timeout` passes; returns the actors still not suspended.
     /// One that another operation holds (an eviction, a restore a parked request
-    /// started) or whose requests did not end in time (`Aborted`) is tried again once
-    /// something changes (or after [`CHECKPOINT_ALL_RETRY`]); one still being restored
-    /// is suspended once it runs. A checkpoint that failed otherwise is not repeated.
+    /// started) or whose requests did not end in time (`Aborted`) is tried again
+    /// [`CHECKPOINT_ALL_RETRY`] later; one being restored (or handed a worker) is
+    /// suspended once it runs. A resume still queued for capacity is not waited for. A
+    /// checkpoint that failed otherwise is not repeated.
     pub async fn checkpoint_all(&self, timeout: Duration) -> Vec<String> {
         use std::collections::{BTreeMap, BTreeSet};
         let deadline = Instant::now() + timeout;
@@ -670,15 +689,13 @@ impl Plane {
         let mut failed = BTreeSet::new();
         loop {
             changes.mark_unchanged();
-            // Not suspended, or held by an operation (a resume still SUSPENDED while
-            // it waits for capacity or writes its claim): either may end RUNNING.
             let todo: Vec<ActorKey> = {
                 let st = self.lock();
                 st.actors
                     .iter()
                     .filter(|(k, r)| {
                         (r.status != ActorStatus::Suspended && r.status != ActorStatus::Crashed)
-                            || st.busy(k).is_some()
+                            || stop_waits_for(&st, k)
                     })
                     .map(|(k, _)| k.clone())
                     .collect()
@@ -736,7 +753,7 @@ impl Plane {
             .filter(|k| {
                 st.actors
                     .get(*k)
-                    .is_some_and(|r| r.status != ActorStatus::Suspended || st.busy(k).is_some())
+                    .is_some_and(|r| r.status != ActorStatus::Suspended || stop_waits_for(&st, k))
             })
             .map(ToString::to_string)
             .collect()
