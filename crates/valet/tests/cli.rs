@@ -778,6 +778,42 @@ fn valet_up_checks_its_flags_before_the_data_dir() {
     }
 }
 
+/// A port `valet up` needs that is taken (another `valet up` on another data dir,
+/// say) exits 1 naming its flag, before the data dir is touched. Before, the control
+/// plane started, the actors were written, and only then the router's port failed.
+#[test]
+fn valet_up_checks_its_ports_before_the_data_dir() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("d");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let o = valet(
+        &[
+            "up",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--control-plane-listen",
+            "127.0.0.1:0",
+            "--listen",
+            &addr,
+            "--extproc-listen",
+            "",
+            "--admin-listen",
+            "",
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    let lines = stderr_lines(&o);
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains(&format!("cannot listen on --listen={addr}"))),
+        "{lines:?}"
+    );
+    assert!(!data.exists(), "nothing written");
+}
+
 /// `valet control-plane --client-ca-file` without a certificate of its own: one line
 /// naming the flag and the rule.
 #[test]

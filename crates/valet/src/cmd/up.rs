@@ -174,6 +174,18 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
         }
         return Err(UpError::Checked);
     }
+    // Every port before the data dir: one that is taken (another `valet up`, say)
+    // exits 1 naming its flag with nothing written.
+    let https_listen = args.ingress.listen_https.parse().ok();
+    ports_free(&[
+        ("--control-plane-listen", Some(args.control_plane_listen)),
+        ("--metrics-listen", metrics_listen),
+        ("--listen", config.listen()),
+        ("--listen-https", https_listen),
+        ("--extproc-listen", config.extproc_listen()),
+        ("--admin-listen", config.admin_listen()),
+    ])
+    .map_err(UpError::Start)?;
     // The data dir's lock before anything is written into it (the throwaway TLS files
     // below): another `valet up` on the same dir keeps its own.
     let store = valet_control::SqliteStore::open(&args.data_dir)
@@ -337,6 +349,19 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
         say!("status: http://{admin}/statusz   metrics: http://{admin}/metrics");
     }
     Ok((cluster, running))
+}
+
+/// Whether each fixed address (port 0 picks one: always free) can be listened on now;
+/// the first that cannot, named by its flag. The probe's socket closes at once, and
+/// the part binds the address again moments later.
+fn ports_free(listeners: &[(&str, Option<std::net::SocketAddr>)]) -> Result<(), String> {
+    for (flag, addr) in listeners {
+        if let Some(addr) = addr.filter(|a| a.port() != 0) {
+            std::net::TcpListener::bind(addr)
+                .map_err(|e| format!("cannot listen on {flag}={addr}: {e}"))?;
+        }
+    }
+    Ok(())
 }
 
 /// `--listen-https` of `valet up --tls` when none is given.
