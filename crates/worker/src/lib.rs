@@ -889,6 +889,11 @@ impl Agent {
 fn prepare_restore(dir: &Path, revert: bool) -> std::io::Result<u64> {
     let data = dir.join("data");
     create_dir_durably(&data)?;
+    // What a crash left between a temporary file's write and its rename: never
+    // read, and nothing else would ever remove it.
+    for d in [dir.to_path_buf(), data.clone(), dir.join("good")] {
+        remove_temporaries(&d)?;
+    }
     let counter = data.join("counter");
     if revert {
         match read_counter(&dir.join("good").join("counter")) {
@@ -916,6 +921,26 @@ fn prepare_restore(dir: &Path, revert: bool) -> std::io::Result<u64> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
         Err(e) => Err(e),
     }
+}
+
+/// Removes the temporary files (`*.tmp`, see `app::write_atomically`) in `dir`.
+fn remove_temporaries(dir: &Path) -> std::io::Result<()> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    for entry in entries {
+        let path = entry?.path();
+        if path.extension().is_some_and(|x| x == "tmp") && path.is_file() {
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Writes a snapshot: the memory count for a full one (dropped for a data one), and
@@ -948,6 +973,33 @@ fn take_snapshot(dir: &Path, full: bool, memory: u64) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A restore removes the temporary files a crash left (between a write and its
+    /// rename); the files themselves stay as they were.
+    #[test]
+    fn a_restore_removes_leftover_temporary_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let actor = dir.path();
+        std::fs::create_dir_all(actor.join("data")).unwrap();
+        std::fs::create_dir_all(actor.join("good")).unwrap();
+        std::fs::write(actor.join("data").join("counter"), "7").unwrap();
+        let left = [
+            actor.join("data").join("counter.41.0.00ff00ff00ff00ff.tmp"),
+            actor.join("good").join("counter.41.1.00ff00ff00ff00ff.tmp"),
+            actor.join("memory.41.2.00ff00ff00ff00ff.tmp"),
+        ];
+        for f in &left {
+            std::fs::write(f, "9").unwrap();
+        }
+        assert_eq!(prepare_restore(actor, false).unwrap(), 0);
+        for f in &left {
+            assert!(!f.exists(), "{} removed", f.display());
+        }
+        assert_eq!(
+            std::fs::read_to_string(actor.join("data").join("counter")).unwrap(),
+            "7"
+        );
+    }
 
     /// A restore never starts an actor over from an unreadable snapshot: a corrupt
     /// last good data snapshot (on revert) or memory snapshot is an error.
