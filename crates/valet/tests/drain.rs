@@ -295,23 +295,8 @@ async fn a_second_sigterm_stops_the_drain_at_once() {
         .unwrap()
         .local_addr()
         .unwrap();
-    let mut r = common::router(nowhere, &["--parked-request-budget", "60s"]).await;
-    let http = r.addrs["router"];
-    let parked =
-        tokio::spawn(async move { try_http_get(http, "/", &[("Host", &host("p1"))]).await });
-    eventually("the request parked", WITHIN, || async {
-        (r.metric("atenet_router_parking_active", &[]).await == 1.0).then_some(())
-    })
-    .await;
-    r.terminate();
-    let admin = r.addrs["admin"];
-    eventually("draining (not ready)", WITHIN, || async {
-        (common::http_get(admin, "/readyz", &[]).await.0 == 503).then_some(())
-    })
-    .await;
-    r.terminate();
-    assert_eq!(r.exit_code(WITHIN).await, Some(143));
-    assert_eq!(parked.await.unwrap(), None, "cut short with the process");
+    let r = common::router(nowhere, &["--parked-request-budget", "60s"]).await;
+    a_second_sigterm_ends_the_drain(r).await;
 }
 
 /// The second SIGTERM stops the router at once even when stderr is a closed pipe
@@ -324,7 +309,7 @@ async fn a_second_sigterm_stops_the_drain_with_stderr_closed() {
         .local_addr()
         .unwrap();
     let url = format!("http://{nowhere}");
-    let mut r = Proc::start_stderr_closed(
+    let r = Proc::start_stderr_closed(
         "admin",
         &[
             "router",
@@ -341,6 +326,13 @@ async fn a_second_sigterm_stops_the_drain_with_stderr_closed() {
         ],
     )
     .await;
+    a_second_sigterm_ends_the_drain(r).await;
+}
+
+/// With a request parked on router `r` (before a control plane that is not there):
+/// SIGTERM, then once it drains a second SIGTERM ends it at once (exit 143), the
+/// request cut short with the process.
+async fn a_second_sigterm_ends_the_drain(mut r: Proc) {
     let http = r.addrs["router"];
     let parked =
         tokio::spawn(async move { try_http_get(http, "/", &[("Host", &host("p1"))]).await });
