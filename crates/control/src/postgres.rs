@@ -118,6 +118,10 @@ const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
                           GROUP BY worker HAVING count(*) > 1);
      ALTER TABLE actors ADD CONSTRAINT actors_one_per_worker UNIQUE (worker)
          DEFERRABLE INITIALLY DEFERRED;",
+    "CREATE TABLE route_lease_bound (
+         id INTEGER PRIMARY KEY CHECK (id = 1),
+         longest_ms BIGINT NOT NULL CHECK (longest_ms >= 0)
+     );",
 ];
 
 /// The control plane's record in PostgreSQL. Cheap to clone.
@@ -464,7 +468,16 @@ impl PostgresStore {
                 revert_pending: r.get(10),
             });
         }
-        Ok(Loaded { atespaces, actors })
+        let route_lease = client
+            .query_opt("SELECT longest_ms FROM route_lease_bound WHERE id = 1", &[])
+            .await
+            .map_err(self.err())?
+            .map(|r| crate::store::lease_of_ms(r.get(0)));
+        Ok(Loaded {
+            atespaces,
+            actors,
+            route_lease,
+        })
     }
 
     /// `batch` in one transaction, fenced by the epoch; `committing` is set once the
@@ -515,6 +528,15 @@ impl PostgresStore {
             tx.execute("DELETE FROM atespaces WHERE name = $1", &[name])
                 .await
                 .map_err(self.err())?;
+        }
+        if let Some(lease) = batch.route_lease {
+            tx.execute(
+                "INSERT INTO route_lease_bound (id, longest_ms) VALUES (1, $1)
+                 ON CONFLICT (id) DO UPDATE SET longest_ms = excluded.longest_ms",
+                &[&crate::store::lease_ms(lease)],
+            )
+            .await
+            .map_err(self.err())?;
         }
         // The replica may have stepped down meanwhile (an unanswered commit of another
         // write): the records this batch was built from are no longer trusted.

@@ -9,6 +9,7 @@ use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use rusqlite::{Connection, OptionalExtension, params};
 
@@ -60,6 +61,10 @@ impl ActorRow {
 pub struct Loaded {
     pub atespaces: Vec<String>,
     pub actors: Vec<ActorRow>,
+    /// The longest route lease a run of the plane on this store may have granted that
+    /// has not surely ended ([`Batch::route_lease`]); `None` when none was recorded (a
+    /// new store, or one written before schema version 3).
+    pub route_lease: Option<Duration>,
 }
 
 /// The changes of one operation step, written in one transaction.
@@ -73,6 +78,9 @@ pub struct Batch {
     pub put_atespaces: Vec<String>,
     /// Atespaces forgotten.
     pub delete_atespaces: Vec<String>,
+    /// Records the longest route lease granted leases may run for: written before a
+    /// run grants longer ones than recorded, and lowered once the longer ones ended.
+    pub route_lease: Option<Duration>,
 }
 
 impl Batch {
@@ -90,6 +98,7 @@ impl Batch {
             && self.delete_actors.is_empty()
             && self.put_atespaces.is_empty()
             && self.delete_atespaces.is_empty()
+            && self.route_lease.is_none()
     }
 }
 
@@ -167,7 +176,9 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
 ///    recorded hold).
 /// 2. No worker hosts or is claimed for two actors: a unique constraint on
 ///    `actors.worker`.
-pub const SCHEMA_VERSION: i64 = 2;
+/// 3. `route_lease_bound`: the longest route lease that may still be held, so that a
+///    plane restarted with a shorter `--route-lease` waits out the longer one.
+pub const SCHEMA_VERSION: i64 = 3;
 
 /// SQLite's migrations: `SQLITE_MIGRATIONS[v - 1]` brings version `v - 1` to `v`.
 const SQLITE_MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
@@ -195,6 +206,10 @@ const SQLITE_MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
          WHERE worker IN (SELECT worker FROM actors WHERE worker IS NOT NULL
                           GROUP BY worker HAVING count(*) > 1);
      CREATE UNIQUE INDEX actors_one_per_worker ON actors (worker);",
+    "CREATE TABLE route_lease_bound (
+         id INTEGER PRIMARY KEY CHECK (id = 1),
+         longest_ms INTEGER NOT NULL CHECK (longest_ms >= 0)
+     ) STRICT;",
 ];
 
 /// Brings the SQLite database to [`SCHEMA_VERSION`] (`PRAGMA user_version`), each
@@ -352,7 +367,7 @@ impl Store for SqliteStore {
     fn load(&self) -> StoreFuture<'_, Loaded> {
         let path = self.path.display().to_string();
         Box::pin(async move {
-            let (atespaces, raw) = self.run(load).await?;
+            let (atespaces, raw, route_lease) = self.run(load).await?;
             let actors = raw
                 .into_iter()
                 .map(|(row, status)| {
@@ -361,7 +376,11 @@ impl Store for SqliteStore {
                         .ok_or_else(|| StoreError::Corrupt(path.clone(), status))
                 })
                 .collect::<Result<_, _>>()?;
-            Ok(Loaded { atespaces, actors })
+            Ok(Loaded {
+                atespaces,
+                actors,
+                route_lease,
+            })
         })
     }
 
@@ -395,6 +414,13 @@ impl Store for SqliteStore {
                 }
                 for name in &batch.delete_atespaces {
                     tx.execute("DELETE FROM atespaces WHERE name = ?1", [name])?;
+                }
+                if let Some(lease) = batch.route_lease {
+                    tx.execute(
+                        "INSERT INTO route_lease_bound (id, longest_ms) VALUES (1, ?1)
+                         ON CONFLICT (id) DO UPDATE SET longest_ms = excluded.longest_ms",
+                        [lease_ms(lease)],
+                    )?;
                 }
                 tx.commit()
             })
@@ -463,7 +489,19 @@ fn put_actor(c: &Connection, row: &ActorRow) -> rusqlite::Result<()> {
 
 type RawActor = (ActorRow, i32);
 
-fn load(c: &mut Connection) -> rusqlite::Result<(Vec<String>, Vec<RawActor>)> {
+/// A route lease as stored: whole milliseconds, rounded up so it never shrinks.
+pub(crate) fn lease_ms(lease: Duration) -> i64 {
+    i64::try_from(lease.as_micros().div_ceil(1000)).unwrap_or(i64::MAX)
+}
+
+/// A stored route lease (never negative: the schema checks it).
+pub(crate) fn lease_of_ms(ms: i64) -> Duration {
+    Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+}
+
+type LoadedRows = (Vec<String>, Vec<RawActor>, Option<Duration>);
+
+fn load(c: &mut Connection) -> rusqlite::Result<LoadedRows> {
     let mut atespaces = Vec::new();
     let mut stmt = c.prepare("SELECT name FROM atespaces ORDER BY name")?;
     for name in stmt.query_map([], |r| r.get::<_, String>(0))? {
@@ -474,7 +512,15 @@ fn load(c: &mut Connection) -> rusqlite::Result<(Vec<String>, Vec<RawActor>)> {
     for row in stmt.query_map([], row_to_actor)? {
         actors.push(row?);
     }
-    Ok((atespaces, actors))
+    let route_lease = c
+        .query_row(
+            "SELECT longest_ms FROM route_lease_bound WHERE id = 1",
+            [],
+            |r| r.get(0),
+        )
+        .optional()?
+        .map(lease_of_ms);
+    Ok((atespaces, actors, route_lease))
 }
 
 /// The row, with its status as stored (checked by the caller).
@@ -544,6 +590,7 @@ mod tests {
             .write(Batch {
                 put_atespaces: vec!["demo".into()],
                 put_actors: vec![row("p1"), p2.clone(), row("gone")],
+                route_lease: Some(Duration::from_secs(5)),
                 ..Batch::default()
             })
             .await
@@ -561,6 +608,17 @@ mod tests {
         let loaded = store.load().await.unwrap();
         assert_eq!(loaded.atespaces, vec!["demo".to_owned()]);
         assert_eq!(loaded.actors, vec![row("p1"), p2]);
+        assert_eq!(loaded.route_lease, Some(Duration::from_secs(5)));
+        // Lowered as well as raised, and a part of a millisecond is never lost.
+        store
+            .write(Batch {
+                route_lease: Some(Duration::from_micros(1_001)),
+                ..Batch::default()
+            })
+            .await
+            .unwrap();
+        let lease = store.load().await.unwrap().route_lease;
+        assert_eq!(lease, Some(Duration::from_millis(2)));
     }
 
     #[tokio::test]
@@ -605,6 +663,7 @@ mod tests {
         let store = SqliteStore::open(dir.path()).unwrap();
         let loaded = store.load().await.unwrap();
         assert_eq!(loaded.atespaces, vec!["demo".to_owned()]);
+        assert_eq!(loaded.route_lease, None, "not recorded before version 3");
         let placed: Vec<(String, ActorStatus, Option<String>)> = loaded
             .actors
             .iter()

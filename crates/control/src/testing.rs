@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 use tonic::Status;
@@ -70,8 +71,12 @@ impl Gate {
     }
 }
 
-/// What a [`MemoryStore`] holds: atespaces and actors.
-type Records = (BTreeSet<String>, BTreeMap<ActorKey, ActorRow>);
+/// What a [`MemoryStore`] holds: atespaces, actors and the route lease bound.
+type Records = (
+    BTreeSet<String>,
+    BTreeMap<ActorKey, ActorRow>,
+    Option<Duration>,
+);
 
 /// A store in memory, for the paused clock (the SQLite store runs on the blocking
 /// pool, whose work the paused clock does not wait for). Clones share their data.
@@ -101,6 +106,7 @@ impl Store for MemoryStore {
             Ok(Loaded {
                 atespaces: data.0.iter().cloned().collect(),
                 actors: data.1.values().cloned().collect(),
+                route_lease: data.2,
             })
         })
     }
@@ -123,6 +129,9 @@ impl Store for MemoryStore {
             }
             for a in batch.delete_atespaces {
                 next.0.remove(&a);
+            }
+            if let Some(lease) = batch.route_lease {
+                next.2 = Some(lease);
             }
             let mut workers = BTreeSet::new();
             for row in next.1.values() {

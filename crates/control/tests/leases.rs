@@ -263,12 +263,10 @@ async fn a_silent_holder_holds_up_a_suspend_at_most_its_lease() {
     suspend_a.await.unwrap().unwrap();
 }
 
-/// A plane restarted on a store its previous run used moves nothing for a lease's
-/// length: leases granted before the restart may still be held.
-#[tokio::test(start_paused = true)]
-async fn a_restarted_plane_waits_out_unknown_leases() {
-    let store = MemoryStore::default();
-    let first = plane_on(&store, &["a"]).await;
+/// Runs a plane on `store` with `--route-lease 5s` and grants one lease on `a`
+/// (restored on `w1`, whose app port `app` is).
+async fn grant_one_lease(store: &MemoryStore) -> tokio::net::TcpListener {
+    let first = plane_on(store, &["a"]).await;
     let (_addr, app, mut w) = live_worker(&first, "w1").await;
     let _r = watch(&first, "r1");
     let t = {
@@ -277,13 +275,29 @@ async fn a_restarted_plane_waits_out_unknown_leases() {
     };
     let restore = w.next().await.unwrap();
     w.answer(restore.id, Ok(()));
-    assert!(t.await.unwrap().is_some());
-    drop((first, w));
+    assert_eq!(t.await.unwrap().map(|(l, _)| l), Some(LEASE));
+    first.shutdown(Duration::ZERO).await;
+    app
+}
 
+/// Starts a plane on `store` with `--route-lease` `lease`, and returns it and how
+/// long after its start a suspend of `a` (kept by `w1` re-attaching) sends the
+/// checkpoint.
+async fn restart_and_suspend(
+    store: &MemoryStore,
+    app: &tokio::net::TcpListener,
+    lease: Duration,
+) -> (Plane, Duration) {
     let restarted = Instant::now();
-    let plane = Plane::open(Arc::new(store.clone()), config())
-        .await
-        .unwrap();
+    let plane = Plane::open(
+        Arc::new(store.clone()),
+        PlaneConfig {
+            route_lease: lease,
+            ..config()
+        },
+    )
+    .await
+    .unwrap();
     let addr = app.local_addr().unwrap();
     let (mut w, kept) = FakeWorker::attach(&plane, "w1", "counter", addr, Some(&key("a"))).unwrap();
     assert!(kept);
@@ -293,10 +307,87 @@ async fn a_restarted_plane_waits_out_unknown_leases() {
     };
     let c = w.next().await.unwrap();
     assert!(matches!(c.command, Command::Checkpoint(_)));
-    assert_eq!(restarted.elapsed(), LEASE);
+    let waited = restarted.elapsed();
     w.answer(c.id, Ok(()));
     suspend.await.unwrap().unwrap();
-    let _ = store.load().await;
+    // Back to RUNNING on w1 for the next start.
+    let t = {
+        let plane = plane.clone();
+        tokio::spawn(async move { resume(&plane, "a", None).await })
+    };
+    let restore = w.next().await.unwrap();
+    w.answer(restore.id, Ok(()));
+    t.await.unwrap();
+    (plane, waited)
+}
+
+/// Waits (a paused second at most) until the store records `lease` as the longest.
+async fn recorded_lease_becomes(store: &MemoryStore, lease: Duration) {
+    let deadline = Instant::now() + Duration::from_secs(1);
+    while store.load().await.unwrap().route_lease != Some(lease) {
+        assert!(Instant::now() < deadline, "{lease:?} never recorded");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A plane restarted on a store its previous run used moves nothing for a lease's
+/// length: leases granted before the restart may still be held.
+#[tokio::test(start_paused = true)]
+async fn a_restarted_plane_waits_out_unknown_leases() {
+    let store = MemoryStore::default();
+    let app = grant_one_lease(&store).await;
+    let (_plane, waited) = restart_and_suspend(&store, &app, LEASE).await;
+    assert_eq!(waited, LEASE);
+}
+
+/// A plane restarted with a shorter `--route-lease`, or none, still waits out the
+/// longer leases its previous run granted; once they ended it records its own, so
+/// the start after waits only that. Before, it waited its own lease (none at all
+/// with `--route-lease 0`) while routers still held the previous run's.
+#[tokio::test(start_paused = true)]
+async fn a_plane_restarted_with_shorter_leases_waits_out_the_longer_ones() {
+    for shorter in [Duration::from_secs(1), Duration::ZERO] {
+        let store = MemoryStore::default();
+        let app = grant_one_lease(&store).await;
+        let (plane, waited) = restart_and_suspend(&store, &app, shorter).await;
+        assert_eq!(waited, LEASE, "restarted with --route-lease {shorter:?}");
+        recorded_lease_becomes(&store, shorter).await;
+        plane.shutdown(Duration::ZERO).await;
+        let (_plane, waited) = restart_and_suspend(&store, &app, shorter).await;
+        assert_eq!(waited, shorter, "the start after, with {shorter:?}");
+    }
+}
+
+/// The recorded lease never falls short of one that may be held: a plane that
+/// cannot record its longer `--route-lease` does not start, and one that could not
+/// record its shorter one once the previous run's ended leaves the longer one
+/// recorded, for the next start to wait out.
+#[tokio::test(start_paused = true)]
+async fn the_recorded_lease_never_falls_short() {
+    let store = MemoryStore::default();
+    let app = grant_one_lease(&store).await;
+    let open = |lease| {
+        Plane::open(
+            Arc::new(store.clone()),
+            PlaneConfig {
+                route_lease: lease,
+                ..config()
+            },
+        )
+    };
+    store.gate.fail(true);
+    assert!(
+        open(LEASE * 2).await.is_err(),
+        "a longer lease is recorded before any is granted"
+    );
+    let shorter = Duration::from_secs(1);
+    let second = open(shorter).await.unwrap();
+    tokio::time::sleep(LEASE * 2).await;
+    store.gate.fail(false);
+    assert_eq!(store.load().await.unwrap().route_lease, Some(LEASE));
+    second.shutdown(Duration::ZERO).await;
+    let (_plane, waited) = restart_and_suspend(&store, &app, shorter).await;
+    assert_eq!(waited, LEASE);
 }
 
 /// A worker whose stream ends while its port still answers (only the stream was cut)

@@ -114,6 +114,7 @@ async fn the_record_survives_a_reopen_and_batches_are_transactions() {
         .write(Batch {
             put_atespaces: vec!["demo".into()],
             put_actors: vec![row("p1"), on("p2", "w1"), row("gone")],
+            route_lease: Some(Duration::from_millis(7_500)),
             ..Batch::default()
         })
         .await
@@ -140,6 +141,7 @@ async fn the_record_survives_a_reopen_and_batches_are_transactions() {
     let loaded = store.load().await.unwrap();
     assert_eq!(loaded.atespaces, vec!["demo".to_owned()]);
     assert_eq!(loaded.actors, vec![on("p1", "w1"), row("p2")]);
+    assert_eq!(loaded.route_lease, Some(Duration::from_millis(7_500)));
     store.ping().await.unwrap();
 }
 
@@ -510,6 +512,7 @@ async fn an_older_schema_with_a_worker_on_two_actors_is_upgraded() {
     sql(
         &url,
         "ALTER TABLE actors DROP CONSTRAINT actors_one_per_worker; \
+         DROP TABLE route_lease_bound; \
          UPDATE valet_schema SET version = 1",
     )
     .await;
@@ -526,10 +529,12 @@ async fn an_older_schema_with_a_worker_on_two_actors_is_upgraded() {
         .await;
     }
     let store = PostgresStore::open(&url).await.unwrap();
-    let placed: Vec<(String, ActorStatus, Option<String>)> = store
-        .load()
-        .await
-        .unwrap()
+    let loaded = store.load().await.unwrap();
+    assert_eq!(
+        loaded.route_lease, None,
+        "no route lease recorded before version 3"
+    );
+    let placed: Vec<(String, ActorStatus, Option<String>)> = loaded
         .actors
         .into_iter()
         .map(|a| (a.name, a.status, a.worker))
@@ -555,6 +560,7 @@ async fn a_takeover_fences_the_replaced_replica_before_it_migrates() {
     sql(
         &url,
         "ALTER TABLE actors DROP CONSTRAINT actors_one_per_worker; \
+         DROP TABLE route_lease_bound; \
          UPDATE valet_schema SET version = 1",
     )
     .await;

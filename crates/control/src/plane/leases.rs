@@ -14,6 +14,7 @@ use valet_proto::leases as pb;
 
 use super::{Plane, State};
 use crate::model::ActorKey;
+use crate::store::Batch;
 
 /// What the plane sends on a router's watch.
 pub type WatchTx = mpsc::Sender<Result<pb::PlaneMessage, Status>>;
@@ -210,11 +211,11 @@ impl Plane {
     /// For `--route-lease` after the plane started it waits first: leases its previous
     /// run granted may still be held.
     pub(crate) async fn revoke_leases(&self, key: &ActorKey) {
-        let lease = self.config().route_lease;
-        if lease.is_zero() {
+        // Also with `--route-lease 0`: the previous run may have granted some.
+        tokio::time::sleep_until(self.inner.leases_unknown_until).await;
+        if self.config().route_lease.is_zero() {
             return;
         }
-        tokio::time::sleep_until(self.inner.leases_unknown_until).await;
         type Wait = (
             oneshot::Receiver<()>,
             Instant,
@@ -285,6 +286,35 @@ impl Plane {
         self.lock().leases.actors.remove(key);
         self.metrics().revoked(started.elapsed());
         tracing::debug!(actor = %key, took = ?started.elapsed(), "route leases revoked");
+    }
+
+    /// Once the leases earlier runs granted have ended, records this run's
+    /// `--route-lease` as the longest that may be held, so that the next start waits
+    /// out no more than that. A failed write leaves the longer one recorded: the
+    /// next start waits longer than it needs to, never shorter. Cancelled by shutdown.
+    pub(super) fn spawn_lower_route_lease(&self) {
+        let plane = self.clone();
+        self.inner.chores.spawn(async move {
+            tokio::select! {
+                () = tokio::time::sleep_until(plane.inner.leases_unknown_until) => {}
+                () = plane.inner.shutdown.cancelled() => return,
+            }
+            let lease = plane.config().route_lease;
+            let batch = Batch {
+                route_lease: Some(lease),
+                ..Batch::default()
+            };
+            match plane.inner.store.write(batch).await {
+                Ok(()) => tracing::info!(
+                    route_lease = ?lease,
+                    "the previous run's longer route leases have ended"
+                ),
+                Err(e) => tracing::warn!(
+                    error = %e,
+                    "could not record the shorter route lease; the next start waits out the longer one"
+                ),
+            }
+        });
     }
 
     /// How many actors the lease book keeps records of, and how many holders those

@@ -408,11 +408,26 @@ impl Plane {
                 .or_insert(builtin);
         }
         let fresh = loaded.atespaces.is_empty() && loaded.actors.is_empty();
+        // Route leases earlier runs granted end at most their `--route-lease` after
+        // the start (a store from before that was recorded: this run's). The record
+        // is raised before this run grants longer ones, and lowered once the earlier
+        // ones ended (`spawn_lower_route_lease`), so a crash in between only waits
+        // longer.
+        let earlier_lease = loaded.route_lease.unwrap_or(config.route_lease);
+        let longest = earlier_lease.max(config.route_lease);
+        if loaded.route_lease != Some(longest) {
+            store
+                .write(Batch {
+                    route_lease: Some(longest),
+                    ..Batch::default()
+                })
+                .await?;
+        }
         let (leases_unknown_until, workers_unknown_until) = if fresh {
             (tokio::time::Instant::now(), tokio::time::Instant::now())
         } else {
             let now = tokio::time::Instant::now();
-            (now + config.route_lease, now + config.hosting_lease)
+            (now + earlier_lease, now + config.hosting_lease)
         };
         let mut state = State {
             atespaces: loaded.atespaces.into_iter().collect(),
@@ -460,6 +475,9 @@ impl Plane {
             .filter(|(_, r)| r.status == ActorStatus::Running)
             .map(|(k, _)| k.clone())
             .collect();
+        if longest > plane.config().route_lease {
+            plane.spawn_lower_route_lease();
+        }
         plane.spawn_rejoin_deadline(awaiting);
         plane.spawn_settler();
         if half_way > 0 {
