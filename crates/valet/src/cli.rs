@@ -368,7 +368,21 @@ pub(crate) struct ScenarioArgs {
     pub(crate) out: PathBuf,
 }
 
+/// Here the ingress flags describe Envoy's own HTTPS listener: Envoy reads the
+/// certificate files itself, so they are required (no generated certificate), and the
+/// client CA applies to Envoy's HTTPS listener.
 #[derive(Debug, Clone, Args)]
+#[command(
+    mut_arg("listen_https", |a| a.help(
+        "Address of Envoy's HTTPS listener (ALPN h2 and http/1.1); empty turns it off"
+    )),
+    mut_arg("ingress_tls_cert_file", |a| a.help(
+        "PEM certificate chain of Envoy's HTTPS listener, read by Envoy; required with --listen-https (Envoy cannot use a generated certificate)"
+    )),
+    mut_arg("ingress_client_ca_file", |a| a.help(
+        "PEM CA client certificates must chain to; makes them required on Envoy's HTTPS listener (only: --envoy-listen asks for none)"
+    )),
+)]
 pub(crate) struct EnvoyBootstrapArgs {
     /// The router's flags: the bootstrap is derived from the same configuration.
     #[command(flatten)]
@@ -392,8 +406,7 @@ pub(crate) struct EnvoyBootstrapArgs {
     )]
     pub(crate) envoy_admin: std::net::SocketAddr,
 
-    /// Envoy's HTTPS listener (here --listen-https is where Envoy serves HTTPS, with
-    /// the ingress certificate files, which Envoy reads itself).
+    /// Envoy's HTTPS listener (helps overridden above).
     #[command(flatten)]
     pub(crate) ingress: IngressArgs,
 }
@@ -801,6 +814,17 @@ pub(crate) struct ServerSecurityArgs {
 }
 
 impl ServerSecurityArgs {
+    /// The JWT key flag given, with its value (`--jwt-jwks-file=/etc/jwks.json`), for
+    /// errors about it.
+    pub(crate) fn jwt_flag(&self) -> Option<String> {
+        [
+            ("--jwt-public-key-file", &self.jwt_public_key_file),
+            ("--jwt-jwks-file", &self.jwt_jwks_file),
+        ]
+        .into_iter()
+        .find_map(|(flag, path)| path.as_ref().map(|p| format!("{flag}={}", p.display())))
+    }
+
     /// The server's security settings, every file read now.
     pub(crate) fn resolve(
         &self,

@@ -58,7 +58,7 @@ const EXIT_CONFIG: u8 = 64;
 /// (its router uses the embedded control plane; `VALET_CONTROL_PLANE`, there for
 /// `valet router` and `valet ctl`, is not read).
 fn command() -> clap::Command {
-    hyphen_values(Cli::command()).mut_subcommand("up", |up| {
+    no_default_shown(hyphen_values(Cli::command())).mut_subcommand("up", |up| {
         up.mut_arg("listen", |a| a.default_value("127.0.0.1:8080"))
             .mut_arg("extproc_listen", |a| a.default_value("127.0.0.1:50051"))
             .mut_arg("control_plane", |a| a.hide(true).env(None::<&'static str>))
@@ -82,6 +82,33 @@ fn hyphen_values(cmd: clap::Command) -> clap::Command {
     .mut_subcommands(hyphen_values)
 }
 
+/// `--help` gives every flag's default (spec/cli.md): a flag that takes a value, is
+/// not required and has no default value says `[default: none]` (it is off, or
+/// derived as its help says, until given).
+fn no_default_shown(cmd: clap::Command) -> clap::Command {
+    cmd.mut_args(|a| {
+        let help = a.get_long_help().or(a.get_help()).map(ToString::to_string);
+        if a.is_positional()
+            || !a.get_action().takes_values()
+            || a.is_required_set()
+            || !a.get_default_values().is_empty()
+            || help
+                .as_deref()
+                .is_some_and(|h| h.to_lowercase().contains("default"))
+        {
+            return a;
+        }
+        let short = a.get_help().map(|h| format!("{h} [default: none]"));
+        let long = help.map_or_else(
+            || "[default: none]".to_owned(),
+            |h| format!("{h}\n\n[default: none]"),
+        );
+        a.help(short.unwrap_or_else(|| "[default: none]".to_owned()))
+            .long_help(long)
+    })
+    .mut_subcommands(no_default_shown)
+}
+
 fn main() -> ExitCode {
     let matches = match command().try_get_matches() {
         Ok(m) => m,
@@ -94,8 +121,15 @@ fn main() -> ExitCode {
     if let Some(m) = matches.subcommand_matches("up")
         && m.value_source("control_plane") == Some(ValueSource::CommandLine)
     {
+        let given = m
+            .get_raw("control_plane")
+            .into_iter()
+            .flatten()
+            .map(|v| v.to_string_lossy())
+            .collect::<Vec<_>>()
+            .join(",");
         say_err!(
-            "valet up: invalid configuration: --control-plane: valet up runs its own control plane (see --control-plane-listen)"
+            "valet up: invalid configuration: --control-plane={given}: valet up runs its own control plane (see --control-plane-listen)"
         );
         return ExitCode::from(EXIT_CONFIG);
     }

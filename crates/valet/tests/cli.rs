@@ -128,6 +128,78 @@ fn help_lists_every_flag_with_default_and_variable() {
     }
 }
 
+/// `envoy-bootstrap`'s ingress flags describe Envoy's own HTTPS listener: Envoy reads
+/// the certificate files, so they are required there. Before, its help promised the
+/// router's generated certificate, which the command refuses (exit 64).
+#[test]
+fn envoy_bootstrap_help_describes_envoys_https_listener() {
+    let o = valet(&["envoy-bootstrap", "--help"], &[]);
+    assert_eq!(o.status.code(), Some(0));
+    let help = String::from_utf8_lossy(&o.stdout);
+    let cert = flag_block(&help, "--ingress-tls-cert-file");
+    assert!(!cert.contains("self-signed"), "{cert}");
+    assert!(cert.contains("required with --listen-https"), "{cert}");
+    let ca = flag_block(&help, "--ingress-client-ca-file");
+    assert!(ca.contains("Envoy's HTTPS listener"), "{ca}");
+    assert!(!ca.contains("--extproc-listen"), "{ca}");
+    let o = valet(
+        &["envoy-bootstrap", "--listen-https", "127.0.0.1:8443"],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(64));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("--ingress-tls-cert-file"), "{err}");
+}
+
+/// Every subcommand's `--help` gives the default of every flag that takes a value
+/// (spec/cli.md), `[default: none]` for one that is off until given. Walks the whole
+/// command tree from `valet --help`. Before, about sixty optional flags showed none.
+#[test]
+fn every_flag_of_every_subcommand_shows_its_default() {
+    fn subcommands(help: &str) -> Vec<String> {
+        help.lines()
+            .skip_while(|l| !l.starts_with("Commands:"))
+            .skip(1)
+            .take_while(|l| l.starts_with("  "))
+            .filter_map(|l| l.split_whitespace().next())
+            .filter(|c| *c != "help")
+            .map(str::to_owned)
+            .collect()
+    }
+    let mut todo = vec![Vec::<String>::new()];
+    let mut checked = 0;
+    while let Some(path) = todo.pop() {
+        let mut args: Vec<&str> = path.iter().map(String::as_str).collect();
+        args.push("--help");
+        let o = valet(&args, &[]);
+        assert_eq!(o.status.code(), Some(0), "{path:?}");
+        let help = String::from_utf8_lossy(&o.stdout).into_owned();
+        for sub in subcommands(&help) {
+            let mut next = path.clone();
+            next.push(sub);
+            todo.push(next);
+        }
+        // Required flags (named in the usage line) have no default to give.
+        let usage = help.lines().find(|l| l.starts_with("Usage:")).unwrap_or("");
+        let flags = help.lines().filter_map(|l| {
+            let t = l.trim_start();
+            (t.starts_with("--") && l.len() - t.len() < 8 && t.contains(" <"))
+                .then(|| t.split_whitespace().next().unwrap().to_owned())
+                .filter(|f| !usage.contains(&format!("{f} <")))
+        });
+        for flag in flags {
+            let block = flag_block(&help, &flag);
+            assert!(
+                block.contains("[default: ") || block.to_lowercase().contains("default"),
+                "valet {} {flag}: {block}",
+                path.join(" ")
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked > 200, "only {checked} flags seen");
+}
+
 /// The lines of `--help` that describe `flag`.
 fn flag_block(help: &str, flag: &str) -> String {
     let mut block = String::new();
@@ -361,9 +433,34 @@ fn up_shows_its_own_defaults_and_takes_no_control_plane() {
     assert_eq!(
         stderr_lines(&o),
         vec![
-            "valet up: invalid configuration: --control-plane: valet up runs its own control plane (see --control-plane-listen)"
+            "valet up: invalid configuration: --control-plane=http://127.0.0.1:1: valet up runs its own control plane (see --control-plane-listen)"
         ]
     );
+}
+
+/// A rule between two flags names the value of the one it refuses.
+#[test]
+fn a_refused_flag_is_named_with_its_value() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let o = valet(
+        &[
+            "up",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--client-ca-file",
+            "/etc/valet/clients.pem",
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(64));
+    assert_eq!(
+        stderr_lines(&o),
+        vec![
+            "valet up: invalid configuration: --client-ca-file=/etc/valet/clients.pem: the embedded control plane then asks for client certificates, which its workers and the router present only with --ateapi-cert-file and --ateapi-key-file"
+        ]
+    );
+    assert!(!data.exists(), "nothing written");
 }
 
 /// A load scenario's target takes URLs, checked before anything starts.

@@ -401,6 +401,7 @@ async fn a_worker_on_every_interface_advertises_a_reachable_address() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(64), "{err}");
+    assert!(err.contains("--listen=0.0.0.0:0"), "{err}");
     assert!(err.contains("--advertise-address"), "{err}");
     // Told the address to advertise, it reports it (with the port it bound), and the
     // app answers there.

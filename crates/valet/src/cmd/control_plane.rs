@@ -75,9 +75,13 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    if security.jwt.is_some() && security.tls.is_none() {
+    if let Some(jwt) = args
+        .security
+        .jwt_flag()
+        .filter(|_| security.jwt.is_some() && security.tls.is_none())
+    {
         say_err!(
-            "valet control-plane: invalid configuration: --jwt-public-key-file/--jwt-jwks-file: bearer tokens need TLS (--tls-cert-file and --tls-key-file)"
+            "valet control-plane: invalid configuration: {jwt}: bearer tokens need TLS (--tls-cert-file and --tls-key-file)"
         );
         return ExitCode::from(EXIT_CONFIG);
     }

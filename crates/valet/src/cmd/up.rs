@@ -119,16 +119,21 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
     }
     // The workers present the router's credentials: what the embedded control plane
     // asks of its clients, they must bring, or they would never join.
-    let jwt = args.security.jwt_public_key_file.is_some() || args.security.jwt_jwks_file.is_some();
-    if jwt && args.router.ateapi.ateapi_auth != Some(valet_router::config::AteapiAuth::Jwt) {
-        return Err(UpError::Config(
-            "invalid configuration: --jwt-public-key-file/--jwt-jwks-file: the embedded control plane then asks for bearer tokens, which its workers and the router send only with --ateapi-auth jwt and --ateapi-token-file".into(),
-        ));
+    let jwt = args.security.jwt_flag();
+    if let Some(jwt) = &jwt
+        && args.router.ateapi.ateapi_auth != Some(valet_router::config::AteapiAuth::Jwt)
+    {
+        return Err(UpError::Config(format!(
+            "invalid configuration: {jwt}: the embedded control plane then asks for bearer tokens, which its workers and the router send only with --ateapi-auth jwt and --ateapi-token-file"
+        )));
     }
-    if args.security.client_ca_file.is_some() && args.router.ateapi.ateapi_cert_file.is_none() {
-        return Err(UpError::Config(
-            "invalid configuration: --client-ca-file: the embedded control plane then asks for client certificates, which its workers and the router present only with --ateapi-cert-file and --ateapi-key-file".into(),
-        ));
+    if let Some(ca) = &args.security.client_ca_file
+        && args.router.ateapi.ateapi_cert_file.is_none()
+    {
+        return Err(UpError::Config(format!(
+            "invalid configuration: --client-ca-file={}: the embedded control plane then asks for client certificates, which its workers and the router present only with --ateapi-cert-file and --ateapi-key-file",
+            ca.display()
+        )));
     }
     // The embedded control plane's server side: its own flags (files read, nothing
     // written); with --tls, the throwaway certificate for what they leave out, below.
@@ -143,10 +148,10 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
         .security
         .resolve()
         .map_err(|e| UpError::Config(e.to_string()))?;
-    if server.jwt.is_some() && server.tls.is_none() && !args.tls {
-        return Err(UpError::Config(
-            "invalid configuration: --jwt-public-key-file/--jwt-jwks-file: bearer tokens need TLS (--tls, or --tls-cert-file and --tls-key-file)".into(),
-        ));
+    if let Some(jwt) = jwt.filter(|_| server.jwt.is_some() && server.tls.is_none() && !args.tls) {
+        return Err(UpError::Config(format!(
+            "invalid configuration: {jwt}: bearer tokens need TLS (--tls, or --tls-cert-file and --tls-key-file)"
+        )));
     }
     let metrics_listen =
         crate::cmd::control_plane::optional_listen("--metrics-listen", &args.metrics_listen)

@@ -26,9 +26,9 @@ pub(crate) async fn run(args: WorkerArgs) -> ExitCode {
         );
         return ExitCode::from(EXIT_CONFIG);
     }
-    if args.advertise_address.is_some_and(|ip| ip.is_unspecified()) {
+    if let Some(ip) = args.advertise_address.filter(|ip| ip.is_unspecified()) {
         say_err!(
-            "valet worker: invalid configuration: --advertise-address: must be an address routers can reach, not 0.0.0.0 or ::"
+            "valet worker: invalid configuration: --advertise-address={ip}: must be an address routers can reach, not 0.0.0.0 or ::"
         );
         return ExitCode::from(EXIT_CONFIG);
     }
