@@ -960,6 +960,33 @@ async fn an_actor_evicted_by_a_reattach_during_its_last_write_is_released() {
     assert_eq!(resume.await.unwrap().unwrap().0.status, S::Running as i32);
 }
 
+/// A worker that leaves while its actor's RUNNING record is being written leaves no
+/// answer to route to: the resume answers `Unavailable` (the router parks and asks
+/// again), whether the worker's process died (its port refuses) or only its stream
+/// was cut. Before, it answered RUNNING with no address, which the router turns into
+/// a 500 at once.
+#[tokio::test(start_paused = true)]
+async fn a_resume_whose_worker_left_during_its_last_write_is_unavailable() {
+    for port in [dead_port(), app()] {
+        let store = MemoryStore::default();
+        let plane = plane_with(&store, &["a"]).await;
+        let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", port, None).unwrap();
+        let resume = spawn_resume(&plane, "a", None);
+        let r = expect(&mut w, "restore").await;
+        store.gate.close();
+        w.answer(r.id, Ok(()));
+        store.gate.until_waiting(1).await;
+        w.leave();
+        store.gate.open();
+        let answer = resume.await.unwrap();
+        assert_eq!(
+            answer.as_ref().map_err(tonic::Status::code).err(),
+            Some(Code::Unavailable),
+            "{port}: {answer:?}"
+        );
+    }
+}
+
 /// The same when the worker's process dies during that write (its port refuses at
 /// once): the release of its actor waits for the operation to end instead of giving
 /// up, so the actor does not stay RUNNING on a worker that is gone.

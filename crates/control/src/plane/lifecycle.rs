@@ -412,7 +412,16 @@ impl Plane {
                     .insert(key.clone(), super::policy::Activity::restored());
                 self.finish(op, Batch::put([running.clone()])).await?;
                 tracing::info!(actor = %key, worker, "actor RUNNING");
-                Ok((self.lock().to_proto(&running), true))
+                // Its worker may have left while that was written: there is no
+                // address to answer; its departure releases the actor, and the
+                // caller asks again.
+                let st = self.lock();
+                if !st.workers.contains_key(&worker) {
+                    return Err(Status::unavailable(format!(
+                        "the worker of actor {key} went away as it was restored"
+                    )));
+                }
+                Ok((st.to_proto(&running), true))
             }
             Err(LinkError::Gone) => {
                 tracing::warn!(actor = %key, worker, "worker went away during restore");
