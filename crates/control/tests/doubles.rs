@@ -987,6 +987,48 @@ async fn a_resume_whose_worker_left_during_its_last_write_is_unavailable() {
     }
 }
 
+/// A suspend the worker refuses (the actor is busy) whose write of RUNNING back
+/// fails keeps trying that write: the actor runs on. Before, the record stayed
+/// SUSPENDING with no operation on it, and the settler evicted the busy actor and
+/// took it back to its last snapshot, losing everything it did since.
+#[tokio::test(start_paused = true)]
+async fn a_busy_actor_stays_running_when_its_record_cannot_be_written() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a"]).await;
+    let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    let resume = spawn_resume(&plane, "a", None);
+    let r = expect(&mut w, "restore").await;
+    w.answer(r.id, Ok(()));
+    resume.await.unwrap().unwrap();
+    let suspend = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.suspend_actor(key("a")).await })
+    };
+    let c = expect(&mut w, "checkpoint").await;
+    store.gate.fail(true);
+    w.answer_busy(c.id);
+    // Long enough for the settler's first rounds (0.5 s doubling).
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    store.gate.fail(false);
+    assert_eq!(
+        suspend.await.unwrap().unwrap_err().code(),
+        Code::Aborted,
+        "busy: it keeps running"
+    );
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(30), |p| p.status_of("demo", "a")
+                == Some(S::Running))
+            .await
+    );
+    assert_eq!(store.actor(&key("a")).unwrap().status, ActorStatus::Running);
+    let next = tokio::time::timeout(Duration::from_secs(30), w.next()).await;
+    assert!(
+        !matches!(&next, Ok(Some(r)) if matches!(r.command, Command::Evict(_))),
+        "the busy actor was evicted"
+    );
+}
+
 /// The same when the worker's process dies during that write (its port refuses at
 /// once): the release of its actor waits for the operation to end instead of giving
 /// up, so the actor does not stay RUNNING on a worker that is gone.

@@ -581,10 +581,15 @@ impl Plane {
             if let Some(a) = self.lock().activity.get_mut(key) {
                 a.touch();
             }
-            return match self.finish(op, Batch::put([back])).await {
-                Ok(()) => Checkpointed::Busy,
-                Err(e) => Checkpointed::Failed(e),
+            // The actor runs on: a failed write must not leave it SUSPENDING, which
+            // the settler would take back to its last snapshot, evicting it with its
+            // requests in flight and everything it did since.
+            let Some(freed) = self.write_until_landed(Batch::put([back])).await else {
+                return Checkpointed::Failed(shutting_down());
             };
+            drop(op);
+            self.hand_off_all(freed);
+            return Checkpointed::Busy;
         }
         match self.after_checkpoint(op, key, suspending, result).await {
             Ok(actor) => Checkpointed::Suspended(Box::new(actor)),

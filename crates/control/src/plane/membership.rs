@@ -282,16 +282,8 @@ impl Plane {
             // that is gone. Try again (under the same operation locks, so resumes of
             // them answer Aborted and are retried) until it lands or the plane stops
             // (the next start releases them).
-            let mut backoff = std::time::Duration::from_millis(500);
-            let freed = loop {
-                match plane.write_and_apply(Batch::put(rows.clone())).await {
-                    Ok(freed) => break freed,
-                    Err(_) => tokio::select! {
-                        () = tokio::time::sleep(backoff) => {}
-                        () = plane.inner.shutdown.cancelled() => return,
-                    },
-                }
-                backoff = (backoff * 2).min(std::time::Duration::from_secs(5));
+            let Some(freed) = plane.write_until_landed(Batch::put(rows)).await else {
+                return;
             };
             drop(ops);
             plane.hand_off_all(freed);

@@ -597,6 +597,24 @@ impl Plane {
         Ok(())
     }
 
+    /// Writes `batch` until it lands (0.5 s doubling to 5 s between tries), for a
+    /// record that must not stay as it is (the caller holds the operation locks, so
+    /// resumes of its actors answer `Aborted` and are retried); `None` once the plane
+    /// stops first (the next start settles the record).
+    pub(crate) async fn write_until_landed(&self, batch: Batch) -> Option<Vec<String>> {
+        let mut backoff = Duration::from_millis(500);
+        loop {
+            match self.write_and_apply(batch.clone()).await {
+                Ok(freed) => return Some(freed),
+                Err(_) => tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    () = self.inner.shutdown.cancelled() => return None,
+                },
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    }
+
     async fn write_and_apply(&self, batch: Batch) -> Result<Vec<String>, Status> {
         if let Err(e) = self.inner.store.write(batch.clone()).await {
             self.inner.unsettled.notify_one();
