@@ -169,6 +169,42 @@ async fn a_waiter_evicts_the_least_recently_active() {
     );
 }
 
+/// A worker draining frees nothing for the pool (it leaves): its actor's checkpoint
+/// does not stand in for an eviction a waiter needs. Before, a waiter arriving during
+/// a drain evicted nothing until the drain's checkpoint ended.
+#[tokio::test(start_paused = true)]
+async fn a_drain_does_not_hold_back_an_eviction() {
+    let config = PlaneConfig {
+        evict_idle_after: Duration::from_secs(10),
+        ..PlaneConfig::default()
+    };
+    let plane = plane(config, &["old", "busy", "waiting"]).await;
+    let mut w1 = worker(&plane, "w1");
+    let mut w2 = worker(&plane, "w2");
+    resumed_on(&plane, &mut w1, "old").await;
+    resumed_on(&plane, &mut w2, "busy").await;
+    w2.drain();
+    let drain = w2.next().await.unwrap();
+    assert!(matches!(drain.command, Command::Checkpoint(_)), "{drain:?}");
+    let start = Instant::now();
+    let _waiter = {
+        let plane = plane.clone();
+        tokio::spawn(async move {
+            plane
+                .resume_actor(key("waiting"), Some(Duration::from_secs(60)))
+                .await
+        })
+    };
+    // The drain's checkpoint is not answered: the busy actor's requests go on.
+    let r = tokio::time::timeout(Duration::from_secs(20), policy_checkpoint(&mut w1, 0))
+        .await
+        .expect("no eviction while the other worker drains");
+    assert_eq!(start.elapsed(), Duration::from_secs(10));
+    w1.answer(r.id, Ok(()));
+    let restore = w1.next().await.unwrap();
+    assert!(matches!(restore.command, Command::Restore(_)), "{restore:?}");
+}
+
 /// A router that polls (no capacity wait) and retries every 100 ms: its one parked
 /// request makes exactly one eviction, and the next retry gets the freed worker.
 #[tokio::test(start_paused = true)]

@@ -293,12 +293,20 @@ impl super::State {
             .values()
             .filter(|w| w.pool == pool && w.slot == Slot::Free)
             .count();
+        // A checkpoint in progress frees a worker for the pool, unless that worker is
+        // leaving (a drain's): it never comes back free.
         let freeing = self
             .ops
             .iter()
             .filter(|(target, (_, kind))| {
                 matches!(kind, OpKind::Busy("evicting" | "idle-suspending" | "suspending"))
-                    && matches!(target, OpTarget::Actor(k) if self.actors.get(k).is_some_and(|r| r.pool == pool))
+                    && matches!(target, OpTarget::Actor(k) if self.actors.get(k).is_some_and(|r| {
+                        r.pool == pool
+                            && r.worker
+                                .as_ref()
+                                .and_then(|w| self.workers.get(w))
+                                .is_some_and(|w| !w.leaving)
+                    }))
             })
             .count();
         waiting.len().saturating_sub(free + freeing)
