@@ -188,14 +188,17 @@ pub fn bootstrap(config: &RouterConfig, envoy: EnvoyListeners) -> Result<Value, 
                             "generate_request_id": true,
                             "stream_idle_timeout": secs(idle),
                             "upgrade_configs": [{ "upgrade_type": "websocket" }],
-                            // A worker Envoy cannot reach (connection refused or reset,
-                            // no host) gets the router's own verdict, as the built-in
-                            // data plane answers it, not Envoy's "upstream connect
-                            // error" text.
+                            // A worker Envoy cannot reach (connection refused, no
+                            // host), or that closes or resets the connection before it
+                            // answers (its process died mid-request), gets the
+                            // router's own verdict, as the built-in data plane answers
+                            // it, not Envoy's "upstream connect error or
+                            // disconnect/reset before headers" text. (A local reply
+                            // only: an answer already begun is not replaced.)
                             "local_reply_config": {
                                 "mappers": [{
                                     "filter": {
-                                        "response_flag_filter": { "flags": ["UF", "UH", "URX"] }
+                                        "response_flag_filter": { "flags": ["UF", "UH", "URX", "UC", "UR"] }
                                     },
                                     "status_code": 502,
                                     "body_format_override": {

@@ -110,7 +110,8 @@ fn derived_values_for_flag_sets() {
                 "{limit} {flags:?}"
             );
         }
-        // A worker Envoy cannot reach gets the router's 502 verdict, not Envoy's text.
+        // A worker Envoy cannot reach, or that closes or resets the connection before
+        // it answers, gets the router's 502 verdict, not Envoy's text.
         let mapper = &hcm["local_reply_config"]["mappers"][0];
         let flags_mapped: Vec<&str> = mapper["filter"]["response_flag_filter"]["flags"]
             .as_vec()
@@ -118,7 +119,7 @@ fn derived_values_for_flag_sets() {
             .iter()
             .filter_map(Yaml::as_str)
             .collect();
-        assert_eq!(flags_mapped, ["UF", "UH", "URX"]);
+        assert_eq!(flags_mapped, ["UF", "UH", "URX", "UC", "UR"]);
         assert_eq!(mapper["status_code"].as_i64(), Some(502));
         let body = &mapper["body_format_override"];
         assert_eq!(
