@@ -202,7 +202,10 @@ async fn a_drain_does_not_hold_back_an_eviction() {
     assert_eq!(start.elapsed(), Duration::from_secs(10));
     w1.answer(r.id, Ok(()));
     let restore = w1.next().await.unwrap();
-    assert!(matches!(restore.command, Command::Restore(_)), "{restore:?}");
+    assert!(
+        matches!(restore.command, Command::Restore(_)),
+        "{restore:?}"
+    );
 }
 
 /// A router that polls (no capacity wait) and retries every 100 ms: its one parked

@@ -288,11 +288,11 @@ pub(crate) async fn handle(
     tunnels: Tunnels,
 ) -> Result<Response<Body>, Infallible> {
     let hosted = slot.borrow().clone();
+    // A name that is not UTF-8 names no actor this worker hosts: 421, not served.
     let named = req
         .headers()
         .get(ACTOR_REF_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
     if let Some(named) = &named
         && hosted.as_ref().is_none_or(|h| &h.actor != named)
     {

@@ -11,7 +11,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::app::Slot;
+use crate::app::{Hosted, Slot};
 use crate::traffic::Traffic;
 
 /// How often the worker renews its hosting.
@@ -73,6 +73,20 @@ impl HostingLease {
     pub(crate) fn answered(&self, sent_at: Instant) {
         self.state
             .send_modify(|s| s.answered = s.answered.max(sent_at));
+    }
+
+    /// Installs `next` in `slot` (a restore's actor), fenced at once when the lease is
+    /// out: the control plane may have placed it elsewhere meanwhile. Decided under
+    /// the lease's lock, so no request gets in between (the watchdog mirrors the lease
+    /// onto it too, a moment later).
+    pub(crate) fn install(&self, slot: &Slot, next: Arc<Hosted>) {
+        self.state.send_if_modified(|s| {
+            if s.cut_off {
+                next.traffic.set_cut_off(true);
+            }
+            slot.send_replace(Some(next));
+            false
+        });
     }
 
     /// Whether the lease has run out (the attachment must be made anew).
@@ -167,6 +181,21 @@ impl HostingLease {
     }
 }
 
+/// Empties `slot` if it holds `actor` (whatever it holds, when `None`); whether it
+/// did. The actor's traffic ends in the same step (nothing more gets in, what is in
+/// flight ends): the watchdog would end it too, a moment later.
+pub(crate) fn vacate(slot: &Slot, actor: Option<&str>) -> bool {
+    slot.send_if_modified(|h| {
+        let ours = h
+            .as_ref()
+            .is_some_and(|h| actor.is_none_or(|a| h.actor == a));
+        if ours && let Some(old) = h.take() {
+            old.traffic.set_gone();
+        }
+        ours
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -242,6 +271,34 @@ mod tests {
         tokio::task::yield_now().await;
         tokio::task::yield_now().await;
         assert!(next.traffic.enter().is_some());
+        stop.cancel();
+        dog.await.expect("watchdog ends");
+    }
+
+    /// An actor a restore installs while the lease is out is fenced in the same step,
+    /// and one that leaves the slot takes nothing more in the same step: no request
+    /// gets in before the watchdog runs. Before, both waited for the watchdog, and a
+    /// request arriving in between was served.
+    #[tokio::test(start_paused = true)]
+    async fn installing_and_vacating_fence_at_once() {
+        let (lease, slot, stop, dog) = watched(None);
+        let mut state = lease.state.subscribe();
+        tokio::time::timeout(DEFAULT_HOSTING_LEASE * 2, state.wait_for(|s| s.cut_off))
+            .await
+            .expect("the lease runs out")
+            .expect("lease alive");
+        let late = hosted("demo/p1");
+        lease.install(&slot, Arc::clone(&late));
+        assert!(late.traffic.enter().is_none(), "fenced as it is installed");
+
+        lease.welcomed(DEFAULT_HOSTING_LEASE, Instant::now(), Some(&late.traffic));
+        let entered = late.traffic.enter();
+        assert!(entered.is_some(), "kept: served again");
+        drop(entered);
+        assert!(!vacate(&slot, Some("demo/other")), "another actor's evict");
+        assert!(vacate(&slot, Some("demo/p1")));
+        assert!(late.traffic.enter().is_none(), "gone as it leaves the slot");
+        assert!(slot.borrow().is_none());
         stop.cancel();
         dog.await.expect("watchdog ends");
     }

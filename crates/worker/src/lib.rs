@@ -320,11 +320,21 @@ impl Worker {
 /// How long the app's connections may take to finish their requests once it stops.
 const APP_DRAIN: Duration = Duration::from_secs(5);
 
+/// How long a connection to the app may take to send a request's headers.
+const APP_HEADER_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Serves the app on `listener` until `stop`; then lets the connections finish the
 /// requests they have (HTTP/1 closes after the one in progress, HTTP/2 sends GOAWAY)
 /// and the open tunnels end, for up to [`APP_DRAIN`], and closes what is left.
 async fn serve_app(listener: TcpListener, slot: Slot, stop: CancellationToken) {
-    let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    // Without a timer hyper drops its header read timeout silently: a connection that
+    // never finishes its headers would be held for good.
+    builder
+        .http1()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(APP_HEADER_TIMEOUT);
+    builder.http2().timer(hyper_util::rt::TokioTimer::new());
     let connections = TaskTracker::new();
     let tunnels = app::Tunnels::default();
     let force = CancellationToken::new();
@@ -657,9 +667,8 @@ impl Agent {
             let Some(command) = cmd.command else { continue };
             let result = match command {
                 Command::Welcome(w) => {
-                    if !w.hosting_kept && self.slot.borrow().is_some() {
+                    if !w.hosting_kept && hosting::vacate(&self.slot, None) {
                         tracing::warn!(worker = %self.id, "control plane did not keep our actor; evicting");
-                        self.slot.send_replace(None);
                     }
                     let lease = w
                         .hosting_lease
@@ -805,7 +814,7 @@ impl Agent {
             memory,
             dir.join("data").join("counter"),
         );
-        self.slot.send_replace(Some(Arc::new(hosted)));
+        self.lease.install(&self.slot, Arc::new(hosted));
         tracing::info!(worker = %self.id, %actor, "restored");
         Ok(())
     }
@@ -858,13 +867,7 @@ impl Agent {
             return Err(Refusal::Failed(e));
         }
         fence_held.keep();
-        self.slot.send_if_modified(|h| {
-            let ours = h.as_ref().is_some_and(|h| h.actor == actor);
-            if ours {
-                h.take();
-            }
-            ours
-        });
+        hosting::vacate(&self.slot, Some(&actor));
         tracing::info!(worker = %self.id, %actor, full, "checkpointed");
         Ok(())
     }
@@ -872,14 +875,7 @@ impl Agent {
     fn evict(&self, e: wk::Evict) {
         let Some(slot) = e.actor else { return };
         let actor = format!("{}/{}", slot.atespace, slot.name);
-        let evicted = self.slot.send_if_modified(|h| {
-            let ours = h.as_ref().is_some_and(|h| h.actor == actor);
-            if ours {
-                h.take();
-            }
-            ours
-        });
-        if evicted {
+        if hosting::vacate(&self.slot, Some(&actor)) {
             tracing::info!(worker = %self.id, %actor, "evicted");
         }
     }
@@ -973,6 +969,65 @@ fn take_snapshot(dir: &Path, full: bool, memory: u64) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The app on a loopback port, hosting `demo/p1`; stopped when the token is.
+    async fn app_serving() -> (SocketAddr, CancellationToken) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let hosted = Hosted::new(
+            "demo/p1".into(),
+            App::Counter,
+            "demo/p1".into(),
+            0,
+            PathBuf::from("/nonexistent/counter"),
+        );
+        let slot: Slot = Arc::new(tokio::sync::watch::Sender::new(Some(Arc::new(hosted))));
+        let stop = CancellationToken::new();
+        tokio::spawn(serve_app(listener, slot, stop.clone()));
+        (addr, stop)
+    }
+
+    /// What the app answers to `request` (raw bytes), read until it closes.
+    async fn raw(addr: SocketAddr, request: &[u8]) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(request).await.unwrap();
+        let mut out = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(120), c.read_to_end(&mut out))
+            .await
+            .expect("the app closes the connection");
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    /// An `x-actor-ref` that is not UTF-8 names no actor hosted here: 421. Before, it
+    /// counted as no header, and the hosted actor served the request.
+    #[tokio::test]
+    async fn an_actor_ref_that_is_not_utf8_is_misdirected() {
+        let (addr, stop) = app_serving().await;
+        let answer = raw(
+            addr,
+            b"GET / HTTP/1.1\r\nHost: w\r\nx-actor-ref: demo/p\xff1\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(answer.starts_with("HTTP/1.1 421"), "{answer}");
+        stop.cancel();
+    }
+
+    /// A connection that never finishes its request's headers is closed after
+    /// [`APP_HEADER_TIMEOUT`]. Before, hyper had no timer and held it for good.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_whose_headers_never_end_is_closed() {
+        let (addr, stop) = app_serving().await;
+        let started = tokio::time::Instant::now();
+        let answer = raw(addr, b"GET / HTTP/1.1\r\nHost: w\r\n").await;
+        assert!(
+            started.elapsed() >= APP_HEADER_TIMEOUT,
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(!answer.contains("200 OK"), "{answer}");
+        stop.cancel();
+    }
 
     /// A restore removes the temporary files a crash left (between a write and its
     /// rename); the files themselves stay as they were.

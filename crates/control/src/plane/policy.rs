@@ -299,14 +299,16 @@ impl super::State {
             .ops
             .iter()
             .filter(|(target, (_, kind))| {
-                matches!(kind, OpKind::Busy("evicting" | "idle-suspending" | "suspending"))
-                    && matches!(target, OpTarget::Actor(k) if self.actors.get(k).is_some_and(|r| {
-                        r.pool == pool
-                            && r.worker
-                                .as_ref()
-                                .and_then(|w| self.workers.get(w))
-                                .is_some_and(|w| !w.leaving)
-                    }))
+                matches!(
+                    kind,
+                    OpKind::Busy("evicting" | "idle-suspending" | "suspending")
+                ) && matches!(target, OpTarget::Actor(k) if self.actors.get(k).is_some_and(|r| {
+                    r.pool == pool
+                        && r.worker
+                            .as_ref()
+                            .and_then(|w| self.workers.get(w))
+                            .is_some_and(|w| !w.leaving)
+                }))
             })
             .count();
         waiting.len().saturating_sub(free + freeing)
