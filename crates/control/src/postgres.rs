@@ -6,8 +6,9 @@
 //! took when it became active. A replica started while another is active waits, as a
 //! standby, for the lock (not listening meanwhile), then takes over with the next
 //! epoch, as a restart would. A write whose transaction finds another epoch is
-//! refused (fenced), and losing the lock's connection ends the process, so a replica
-//! that was replaced never writes again.
+//! refused (fenced), and a replica that loses the lock's connection stops serving
+//! (its workers detached at once) and waits as a standby again, so a replica that
+//! was replaced never writes again.
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -72,9 +73,12 @@ const SERVER_KEEPALIVE: &str = "SET tcp_keepalives_idle = 4; SET tcp_keepalives_
 /// Bounds on every pooled session: no statement, and no transaction left idle (a
 /// replica cut off mid-write), holds the epoch row's lock against a takeover for long.
 /// Commits are synchronous whatever the server's, database's or role's default: a
-/// write is acknowledged only once it is durable.
+/// write is acknowledged only once it is durable. No `lock_timeout` from the role or
+/// the database: the statement timeout bounds lock waits here, and the standby's
+/// wait for the active lock and a takeover's wait for the epoch row have bounds of
+/// their own (none, and 60 s).
 const SESSION_LIMITS: &str = "-c statement_timeout=10000 -c idle_in_transaction_session_timeout=10000 \
-     -c synchronous_commit=on";
+     -c lock_timeout=0 -c synchronous_commit=on";
 /// How long the active replica may fail to open any pooled connection (its role lost
 /// LOGIN, its password was rotated, the server is full) before it steps down, so that
 /// a replica that can connect takes over; its lock session alone kept it active.
@@ -195,9 +199,10 @@ impl PostgresStore {
         Ok(())
     }
 
-    /// Connects to `url`, brings the schema to [`SCHEMA_VERSION`] (under an advisory
-    /// lock, so replicas starting together migrate once), then waits until no other
-    /// control plane is active on the database and becomes the active one.
+    /// Connects to `url` (refusing a schema newer than [`SCHEMA_VERSION`] at once),
+    /// waits until no other control plane is active on the database, becomes the
+    /// active one (the next epoch), and then brings the schema to [`SCHEMA_VERSION`]
+    /// (under an advisory lock as well, so replicas never migrate twice).
     ///
     /// # Errors
     /// An invalid URL, an unreachable database, a failed migration, or a schema newer

@@ -1029,6 +1029,29 @@ async fn a_busy_actor_stays_running_when_its_record_cannot_be_written() {
     );
 }
 
+/// A plane that lost its database lock (another replica may be active) detaches its
+/// workers at once, even with an operation in progress, and takes no new one: none
+/// keeps hosting on its renewals while that operation winds down. Before, workers were
+/// detached only after the operations' shutdown time.
+#[tokio::test(start_paused = true)]
+async fn a_plane_that_steps_down_detaches_its_workers_first() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a"]).await;
+    let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    let resume = spawn_resume(&plane, "a", None);
+    let _restore = expect(&mut w, "restore").await;
+    plane.step_down();
+    expect(&mut w, "detach").await;
+    let again = FakeWorker::attach(&plane, "w2", "counter", app(), None);
+    assert_eq!(
+        again.err().map(|e| e.code()),
+        Some(Code::Unavailable),
+        "no join once stepped down"
+    );
+    plane.shutdown(Duration::from_secs(1)).await;
+    drop(resume);
+}
+
 /// The same when the worker's process dies during that write (its port refuses at
 /// once): the release of its actor waits for the operation to end instead of giving
 /// up, so the actor does not stay RUNNING on a worker that is gone.

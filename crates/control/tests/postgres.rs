@@ -208,10 +208,14 @@ async fn standby_waiting(url: &str) {
     .expect("the standby waits for the lock");
 }
 
+/// A standby waits for the lock with no bound: not the sessions' 10 s statement
+/// timeout, nor a `lock_timeout` the role has (before, it failed after that with
+/// "canceling statement due to lock timeout" and, never having served, exited).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_standby_waits_past_the_sessions_statement_timeout() {
+async fn a_standby_waits_past_the_sessions_statement_and_lock_timeouts() {
     let pg = TempPostgres::start_async().await;
     let url = pg.url();
+    sql(&url, "ALTER ROLE postgres SET lock_timeout = '1s'").await;
     let active = PostgresStore::open(&url).await.unwrap();
     let mut standby = opening(&url);
     standby_waiting(&url).await;

@@ -61,6 +61,9 @@ impl Plane {
         join: &wk::Join,
         link: Arc<WorkerLink>,
     ) -> Result<bool, Status> {
+        if self.is_shutting_down() {
+            return Err(super::shutting_down());
+        }
         if join.worker_id.is_empty() || join.worker_id.len() > 128 {
             return Err(Status::invalid_argument(
                 "worker_id must be 1-128 characters",

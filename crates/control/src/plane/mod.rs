@@ -796,6 +796,17 @@ impl Plane {
         self.close_watches();
     }
 
+    /// The store was lost (another replica may be active already): every attached
+    /// worker is detached now, and joins are refused from now on, so that no worker
+    /// keeps hosting on this replica's renewals while its operations in progress get
+    /// their shutdown time ([`Self::shutdown`] follows). Before, workers were
+    /// detached last, and renewals answered meanwhile could outlast the rejoin grace
+    /// of the replica that took over.
+    pub fn step_down(&self) {
+        self.inner.shutdown.cancel();
+        self.detach_workers();
+    }
+
     /// Runs the reader of a worker's attach stream; it ends with the stream.
     pub(crate) fn spawn_link(&self, reader: impl Future<Output = ()> + Send + 'static) {
         self.inner.links.spawn(reader);

@@ -259,10 +259,13 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         );
         let stop = {
             let (stopping, lost) = (stopping.clone(), lost.clone());
+            let plane = plane.clone();
             async move {
                 tokio::select! {
                     () = stopping.cancelled() => {}
-                    () = lost.cancelled() => {}
+                    // Another replica may be active already: no worker keeps hosting
+                    // on this one's word while its operations wind down.
+                    () = lost.cancelled() => plane.step_down(),
                 }
             }
         };
