@@ -25,22 +25,28 @@ use crate::store::{ActorRow, Batch, Loaded, SCHEMA_VERSION, Store, StoreError, S
 const MIGRATION_LOCK: i64 = 0x7661_6c65_742d_6d67;
 /// Advisory-lock key of the active control plane ("valet-cp").
 const ACTIVE_LOCK: i64 = 0x7661_6c65_742d_6370;
-/// The advisory-lock keys (migration, active) of the schema the store's tables live
-/// in when the URL chose it (`search_path` in its options): advisory locks are per
-/// database, and deployments in different schemas of one database must not share
-/// them. Without a chosen schema, or with `public`, the keys earlier versions used,
-/// so that replicas of both versions exclude each other during an upgrade.
-fn lock_keys(chosen: Option<&str>) -> (i64, i64) {
-    match chosen {
-        None | Some("public") => (MIGRATION_LOCK, ACTIVE_LOCK),
-        Some(schema) => {
-            // FNV-1a: stable across versions and platforms.
-            let hash = schema.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
-                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-            });
-            let hash = i64::from_ne_bytes(hash.to_ne_bytes());
-            (MIGRATION_LOCK ^ hash, ACTIVE_LOCK ^ hash)
-        }
+/// The advisory-lock keys (migration, active) a replica holds, taken in this order.
+/// Advisory locks are per database, and deployments in different schemas of one
+/// database must not share them: a schema chosen in the URL (`search_path` in its
+/// options) has keys of its own. Without a chosen schema, or with `public`, the keys
+/// earlier versions used, so that replicas of both versions exclude each other during
+/// an upgrade; and when the tables are nevertheless in another schema (the role's
+/// own, through the default `"$user", public` path), that schema's keys as well, so
+/// that a replica whose URL names that schema excludes this one too.
+fn lock_keys(chosen: bool, schema: Option<&str>) -> Vec<(i64, i64)> {
+    let legacy = (MIGRATION_LOCK, ACTIVE_LOCK);
+    let of = |schema: &str| {
+        // FNV-1a: stable across versions and platforms.
+        let hash = schema.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+        let hash = i64::from_ne_bytes(hash.to_ne_bytes());
+        (MIGRATION_LOCK ^ hash, ACTIVE_LOCK ^ hash)
+    };
+    match schema {
+        None | Some("public") => vec![legacy],
+        Some(s) if chosen => vec![of(s)],
+        Some(s) => vec![legacy, of(s)],
     }
 }
 
@@ -274,45 +280,47 @@ impl PostgresStore {
         let chosen = config
             .get_options()
             .is_some_and(|o| o.contains("search_path"));
-        let schema: Option<String> = if chosen {
-            let schema: Option<String> = client
-                .query_one("SELECT current_schema()", &[])
-                .await
-                .map_err(err)?
-                .get(0);
-            if schema.is_none() {
-                return Err(StoreError::Postgres {
-                    database: database.clone(),
-                    why: "the URL's search_path names no schema that exists: create it first"
-                        .into(),
-                });
-            }
-            schema
-        } else {
-            None
-        };
-        let (migration_lock, active_lock) = lock_keys(schema.as_deref());
-        let held: bool = client
-            .query_one("SELECT pg_try_advisory_lock($1)", &[&active_lock])
+        let schema: Option<String> = client
+            .query_one("SELECT current_schema()", &[])
             .await
             .map_err(err)?
             .get(0);
-        if !held {
-            tracing::info!(
-                %database,
-                "standby: another control plane is active on this database; waiting to take over"
-            );
-            // A standby waits as long as the active replica lives: no statement
-            // timeout on this wait.
-            client
-                .batch_execute("SET statement_timeout = 0")
+        if chosen && schema.is_none() {
+            return Err(StoreError::Postgres {
+                database: database.clone(),
+                why: "the URL's search_path names no schema that exists: create it first".into(),
+            });
+        }
+        let keys = lock_keys(chosen, schema.as_deref());
+        let mut standby = false;
+        for (_, active_lock) in &keys {
+            let held: bool = client
+                .query_one("SELECT pg_try_advisory_lock($1)", &[active_lock])
                 .await
-                .map_err(err)?;
+                .map_err(err)?
+                .get(0);
+            if held {
+                continue;
+            }
+            if !standby {
+                standby = true;
+                tracing::info!(
+                    %database,
+                    "standby: another control plane is active on this database; waiting to take over"
+                );
+                // A standby waits as long as the active replica lives: no statement
+                // timeout on this wait.
+                client
+                    .batch_execute("SET statement_timeout = 0")
+                    .await
+                    .map_err(err)?;
+            }
             client
-                .execute("SELECT pg_advisory_lock($1)", &[&active_lock])
+                .execute("SELECT pg_advisory_lock($1)", &[active_lock])
                 .await
                 .map_err(err)?;
         }
+        let migration_locks: Vec<i64> = keys.iter().map(|(m, _)| *m).collect();
         // Taking over waits for the replaced replica's writes in progress (their
         // share lock on the epoch row), which its sessions' own limits end within
         // about 10 s each: longer than this session's statement timeout, so bounded
@@ -343,10 +351,10 @@ impl PostgresStore {
                 .get(0);
             if fenced {
                 let epoch = bump.await?;
-                migrate(&client, &database, migration_lock).await?;
+                migrate(&client, &database, &migration_locks).await?;
                 Ok::<_, StoreError>(epoch)
             } else {
-                migrate(&client, &database, migration_lock).await?;
+                migrate(&client, &database, &migration_locks).await?;
                 bump.await
             }
         };
@@ -717,7 +725,7 @@ async fn check_version(client: &Client, database: &str) -> Result<(), StoreError
 
 /// Brings the schema to [`SCHEMA_VERSION`], one migration per transaction, under the
 /// migration lock; refuses a newer schema.
-async fn migrate(client: &Client, database: &str, lock: i64) -> Result<(), StoreError> {
+async fn migrate(client: &Client, database: &str, locks: &[i64]) -> Result<(), StoreError> {
     let err = |e: tokio_postgres::Error| match store_error(database, &e) {
         StoreError::Postgres { database, why } => StoreError::Postgres {
             database,
@@ -725,10 +733,12 @@ async fn migrate(client: &Client, database: &str, lock: i64) -> Result<(), Store
         },
         lost => lost,
     };
-    client
-        .execute("SELECT pg_advisory_lock($1)", &[&lock])
-        .await
-        .map_err(err)?;
+    for lock in locks {
+        client
+            .execute("SELECT pg_advisory_lock($1)", &[lock])
+            .await
+            .map_err(err)?;
+    }
     let result = async {
         client
             .batch_execute("CREATE TABLE IF NOT EXISTS valet_schema (version BIGINT NOT NULL)")
@@ -769,11 +779,15 @@ async fn migrate(client: &Client, database: &str, lock: i64) -> Result<(), Store
         Ok(())
     }
     .await;
-    let unlocked = client
-        .execute("SELECT pg_advisory_unlock($1)", &[&lock])
-        .await
-        .map_err(err);
-    result.and(unlocked.map(drop))
+    let mut unlocked = Ok(());
+    for lock in locks.iter().rev() {
+        let done = client
+            .execute("SELECT pg_advisory_unlock($1)", &[lock])
+            .await
+            .map_err(err);
+        unlocked = unlocked.and(done.map(drop));
+    }
+    result.and(unlocked)
 }
 
 const SELECT_ACTOR: &str = "SELECT atespace, name, uid, template_namespace, template, pool, \

@@ -646,15 +646,32 @@ async fn without_a_chosen_schema_the_earlier_lock_keys_are_kept() {
     let as_valet = pg
         .url()
         .replacen("postgres://postgres@", "postgres://valet@", 1);
-    let opening = opening(&as_valet);
+    let first = opening(&as_valet);
     standby_waiting(&pg.url()).await;
-    assert!(!opening.is_finished());
+    assert!(!first.is_finished());
     drop(held);
-    let store = took_over(opening).await;
+    let store = took_over(first).await;
     store.write(Batch::put([row("p1")])).await.unwrap();
     assert_eq!(
         count(&pg.url(), "SELECT count(*) FROM valet.actors").await,
         1
     );
     conn.abort();
+    // A replica whose URL names that same schema waits behind it too (before, each
+    // took keys of its own, and the two took turns fencing each other), and the other
+    // way round.
+    let named = format!("{as_valet}?options=-c%20search_path%3Dvalet");
+    let opening_named = opening(&named);
+    standby_waiting(&pg.url()).await;
+    assert!(!opening_named.is_finished());
+    drop(store);
+    let named_store = took_over(opening_named).await;
+    let opening_default = opening(&as_valet);
+    standby_waiting(&pg.url()).await;
+    assert!(!opening_default.is_finished());
+    assert!(
+        !named_store.lost().is_cancelled(),
+        "not fenced by the other"
+    );
+    opening_default.abort();
 }
