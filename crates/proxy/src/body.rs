@@ -13,6 +13,7 @@ use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
@@ -161,7 +162,8 @@ impl Held {
 
     /// The body to forward: the held frames, then the rest; and where a failure of the
     /// client's side of it is recorded.
-    pub(crate) fn into_body(self) -> (RequestBody, Failure) {
+    /// The rest fails once the client sends nothing of it for `stall_after`.
+    pub(crate) fn into_body(self, stall_after: Duration) -> (RequestBody, Failure) {
         let failure = Arc::clone(&self.failure);
         let body = RequestBody {
             frames: self.frames,
@@ -169,6 +171,10 @@ impl Held {
             charge: Some(self.charge),
             failure: self.failure,
             polled: self.started,
+            stall: Some(Stall {
+                after: stall_after,
+                timer: Box::pin(tokio::time::sleep(stall_after)),
+            }),
         };
         (body, failure)
     }
@@ -228,7 +234,22 @@ pub(crate) struct RequestBody {
     failure: Failure,
     /// Whether the rest was ever asked for.
     polled: bool,
+    /// How long the client may send nothing of the rest while it is asked for; each
+    /// frame starts it over. A body streamed to the worker is bounded by nothing
+    /// else: without it, a client that sends a large body's head and then nothing
+    /// held a worker connection (and the actor busy) for good.
+    stall: Option<Stall>,
 }
+
+struct Stall {
+    after: Duration,
+    timer: Pin<Box<tokio::time::Sleep>>,
+}
+
+/// The error of a body whose client stopped sending it.
+#[derive(Debug, thiserror::Error)]
+#[error("the client sent nothing of the request body for {0:?}")]
+pub(crate) struct BodyStalled(Duration);
 
 impl Drop for RequestBody {
     /// Dropped before its end (the request to the worker failed, or the worker answered
@@ -257,18 +278,19 @@ impl RequestBody {
             charge: None,
             failure: Failure::default(),
             polled: false,
+            stall: None,
         }
     }
 }
 
 impl Body for RequestBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = self.get_mut();
         if let Some(frame) = this.frames.pop_front() {
             if let (Some(data), Some(charge)) = (frame.data_ref(), this.charge.as_mut()) {
@@ -282,15 +304,48 @@ impl Body for RequestBody {
         let Some(rest) = this.rest.as_mut() else {
             return Poll::Ready(None);
         };
-        this.polled = true;
-        let polled = Pin::new(rest).poll_frame(cx);
-        match &polled {
-            Poll::Ready(Some(Err(e))) => this.failure.failed(caller_end(e)),
-            // Read to its end: nothing is left.
-            Poll::Ready(None) => this.rest = None,
-            _ => {}
+        if !this.polled
+            && let Some(stall) = this.stall.as_mut()
+        {
+            // Counted from when the rest is first asked for.
+            stall
+                .timer
+                .as_mut()
+                .reset(tokio::time::Instant::now() + stall.after);
         }
-        polled
+        this.polled = true;
+        match Pin::new(rest).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(stall) = this.stall.as_mut() {
+                    stall
+                        .timer
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + stall.after);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.failure.failed(caller_end(&e));
+                Poll::Ready(Some(Err(e.into())))
+            }
+            // Read to its end: nothing is left.
+            Poll::Ready(None) => {
+                this.rest = None;
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                let Some(stall) = this.stall.as_mut() else {
+                    return Poll::Pending;
+                };
+                if stall.timer.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                // Nothing left to give back: the client's side is done with.
+                this.rest = None;
+                this.failure.failed(CallerEnd::Stalled);
+                Poll::Ready(Some(Err(BodyStalled(stall.after).into())))
+            }
+        }
     }
 
     fn is_end_stream(&self) -> bool {

@@ -258,6 +258,7 @@ impl Outgoing {
                 Err(Unread::CutOff) => Denial::ShuttingDown(actor),
                 Err(Unread::Failed) => match failure.take_failure() {
                     Some(CallerEnd::MalformedBody(why)) => Denial::MalformedBody(actor, why),
+                    Some(CallerEnd::Stalled) => Denial::CallerDeadline(actor),
                     Some(CallerEnd::Gone) | None => Denial::CallerGone(actor),
                 },
             };
@@ -366,6 +367,9 @@ impl Outgoing {
                         Denial::MalformedBody(route.actor.clone(), why)
                     }
                     Some(CallerEnd::Gone) => Denial::CallerGone(route.actor.clone()),
+                    // Its body stalled on the way to the worker: the request's own
+                    // deadline, as for a body that stalls before it is sent.
+                    Some(CallerEnd::Stalled) => Denial::CallerDeadline(route.actor.clone()),
                     // A lease's worker that refuses the connection (nothing was sent):
                     // the actor may have left it (it died with the control plane,
                     // say), as a 421 would say; the request is decided again.

@@ -939,7 +939,7 @@ async fn handle(
                 // Its body was read while it waited only if it parked; the decision
                 // says so too when the request never saw its flight park.
                 let parked = route.parked || parked_before || held.was_read();
-                let (body, failure) = held.into_body();
+                let (body, failure) = held.into_body(shared.limits.idle_timeout);
                 let ends = Arc::clone(&failure);
                 let version = parts.version;
                 let held_back = expects_continue(&parts.headers);

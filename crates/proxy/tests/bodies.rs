@@ -419,6 +419,44 @@ async fn a_client_stalled_mid_body_gets_504_after_the_idle_timeout() {
     assert!(text.ends_with("actor demo/p1 request timed out"), "{text}");
 }
 
+/// A client that stalls in the middle of a large body (streamed to the worker as it
+/// comes) gets the 504 verdict once no byte came for the idle timeout, and the
+/// worker's connection is let go. Before, nothing bounded a streamed body: the
+/// request, a worker connection and the actor's busy mark were held for good.
+#[tokio::test]
+async fn a_client_stalled_mid_streamed_body_gets_504_after_the_idle_timeout() {
+    let upstream = collecting_upstream().await;
+    let idle = Duration::from_millis(300);
+    let (_router, server) = serve_with(
+        Arc::new(AlwaysRunning { port: upstream }),
+        &[],
+        Limits {
+            idle_timeout: idle,
+            ..Limits::default()
+        },
+    )
+    .await;
+    let mut s = TcpStream::connect(server.local_addr()).await.unwrap();
+    s.write_all(
+        format!(
+            "POST / HTTP/1.1\r\nHost: {}\r\nContent-Length: 1048576\r\nConnection: close\r\n\r\n",
+            host("p1")
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    s.write_all(&pattern(100 * 1024, 7)).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(WAIT, s.read_to_end(&mut out))
+        .await
+        .expect("answered")
+        .unwrap();
+    let text = String::from_utf8_lossy(&out);
+    assert!(text.starts_with("HTTP/1.1 504 "), "{text}");
+    assert!(text.ends_with("actor demo/p1 request timed out"), "{text}");
+}
+
 /// A small body that trickles in, each byte well within the idle timeout, still gets
 /// the 504 verdict once it has taken longer than `small_body_within` in all: a client
 /// cannot hold a request for as long as it likes one byte at a time.

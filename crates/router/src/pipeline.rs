@@ -434,6 +434,7 @@ impl Wait<'_> {
                     let denial = match end {
                         CallerEnd::Gone => Denial::CallerGone(self.actor.clone()),
                         CallerEnd::MalformedBody(why) => Denial::MalformedBody(self.actor.clone(), why),
+                        CallerEnd::Stalled => Denial::CallerDeadline(self.actor.clone()),
                     };
                     return Err(self.end(denial));
                 }

@@ -60,6 +60,9 @@ pub enum CallerEnd {
     Gone,
     /// The client's body is not valid HTTP framing.
     MalformedBody(String),
+    /// The client sent nothing of its body for the data plane's idle timeout (a body
+    /// being streamed to the worker): as a request's own deadline, 504.
+    Stalled,
 }
 
 impl Denial {
