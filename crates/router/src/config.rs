@@ -55,6 +55,8 @@ pub const DEFAULT_ACTOR_DOMAIN: &str = "actors.resources.substrate.ate.dev";
 pub const DEFAULT_WORKER_PORT: u16 = 80;
 /// Default `--route-stale-max` (the control plane's default hosting lease).
 pub const DEFAULT_ROUTE_STALE_MAX: &str = "15s";
+/// Default of `--control-plane-ping-interval`.
+pub const DEFAULT_CONTROL_PLANE_PING_INTERVAL: &str = "2s";
 
 /// Flags of `valet router` (and of `valet up`, which runs a router too).
 #[derive(Debug, Clone, Args)]
@@ -90,6 +92,17 @@ pub struct RouterArgs {
     /// 421 keep this safe); 0 never. The Envoy data plane never does.
     #[arg(long, env = "VALET_ROUTE_STALE_MAX", default_value = DEFAULT_ROUTE_STALE_MAX, value_parser = parse_duration, value_name = "DURATION")]
     pub route_stale_max: Duration,
+
+    /// How often the router pings each control plane over HTTP/2 when nothing came
+    /// from it, also while no call is open, so that one that vanished is noticed (and
+    /// passed over) before a request needs it; 0 sends no pings (a vanished control
+    /// plane is then noticed by the call that finds it, within about 5s). A grpc-go
+    /// server by default takes pings at most every 5 minutes during calls and none
+    /// between them, and closes a connection that pings more often (GOAWAY
+    /// `too_many_pings`): in front of one, give 0 or loosen its keepalive enforcement
+    /// policy.
+    #[arg(long, env = "VALET_CONTROL_PLANE_PING_INTERVAL", default_value = DEFAULT_CONTROL_PLANE_PING_INTERVAL, value_parser = parse_duration, value_name = "DURATION")]
+    pub control_plane_ping_interval: Duration,
 
     #[command(flatten)]
     pub parking: ParkingArgs,
@@ -382,6 +395,7 @@ pub struct RouterConfig {
     actor_domain: ActorDomain,
     worker_port: u16,
     route_stale_max: Duration,
+    control_plane_ping_interval: Option<Duration>,
     parking: ParkingConfig,
     extproc_max_requests: u32,
     extproc_max_requests_derived: bool,
@@ -440,6 +454,10 @@ impl RouterConfig {
     pub fn route_stale_max(&self) -> Duration {
         self.route_stale_max
     }
+    /// How often the control planes are pinged over HTTP/2 (`None`: never).
+    pub fn control_plane_ping_interval(&self) -> Option<Duration> {
+        self.control_plane_ping_interval
+    }
     /// The parking part.
     pub fn parking(&self) -> &ParkingConfig {
         &self.parking
@@ -495,6 +513,10 @@ impl RouterConfig {
             ("--actor-domain", self.actor_domain.to_string()),
             ("--worker-port", self.worker_port.to_string()),
             ("--route-stale-max", fmt_duration(self.route_stale_max)),
+            (
+                "--control-plane-ping-interval",
+                fmt_duration(self.control_plane_ping_interval.unwrap_or_default()),
+            ),
             ("--parked-request-budget", fmt_duration(p.budget)),
             ("--parked-request-max", p.max_parked.to_string()),
             (
@@ -715,6 +737,14 @@ impl RouterArgs {
         if self.worker_port == 0 {
             return Err(ConfigError::new("--worker-port", 0, "must be in 1..=65535"));
         }
+        let ping = self.control_plane_ping_interval;
+        if !ping.is_zero() && ping < Duration::from_secs(1) {
+            return Err(ConfigError::new(
+                "--control-plane-ping-interval",
+                fmt_duration(ping),
+                "must be 0 (no pings) or at least 1s",
+            ));
+        }
 
         let p = &self.parking;
         let parking = ParkingConfig::new(
@@ -779,6 +809,7 @@ impl RouterArgs {
             actor_domain,
             worker_port: self.worker_port,
             route_stale_max: self.route_stale_max,
+            control_plane_ping_interval: (!ping.is_zero()).then_some(ping),
             parking,
             extproc_max_requests,
             extproc_max_requests_derived,
@@ -1092,6 +1123,30 @@ mod tests {
 
     /// A lot past what the ext_proc stream cap (twice the lot, in a `u32`) and the
     /// lot's semaphore hold is refused, naming the flag.
+    #[test]
+    fn control_plane_pings_are_off_or_at_least_a_second_apart() {
+        let c = resolve(&[]).unwrap();
+        assert_eq!(
+            c.control_plane_ping_interval(),
+            Some(Duration::from_secs(2))
+        );
+        let c = resolve(&["--control-plane-ping-interval", "0"]).unwrap();
+        assert_eq!(c.control_plane_ping_interval(), None);
+        assert!(
+            c.effective_flags()
+                .contains(&("--control-plane-ping-interval", "0s".into()))
+        );
+        let c = resolve(&["--control-plane-ping-interval", "5m"]).unwrap();
+        assert_eq!(
+            c.control_plane_ping_interval(),
+            Some(Duration::from_secs(300))
+        );
+        assert_eq!(
+            rule_of(&["--control-plane-ping-interval", "500ms"]),
+            "invalid configuration: --control-plane-ping-interval=500ms: must be 0 (no pings) or at least 1s"
+        );
+    }
+
     #[test]
     fn the_lot_has_a_bound() {
         assert_eq!(

@@ -148,7 +148,7 @@ impl From<tonic::Status> for ResumeError {
     }
 }
 
-/// How often the client pings the control plane over HTTP/2, also while idle.
+/// How often a client pings the control plane by default (`--control-plane-ping-interval`).
 pub const PING_INTERVAL: Duration = Duration::from_secs(2);
 /// How long a ping may go unanswered before the connection counts as dead.
 pub const PING_TIMEOUT: Duration = Duration::from_secs(3);
@@ -158,8 +158,8 @@ pub const TCP_USER_TIMEOUT: Duration = Duration::from_secs(5);
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A lazily connecting channel to a control plane at `url` with `credentials` (TLS
-/// and a bearer token for `https://`), with the liveness checks every valet client of
-/// `ateapi.Control` uses: pings every [`PING_INTERVAL`] (also while idle) answered
+/// and a bearer token for `https://`), with the router's liveness checks: pings every
+/// `ping` when nothing came (also while no call is open; none when `None`), answered
 /// within [`PING_TIMEOUT`], `TCP_USER_TIMEOUT`, `TCP_NODELAY`.
 ///
 /// # Errors
@@ -167,16 +167,18 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 pub fn channel(
     url: &str,
     credentials: &ClientCredentials,
+    ping: Option<Duration>,
 ) -> Result<CpChannel, tonic::transport::Error> {
     let mut http = valet_proto::auth::tcp_connector();
     http.set_connect_timeout(Some(CONNECT_TIMEOUT));
     http.set_tcp_user_timeout(Some(TCP_USER_TIMEOUT));
-    let endpoint = credentials
-        .endpoint(url)?
-        .connect_timeout(CONNECT_TIMEOUT)
-        .http2_keep_alive_interval(PING_INTERVAL)
-        .keep_alive_timeout(PING_TIMEOUT)
-        .keep_alive_while_idle(true);
+    let mut endpoint = credentials.endpoint(url)?.connect_timeout(CONNECT_TIMEOUT);
+    if let Some(every) = ping {
+        endpoint = endpoint
+            .http2_keep_alive_interval(every)
+            .keep_alive_timeout(PING_TIMEOUT)
+            .keep_alive_while_idle(true);
+    }
     Ok(credentials.connect_lazy(&endpoint, http))
 }
 
@@ -248,7 +250,7 @@ impl GrpcControlPlane {
         url: &str,
         credentials: &ClientCredentials,
     ) -> Result<Self, tonic::transport::Error> {
-        Self::replicas(&[url.to_owned()], credentials)
+        Self::replicas(&[url.to_owned()], credentials, Some(PING_INTERVAL))
     }
 
     /// A client of several replicas: attempts go to the replica that last answered;
@@ -269,12 +271,13 @@ impl GrpcControlPlane {
     pub fn replicas(
         urls: &[String],
         credentials: &ClientCredentials,
+        ping: Option<Duration>,
     ) -> Result<Self, tonic::transport::Error> {
         assert!(!urls.is_empty(), "at least one control plane");
         let replicas = urls
             .iter()
             .map(|url| {
-                let channel = channel(url, credentials)?;
+                let channel = channel(url, credentials, ping)?;
                 Ok(Replica {
                     client: ateapi::control_client::ControlClient::new(channel.clone()),
                     channel,

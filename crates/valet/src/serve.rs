@@ -62,8 +62,12 @@ impl RunningRouter {
             warn_plain_listeners(&config);
         }
         let config = Arc::new(config);
-        let cp = GrpcControlPlane::replicas(config.control_planes(), config.credentials())
-            .map_err(|e| format!("--control-plane={}: {e}", config.control_plane()))?;
+        let cp = GrpcControlPlane::replicas(
+            config.control_planes(),
+            config.credentials(),
+            config.control_plane_ping_interval(),
+        )
+        .map_err(|e| format!("--control-plane={}: {e}", config.control_plane()))?;
         let channel = cp.channel();
         let channels_for_probe = cp.channels();
         let router = Router::new(Arc::clone(&config), Arc::new(cp), Arc::new(Metrics::new()));

@@ -300,8 +300,12 @@ async fn a_replica_that_answers_unavailable_is_left_for_the_next() {
         .unwrap()
         .resolve()
         .unwrap();
-    let cp =
-        GrpcControlPlane::replicas(&[refusing, s.cluster.url()], config.credentials()).unwrap();
+    let cp = GrpcControlPlane::replicas(
+        &[refusing, s.cluster.url()],
+        config.credentials(),
+        config.control_plane_ping_interval(),
+    )
+    .unwrap();
     let attempt = || {
         cp.resume_actor(valet_router::control::ResumeRequest {
             actor: "demo/p1".parse().unwrap(),
@@ -320,4 +324,58 @@ async fn a_replica_that_answers_unavailable_is_left_for_the_next() {
         .expect("the second attempt goes to the live replica");
     assert_eq!(second.actor.status, ateapi::actor::Status::Running as i32);
     s.cluster.shutdown().await;
+}
+
+/// `--control-plane-ping-interval`: the router pings an idle control plane at that
+/// interval, and with 0 sends it nothing between calls (a grpc-go server closes a
+/// connection that pings while no call is open). Before, it pinged every 2 s, always.
+/// The window below is how long idleness is watched, not a synchronization.
+#[tokio::test]
+async fn an_idle_control_plane_is_pinged_as_configured() {
+    use std::sync::atomic::Ordering;
+    use valet_router::ControlPlane as _;
+    let server = common::netfault::unavailable_server().await;
+    let idle_bytes = |ping: &'static str| {
+        let server = server.clone();
+        async move {
+            let (url, sent) = common::netfault::counting_proxy(&server).await;
+            let config = RouterArgs::try_parse_flags([
+                "--control-plane",
+                url.as_str(),
+                "--control-plane-ping-interval",
+                ping,
+            ])
+            .unwrap()
+            .resolve()
+            .unwrap();
+            let cp = GrpcControlPlane::replicas(
+                config.control_planes(),
+                config.credentials(),
+                config.control_plane_ping_interval(),
+            )
+            .unwrap();
+            let answered = cp
+                .resume_actor(valet_router::control::ResumeRequest {
+                    actor: "demo/p1".parse().unwrap(),
+                    wait_for_capacity: None,
+                    timeout: WAIT,
+                    lease_holder: None,
+                })
+                .await;
+            assert!(answered.is_err(), "the server answers UNAVAILABLE");
+            let before = sent.load(Ordering::Relaxed);
+            assert!(before > 0, "the call went through the proxy");
+            tokio::time::sleep(Duration::from_millis(3500)).await;
+            sent.load(Ordering::Relaxed) - before
+        }
+    };
+    let (pinged, quiet) = tokio::join!(idle_bytes("1s"), idle_bytes("0"));
+    assert!(
+        pinged > 0,
+        "no ping in 3.5 s with --control-plane-ping-interval 1s"
+    );
+    assert_eq!(
+        quiet, 0,
+        "bytes sent while idle with --control-plane-ping-interval 0"
+    );
 }

@@ -465,7 +465,14 @@ async fn two_hundred_resumes_over_both_replicas_fill_twenty_workers_once() {
     )
     .await;
 
-    let cp = std::sync::Arc::new(GrpcControlPlane::replicas(&urls, &Default::default()).unwrap());
+    let cp = std::sync::Arc::new(
+        GrpcControlPlane::replicas(
+            &urls,
+            &Default::default(),
+            Some(valet_router::control::PING_INTERVAL),
+        )
+        .unwrap(),
+    );
     let resumes: Vec<_> = (0..200)
         .map(|i| {
             let cp = std::sync::Arc::clone(&cp);

@@ -24,6 +24,41 @@ pub async fn blackhole_proxy(
     (url, drop_all)
 }
 
+/// A TCP proxy to `upstream` that counts the bytes its clients send. Its URL and the
+/// count.
+pub async fn counting_proxy(
+    upstream: &str,
+) -> (String, std::sync::Arc<std::sync::atomic::AtomicU64>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let upstream: std::net::SocketAddr = upstream.trim_start_matches("http://").parse().unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let count = std::sync::Arc::clone(&sent);
+    tokio::spawn(async move {
+        loop {
+            let (down, _) = listener.accept().await.unwrap();
+            let up = tokio::net::TcpStream::connect(upstream).await.unwrap();
+            let (mut dr, mut dw) = down.into_split();
+            let (mut ur, mut uw) = up.into_split();
+            let count = std::sync::Arc::clone(&count);
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 16 * 1024];
+                while let Ok(n @ 1..) = dr.read(&mut buf).await {
+                    count.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+                    if uw.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut ur, &mut dw).await;
+            });
+        }
+    });
+    (url, sent)
+}
+
 /// Copies `from` to `to` until `drop_all` turns true, then holds both open, silent.
 async fn pipe(
     mut from: tokio::net::tcp::OwnedReadHalf,
