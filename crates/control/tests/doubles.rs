@@ -75,6 +75,33 @@ fn spawn_resume(
     tokio::spawn(async move { plane.resume_actor(key, wait).await })
 }
 
+/// A plane on a new store with actor `a`, worker `w1` (its app at `port`) attached,
+/// and a resume of `a` whose restore `w1` was sent, unanswered.
+async fn restoring(
+    port: SocketAddr,
+) -> (
+    MemoryStore,
+    Plane,
+    FakeWorker,
+    tokio::task::JoinHandle<Result<(valet_proto::ateapi::Actor, bool), tonic::Status>>,
+    Received,
+) {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a"]).await;
+    let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", port, None).unwrap();
+    let resume = spawn_resume(&plane, "a", None);
+    let restore = expect(&mut w, "restore").await;
+    (store, plane, w, resume, restore)
+}
+
+/// `w` answers `restore`, and the RUNNING record that follows waits at the store's
+/// gate (closed) until the test opens it.
+async fn restored_but_unwritten(store: &MemoryStore, w: &FakeWorker, restore: &Received) {
+    store.gate.close();
+    w.answer(restore.id, Ok(()));
+    store.gate.until_waiting(1).await;
+}
+
 /// An address nothing listens on (a worker whose process is gone).
 fn dead_port() -> SocketAddr {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -928,14 +955,8 @@ async fn a_second_process_is_refused_while_the_first_may_still_serve() {
 /// that no longer hosts it (every resume would be routed there and get 421).
 #[tokio::test(start_paused = true)]
 async fn an_actor_evicted_by_a_reattach_during_its_last_write_is_released() {
-    let store = MemoryStore::default();
-    let plane = plane_with(&store, &["a"]).await;
-    let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
-    let resume = spawn_resume(&plane, "a", None);
-    let r = expect(&mut w, "restore").await;
-    store.gate.close();
-    w.answer(r.id, Ok(()));
-    store.gate.until_waiting(1).await;
+    let (store, plane, w, resume, r) = restoring(app()).await;
+    restored_but_unwritten(&store, &w, &r).await;
     let (mut again, kept) =
         FakeWorker::attach(&plane, "w1", "counter", app(), Some(&key("a"))).unwrap();
     assert!(!kept, "an operation holds the actor");
@@ -968,14 +989,8 @@ async fn an_actor_evicted_by_a_reattach_during_its_last_write_is_released() {
 #[tokio::test(start_paused = true)]
 async fn a_resume_whose_worker_left_during_its_last_write_is_unavailable() {
     for port in [dead_port(), app()] {
-        let store = MemoryStore::default();
-        let plane = plane_with(&store, &["a"]).await;
-        let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", port, None).unwrap();
-        let resume = spawn_resume(&plane, "a", None);
-        let r = expect(&mut w, "restore").await;
-        store.gate.close();
-        w.answer(r.id, Ok(()));
-        store.gate.until_waiting(1).await;
+        let (store, _plane, w, resume, r) = restoring(port).await;
+        restored_but_unwritten(&store, &w, &r).await;
         w.leave();
         store.gate.open();
         let answer = resume.await.unwrap();
@@ -993,11 +1008,7 @@ async fn a_resume_whose_worker_left_during_its_last_write_is_unavailable() {
 /// took it back to its last snapshot, losing everything it did since.
 #[tokio::test(start_paused = true)]
 async fn a_busy_actor_stays_running_when_its_record_cannot_be_written() {
-    let store = MemoryStore::default();
-    let plane = plane_with(&store, &["a"]).await;
-    let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
-    let resume = spawn_resume(&plane, "a", None);
-    let r = expect(&mut w, "restore").await;
+    let (store, plane, mut w, resume, r) = restoring(app()).await;
     w.answer(r.id, Ok(()));
     resume.await.unwrap().unwrap();
     let suspend = {
@@ -1035,11 +1046,7 @@ async fn a_busy_actor_stays_running_when_its_record_cannot_be_written() {
 /// detached only after the operations' shutdown time.
 #[tokio::test(start_paused = true)]
 async fn a_plane_that_steps_down_detaches_its_workers_first() {
-    let store = MemoryStore::default();
-    let plane = plane_with(&store, &["a"]).await;
-    let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
-    let resume = spawn_resume(&plane, "a", None);
-    let _restore = expect(&mut w, "restore").await;
+    let (_store, plane, mut w, resume, _restore) = restoring(app()).await;
     plane.step_down();
     expect(&mut w, "detach").await;
     let again = FakeWorker::attach(&plane, "w2", "counter", app(), None);
@@ -1057,15 +1064,8 @@ async fn a_plane_that_steps_down_detaches_its_workers_first() {
 /// up, so the actor does not stay RUNNING on a worker that is gone.
 #[tokio::test(start_paused = true)]
 async fn an_actor_whose_worker_dies_during_its_last_write_is_released() {
-    let store = MemoryStore::default();
-    let plane = plane_with(&store, &["a"]).await;
-    let dead = dead_port();
-    let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", dead, None).unwrap();
-    let resume = spawn_resume(&plane, "a", None);
-    let r = expect(&mut w, "restore").await;
-    store.gate.close();
-    w.answer(r.id, Ok(()));
-    store.gate.until_waiting(1).await;
+    let (store, plane, w, resume, r) = restoring(dead_port()).await;
+    restored_but_unwritten(&store, &w, &r).await;
     w.leave();
     // The departure's release runs (the port refuses) while the write still waits.
     tokio::time::sleep(Duration::from_secs(2)).await;

@@ -383,76 +383,55 @@ async fn a_moved_actor_is_resolved_again() {
     );
 }
 
+/// What a client gets that declares a body of `declared` bytes, sends `sent` of it and
+/// then nothing, with a 300 ms idle timeout.
+async fn stalled_mid_body(declared: usize, sent: &[u8]) -> String {
+    let upstream = collecting_upstream().await;
+    let (_router, server) = serve_with(
+        Arc::new(AlwaysRunning { port: upstream }),
+        &[],
+        Limits {
+            idle_timeout: Duration::from_millis(300),
+            ..Limits::default()
+        },
+    )
+    .await;
+    let mut s = TcpStream::connect(server.local_addr()).await.unwrap();
+    s.write_all(
+        format!(
+            "POST / HTTP/1.1\r\nHost: {}\r\nContent-Length: {declared}\r\nConnection: close\r\n\r\n",
+            host("p1")
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    s.write_all(sent).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(WAIT, s.read_to_end(&mut out))
+        .await
+        .expect("answered")
+        .unwrap();
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 /// A client that stalls in the middle of a small body (read whole before it is sent,
 /// so that a 421 can replay it) gets the 504 verdict once no byte came for the idle
 /// timeout, instead of holding the request (and a drain) for as long as it likes.
 #[tokio::test]
 async fn a_client_stalled_mid_body_gets_504_after_the_idle_timeout() {
-    let upstream = collecting_upstream().await;
-    let idle = Duration::from_millis(300);
-    let (_router, server) = serve_with(
-        Arc::new(AlwaysRunning { port: upstream }),
-        &[],
-        Limits {
-            idle_timeout: idle,
-            ..Limits::default()
-        },
-    )
-    .await;
-    let mut s = TcpStream::connect(server.local_addr()).await.unwrap();
-    s.write_all(
-        format!(
-            "POST / HTTP/1.1\r\nHost: {}\r\nContent-Length: 100\r\nConnection: close\r\n\r\nonly ten b",
-            host("p1")
-        )
-        .as_bytes(),
-    )
-    .await
-    .unwrap();
-    let mut out = Vec::new();
-    tokio::time::timeout(WAIT, s.read_to_end(&mut out))
-        .await
-        .expect("answered")
-        .unwrap();
-    let text = String::from_utf8_lossy(&out);
+    let text = stalled_mid_body(100, b"only ten b").await;
     assert!(text.starts_with("HTTP/1.1 504 "), "{text}");
     assert!(text.ends_with("actor demo/p1 request timed out"), "{text}");
 }
 
 /// A client that stalls in the middle of a large body (streamed to the worker as it
-/// comes) gets the 504 verdict once no byte came for the idle timeout, and the
-/// worker's connection is let go. Before, nothing bounded a streamed body: the
-/// request, a worker connection and the actor's busy mark were held for good.
+/// comes) gets the same 504 once no byte came for the idle timeout, and the worker's
+/// connection is let go. Before, nothing bounded a streamed body: the request, a
+/// worker connection and the actor's busy mark were held for good.
 #[tokio::test]
 async fn a_client_stalled_mid_streamed_body_gets_504_after_the_idle_timeout() {
-    let upstream = collecting_upstream().await;
-    let idle = Duration::from_millis(300);
-    let (_router, server) = serve_with(
-        Arc::new(AlwaysRunning { port: upstream }),
-        &[],
-        Limits {
-            idle_timeout: idle,
-            ..Limits::default()
-        },
-    )
-    .await;
-    let mut s = TcpStream::connect(server.local_addr()).await.unwrap();
-    s.write_all(
-        format!(
-            "POST / HTTP/1.1\r\nHost: {}\r\nContent-Length: 1048576\r\nConnection: close\r\n\r\n",
-            host("p1")
-        )
-        .as_bytes(),
-    )
-    .await
-    .unwrap();
-    s.write_all(&pattern(100 * 1024, 7)).await.unwrap();
-    let mut out = Vec::new();
-    tokio::time::timeout(WAIT, s.read_to_end(&mut out))
-        .await
-        .expect("answered")
-        .unwrap();
-    let text = String::from_utf8_lossy(&out);
+    let text = stalled_mid_body(1024 * 1024, &pattern(100 * 1024, 7)).await;
     assert!(text.starts_with("HTTP/1.1 504 "), "{text}");
     assert!(text.ends_with("actor demo/p1 request timed out"), "{text}");
 }

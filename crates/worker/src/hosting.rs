@@ -211,6 +211,15 @@ mod tests {
         ))
     }
 
+    /// Returns once `lease` has run out (no renewal answered; paused clock).
+    async fn ran_out(lease: &HostingLease) {
+        let mut state = lease.state.subscribe();
+        tokio::time::timeout(DEFAULT_HOSTING_LEASE * 2, state.wait_for(|s| s.cut_off))
+            .await
+            .expect("the lease runs out")
+            .expect("lease alive");
+    }
+
     /// A hosting lease and its watchdog over a slot holding `actor`.
     fn watched(
         actor: Option<Arc<Hosted>>,
@@ -246,11 +255,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn an_actor_installed_after_the_lease_ran_out_is_fenced() {
         let (lease, slot, stop, dog) = watched(None);
-        let mut state = lease.state.subscribe();
-        tokio::time::timeout(DEFAULT_HOSTING_LEASE * 2, state.wait_for(|s| s.cut_off))
-            .await
-            .expect("the lease runs out")
-            .expect("lease alive");
+        ran_out(&lease).await;
         // A restore that ran on after the stream ended installs its actor now.
         let late = hosted("demo/p1");
         slot.send_replace(Some(Arc::clone(&late)));
@@ -282,11 +287,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn installing_and_vacating_fence_at_once() {
         let (lease, slot, stop, dog) = watched(None);
-        let mut state = lease.state.subscribe();
-        tokio::time::timeout(DEFAULT_HOSTING_LEASE * 2, state.wait_for(|s| s.cut_off))
-            .await
-            .expect("the lease runs out")
-            .expect("lease alive");
+        ran_out(&lease).await;
         let late = hosted("demo/p1");
         lease.install(&slot, Arc::clone(&late));
         assert!(late.traffic.enter().is_none(), "fenced as it is installed");
@@ -309,11 +310,7 @@ mod tests {
     async fn a_welcome_after_the_lease_ran_out_lowers_the_actors_fence() {
         let actor = hosted("demo/p1");
         let (lease, _slot, stop, dog) = watched(Some(Arc::clone(&actor)));
-        let mut state = lease.state.subscribe();
-        tokio::time::timeout(DEFAULT_HOSTING_LEASE * 2, state.wait_for(|s| s.cut_off))
-            .await
-            .unwrap()
-            .unwrap();
+        ran_out(&lease).await;
         let mut gauge = actor.traffic.watch();
         tokio::time::timeout(Duration::from_secs(1), gauge.wait_for(|g| g.cut_off))
             .await
