@@ -314,6 +314,18 @@ pub fn bootstrap(config: &RouterConfig, envoy: EnvoyListeners) -> Result<Value, 
                             "max_pending_requests": worker_breaker,
                         }]
                     },
+                    // Idle connections to workers are let go well before a worker
+                    // closes them itself (WORKER_APP_HEADER_TIMEOUT): Envoy's default
+                    // (1 h) would send requests on connections the worker is closing.
+                    "typed_extension_protocol_options": {
+                        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                            "common_http_protocol_options": {
+                                "idle_timeout": secs(valet_proto::WORKER_POOL_IDLE),
+                            },
+                            "explicit_http_config": { "http_protocol_options": {} },
+                        }
+                    },
                     "cluster_type": {
                         "name": "envoy.clusters.dynamic_forward_proxy",
                         "typed_config": {

@@ -204,6 +204,13 @@ fn wiring() {
         Some("envoy.clusters.dynamic_forward_proxy")
     );
     assert_eq!(dfp["lb_policy"].as_str(), Some("CLUSTER_PROVIDED"));
+    // Idle worker connections are let go before the worker closes them itself.
+    let options = &dfp["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"];
+    assert_eq!(
+        options["common_http_protocol_options"]["idle_timeout"].as_str(),
+        Some("30s")
+    );
+    assert!(valet_proto::WORKER_POOL_IDLE < valet_proto::WORKER_APP_HEADER_TIMEOUT);
 }
 
 #[test]

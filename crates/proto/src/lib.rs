@@ -57,6 +57,16 @@ pub mod leases {
 pub mod auth;
 pub mod reload;
 
+/// How long a worker's app keeps a connection that sends no request head, an idle
+/// keep-alive connection between requests included (then it closes it, silently).
+pub const WORKER_APP_HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(90);
+
+/// How long the clients of a worker's app (the built-in data plane's pool, Envoy's
+/// worker cluster) keep an idle connection to it: well below
+/// [`WORKER_APP_HEADER_TIMEOUT`], so that a client never sends a request on a
+/// connection the worker is closing that moment (it would fail as a 502).
+pub const WORKER_POOL_IDLE: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// `e` and every error under it, joined by `": "`: a transport error's own text is
 /// often only `transport error`, its cause (a refused connection, an unknown issuer)
 /// is in its sources.

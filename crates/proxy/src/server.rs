@@ -66,7 +66,7 @@ impl Shared {
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(Duration::from_secs(5)));
         let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(30))
+            .pool_idle_timeout(valet_proto::WORKER_POOL_IDLE)
             .build(connector);
         let (http1, http2) = builders(limits, router.lot().capacity());
         Self {

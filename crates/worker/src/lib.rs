@@ -320,8 +320,9 @@ impl Worker {
 /// How long the app's connections may take to finish their requests once it stops.
 const APP_DRAIN: Duration = Duration::from_secs(5);
 
-/// How long a connection to the app may take to send a request's headers.
-const APP_HEADER_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a connection to the app may take to send a request's head (an idle
+/// keep-alive connection included: hyper's timer runs while it waits for the next).
+const APP_HEADER_TIMEOUT: Duration = valet_proto::WORKER_APP_HEADER_TIMEOUT;
 
 /// Serves the app on `listener` until `stop`; then lets the connections finish the
 /// requests they have (HTTP/1 closes after the one in progress, HTTP/2 sends GOAWAY)
@@ -1010,6 +1011,35 @@ mod tests {
         )
         .await;
         assert!(answer.starts_with("HTTP/1.1 421"), "{answer}");
+        stop.cancel();
+    }
+
+    /// An idle keep-alive connection outlives the clients' pools
+    /// ([`valet_proto::WORKER_POOL_IDLE`]): a client never sends a request on one the
+    /// app is closing that moment. Before, the app closed idle connections exactly when
+    /// the router's pool let them go, and a request racing the close got a 502.
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_connection_outlives_the_clients_pools() {
+        let (addr, stop) = app_serving().await;
+        let io = hyper_util::rt::TokioIo::new(tokio::net::TcpStream::connect(addr).await.unwrap());
+        let (mut send, conn) = hyper::client::conn::http1::handshake(io).await.unwrap();
+        tokio::spawn(conn);
+        let get = || {
+            hyper::Request::get("/")
+                .header("host", "w")
+                .header("x-actor-ref", "demo/other")
+                .body(http_body_util::Empty::<bytes::Bytes>::new())
+                .unwrap()
+        };
+        let first = send.send_request(get()).await.unwrap();
+        assert_eq!(first.status(), 421);
+        drop(first);
+        tokio::time::sleep(valet_proto::WORKER_POOL_IDLE + Duration::from_secs(5)).await;
+        let again = send
+            .send_request(get())
+            .await
+            .expect("the connection is still open");
+        assert_eq!(again.status(), 421);
         stop.cancel();
     }
 
