@@ -118,8 +118,8 @@ pub struct AteapiArgs {
     /// With an `https://` control plane: `mtls` verifies it against --ateapi-ca-file
     /// and presents a client certificate when --ateapi-cert-file and --ateapi-key-file
     /// are given; `jwt` also sends `authorization: Bearer` with the token in
-    /// --ateapi-token-file. Default for https: mtls. Server verification is never
-    /// skipped.
+    /// --ateapi-token-file. Default: mtls for https (none for http). Server
+    /// verification is never skipped.
     #[arg(
         long,
         global = true,

@@ -287,7 +287,8 @@ pub(crate) struct LoadRunArgs {
         value_name = "PER_SECOND"
     )]
     pub(crate) rate: Option<f64>,
-    /// Closed loop: clients, each sending when its last request is answered.
+    /// Closed loop: clients, each sending when its last request is answered. Default: 1
+    /// (without --rate).
     #[arg(long, env = "VALET_LOAD_RUN_CONCURRENCY", value_name = "N")]
     pub(crate) concurrency: Option<usize>,
     /// How long to send.
@@ -322,7 +323,8 @@ pub(crate) struct ScenarioArgs {
         default_value = "both"
     )]
     pub(crate) capacity_wait: CapacityWait,
-    /// Length of timed runs (steady: 30s; fast-path: 10s per side; soak: 10m).
+    /// Length of timed runs. Default: per scenario (steady: 30s; fast-path: 10s per
+    /// side; leases: a 10s outage; soak: 10m).
     #[arg(long, env = "VALET_SCENARIO_DURATION", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) duration: Option<Duration>,
     /// Requests of the parked-scale scenario.
@@ -332,11 +334,12 @@ pub(crate) struct ScenarioArgs {
     #[arg(long, env = "VALET_SCENARIO_RUNS", default_value_t = 50, value_parser = at_least_one)]
     pub(crate) runs: usize,
     /// The control plane's --evict-idle-after for the eviction scenario and the soak
-    /// (the seed's experiments always run with it off).
+    /// (the seed's experiments always run with it off). Default: 10s for the eviction
+    /// scenario, off for the soak.
     #[arg(long, env = "VALET_SCENARIO_EVICT_IDLE_AFTER", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) evict_idle_after: Option<Duration>,
-    /// The control plane's --route-lease for the fast-path scenario (5s; 0: the router
-    /// asks for every request, as the seed's does).
+    /// The control plane's --route-lease for the fast-path and leases scenarios (0: the
+    /// router asks for every request, as the seed's does). Default: 5s.
     #[arg(long, env = "VALET_SCENARIO_ROUTE_LEASE", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) route_lease: Option<Duration>,
     /// Workers of the soak's pool (its actors: --actors).
@@ -692,7 +695,7 @@ pub(crate) struct ControlPlaneArgs {
     /// PostgreSQL instead of the embedded database: postgres://USER[:PASSWORD]@HOST[:PORT]/DB
     /// (docs/scale-out.md). One control plane is active on a database at a time; one
     /// started while another is active waits as a standby, not listening, and takes
-    /// over when that one's connection ends. Needs --route-lease 0 (its default then).
+    /// over when that one's connection ends. Needs --route-lease 0, which it sets unless --route-lease is given.
     #[arg(
         long,
         env = "VALET_DATABASE",
@@ -931,7 +934,7 @@ pub(crate) struct WorkerArgs {
     #[arg(long, env = "VALET_RESTORE_DELAY", default_value = "0s", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) restore_delay: Duration,
 
-    /// This worker's id (random when unset); keep it to re-attach with the same actor.
+    /// This worker's id (default: a random one); keep it to re-attach with the same actor.
     /// One process per id: while a process with this id is attached, or left less than
     /// the control plane's --hosting-lease ago (it may still serve its actor), another
     /// is refused and keeps retrying.

@@ -83,8 +83,8 @@ fn hyphen_values(cmd: clap::Command) -> clap::Command {
 }
 
 /// `--help` gives every flag's default (spec/cli.md): a flag that takes a value, is
-/// not required and has no default value says `[default: none]` (it is off, or
-/// derived as its help says, until given).
+/// not required, has no default value and whose help names none (`Default: …`) says
+/// `[default: none]` (it is off until given).
 fn no_default_shown(cmd: clap::Command) -> clap::Command {
     cmd.mut_args(|a| {
         let help = a.get_long_help().or(a.get_help()).map(ToString::to_string);
@@ -94,7 +94,7 @@ fn no_default_shown(cmd: clap::Command) -> clap::Command {
             || !a.get_default_values().is_empty()
             || help
                 .as_deref()
-                .is_some_and(|h| h.to_lowercase().contains("default"))
+                .is_some_and(|h| h.to_lowercase().contains("default:"))
         {
             return a;
         }

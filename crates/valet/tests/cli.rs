@@ -190,7 +190,14 @@ fn every_flag_of_every_subcommand_shows_its_default() {
         for flag in flags {
             let block = flag_block(&help, &flag);
             assert!(
-                block.contains("[default: ") || block.to_lowercase().contains("default"),
+                block.contains("[default: ") || block.to_lowercase().contains("default: "),
+                "valet {} {flag}: {block}",
+                path.join(" ")
+            );
+            // A flag whose help speaks of its default never also says it has none.
+            assert!(
+                !(block.contains("[default: none]")
+                    && block.to_lowercase().matches("default").count() > 1),
                 "valet {} {flag}: {block}",
                 path.join(" ")
             );
