@@ -695,7 +695,8 @@ pub(crate) struct ControlPlaneArgs {
     /// PostgreSQL instead of the embedded database: postgres://USER[:PASSWORD]@HOST[:PORT]/DB
     /// (docs/scale-out.md). One control plane is active on a database at a time; one
     /// started while another is active waits as a standby, not listening, and takes
-    /// over when that one's connection ends. Needs --route-lease 0, which it sets unless --route-lease is given.
+    /// over when that one's connection ends. Needs --route-lease 0, which it sets
+    /// unless --route-lease is given.
     #[arg(
         long,
         env = "VALET_DATABASE",
