@@ -208,8 +208,8 @@ impl Plane {
     /// Revokes the route leases on `key`: each holder with a lease not yet ended is
     /// told, and this waits until it acks or its lease ends. Called under the actor's
     /// operation lock (so `ResumeActor` answers `Aborted` and grants nothing meanwhile).
-    /// For `--route-lease` after the plane started it waits first: leases its previous
-    /// run granted may still be held.
+    /// For the previous run's recorded route lease after the plane started it waits
+    /// first, also with `--route-lease 0`: leases that run granted may still be held.
     pub(crate) async fn revoke_leases(&self, key: &ActorKey) {
         // Also with `--route-lease 0`: the previous run may have granted some.
         tokio::time::sleep_until(self.inner.leases_unknown_until).await;

@@ -259,15 +259,22 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         );
         let stop = {
             let (stopping, lost) = (stopping.clone(), lost.clone());
-            let plane = plane.clone();
             async move {
                 tokio::select! {
                     () = stopping.cancelled() => {}
-                    // Another replica may be active already: no worker keeps hosting
-                    // on this one's word while its operations wind down.
-                    () = lost.cancelled() => plane.step_down(),
+                    () = lost.cancelled() => {}
                 }
             }
+        };
+        // Another replica may be active once the lock is lost: no worker keeps hosting
+        // on this one's word while its operations wind down, also when the lock goes
+        // during a shutdown SIGTERM began.
+        let step_down = {
+            let (lost, plane) = (lost.clone(), plane.clone());
+            tokio::spawn(async move {
+                lost.cancelled().await;
+                plane.step_down();
+            })
         };
         let result = valet_control::serve(
             listener,
@@ -277,6 +284,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
             security.clone(),
         )
         .await;
+        step_down.abort();
         slot.set(None);
         if lost.is_cancelled() && !stopping.is_cancelled() {
             tracing::warn!(
