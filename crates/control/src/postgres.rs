@@ -132,6 +132,10 @@ const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
          id INTEGER PRIMARY KEY CHECK (id = 1),
          longest_ms BIGINT NOT NULL CHECK (longest_ms >= 0)
      );",
+    "CREATE TABLE hosting_lease_bound (
+         id INTEGER PRIMARY KEY CHECK (id = 1),
+         longest_ms BIGINT NOT NULL CHECK (longest_ms >= 0)
+     );",
 ];
 
 /// The control plane's record in PostgreSQL. Cheap to clone.
@@ -481,15 +485,23 @@ impl PostgresStore {
                 revert_pending: r.get(10),
             });
         }
-        let route_lease = client
-            .query_opt("SELECT longest_ms FROM route_lease_bound WHERE id = 1", &[])
-            .await
-            .map_err(self.err())?
-            .map(|r| crate::store::lease_of_ms(r.get(0)));
+        let mut bounds = [None, None];
+        for (bound, table) in bounds
+            .iter_mut()
+            .zip(["route_lease_bound", "hosting_lease_bound"])
+        {
+            *bound = client
+                .query_opt(&format!("SELECT longest_ms FROM {table} WHERE id = 1"), &[])
+                .await
+                .map_err(self.err())?
+                .map(|r| crate::store::lease_of_ms(r.get(0)));
+        }
+        let [route_lease, hosting_lease] = bounds;
         Ok(Loaded {
             atespaces,
             actors,
             route_lease,
+            hosting_lease,
         })
     }
 
@@ -542,10 +554,12 @@ impl PostgresStore {
                 .await
                 .map_err(self.err())?;
         }
-        if let Some(lease) = batch.route_lease {
+        for (table, lease) in crate::store::lease_bounds(batch) {
             tx.execute(
-                "INSERT INTO route_lease_bound (id, longest_ms) VALUES (1, $1)
-                 ON CONFLICT (id) DO UPDATE SET longest_ms = excluded.longest_ms",
+                &format!(
+                    "INSERT INTO {table} (id, longest_ms) VALUES (1, $1)
+                     ON CONFLICT (id) DO UPDATE SET longest_ms = excluded.longest_ms"
+                ),
                 &[&crate::store::lease_ms(lease)],
             )
             .await

@@ -65,6 +65,10 @@ pub struct Loaded {
     /// has not surely ended ([`Batch::route_lease`]); `None` when none was recorded (a
     /// new store, or one written before schema version 3).
     pub route_lease: Option<Duration>,
+    /// The longest hosting lease a run may have told a worker that has not surely run
+    /// out ([`Batch::hosting_lease`]); `None` when none was recorded (a new store, or
+    /// one written before schema version 4).
+    pub hosting_lease: Option<Duration>,
 }
 
 /// The changes of one operation step, written in one transaction.
@@ -81,6 +85,8 @@ pub struct Batch {
     /// Records the longest route lease granted leases may run for: written before a
     /// run grants longer ones than recorded, and lowered once the longer ones ended.
     pub route_lease: Option<Duration>,
+    /// Records the longest hosting lease workers may hold, as `route_lease` does.
+    pub hosting_lease: Option<Duration>,
 }
 
 impl Batch {
@@ -99,6 +105,7 @@ impl Batch {
             && self.put_atespaces.is_empty()
             && self.delete_atespaces.is_empty()
             && self.route_lease.is_none()
+            && self.hosting_lease.is_none()
     }
 }
 
@@ -178,7 +185,8 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
 ///    `actors.worker`.
 /// 3. `route_lease_bound`: the longest route lease that may still be held, so that a
 ///    plane restarted with a shorter `--route-lease` waits out the longer one.
-pub const SCHEMA_VERSION: i64 = 3;
+/// 4. `hosting_lease_bound`: the same for the hosting lease workers were told.
+pub const SCHEMA_VERSION: i64 = 4;
 
 /// SQLite's migrations: `SQLITE_MIGRATIONS[v - 1]` brings version `v - 1` to `v`.
 const SQLITE_MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
@@ -207,6 +215,10 @@ const SQLITE_MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
                           GROUP BY worker HAVING count(*) > 1);
      CREATE UNIQUE INDEX actors_one_per_worker ON actors (worker);",
     "CREATE TABLE route_lease_bound (
+         id INTEGER PRIMARY KEY CHECK (id = 1),
+         longest_ms INTEGER NOT NULL CHECK (longest_ms >= 0)
+     ) STRICT;",
+    "CREATE TABLE hosting_lease_bound (
          id INTEGER PRIMARY KEY CHECK (id = 1),
          longest_ms INTEGER NOT NULL CHECK (longest_ms >= 0)
      ) STRICT;",
@@ -367,7 +379,7 @@ impl Store for SqliteStore {
     fn load(&self) -> StoreFuture<'_, Loaded> {
         let path = self.path.display().to_string();
         Box::pin(async move {
-            let (atespaces, raw, route_lease) = self.run(load).await?;
+            let (atespaces, raw, (route_lease, hosting_lease)) = self.run(load).await?;
             let actors = raw
                 .into_iter()
                 .map(|(row, status)| {
@@ -380,6 +392,7 @@ impl Store for SqliteStore {
                 atespaces,
                 actors,
                 route_lease,
+                hosting_lease,
             })
         })
     }
@@ -415,10 +428,12 @@ impl Store for SqliteStore {
                 for name in &batch.delete_atespaces {
                     tx.execute("DELETE FROM atespaces WHERE name = ?1", [name])?;
                 }
-                if let Some(lease) = batch.route_lease {
+                for (table, lease) in lease_bounds(&batch) {
                     tx.execute(
-                        "INSERT INTO route_lease_bound (id, longest_ms) VALUES (1, ?1)
-                         ON CONFLICT (id) DO UPDATE SET longest_ms = excluded.longest_ms",
+                        &format!(
+                            "INSERT INTO {table} (id, longest_ms) VALUES (1, ?1)
+                             ON CONFLICT (id) DO UPDATE SET longest_ms = excluded.longest_ms"
+                        ),
                         [lease_ms(lease)],
                     )?;
                 }
@@ -499,7 +514,21 @@ pub(crate) fn lease_of_ms(ms: i64) -> Duration {
     Duration::from_millis(u64::try_from(ms).unwrap_or(0))
 }
 
-type LoadedRows = (Vec<String>, Vec<RawActor>, Option<Duration>);
+/// The lease records a batch writes: (table, lease).
+pub(crate) fn lease_bounds(batch: &Batch) -> impl Iterator<Item = (&'static str, Duration)> {
+    [
+        ("route_lease_bound", batch.route_lease),
+        ("hosting_lease_bound", batch.hosting_lease),
+    ]
+    .into_iter()
+    .filter_map(|(table, lease)| lease.map(|l| (table, l)))
+}
+
+type LoadedRows = (
+    Vec<String>,
+    Vec<RawActor>,
+    (Option<Duration>, Option<Duration>),
+);
 
 fn load(c: &mut Connection) -> rusqlite::Result<LoadedRows> {
     let mut atespaces = Vec::new();
@@ -512,15 +541,17 @@ fn load(c: &mut Connection) -> rusqlite::Result<LoadedRows> {
     for row in stmt.query_map([], row_to_actor)? {
         actors.push(row?);
     }
-    let route_lease = c
-        .query_row(
-            "SELECT longest_ms FROM route_lease_bound WHERE id = 1",
+    let bound = |table: &str| {
+        c.query_row(
+            &format!("SELECT longest_ms FROM {table} WHERE id = 1"),
             [],
             |r| r.get(0),
         )
-        .optional()?
-        .map(lease_of_ms);
-    Ok((atespaces, actors, route_lease))
+        .optional()
+        .map(|ms| ms.map(lease_of_ms))
+    };
+    let leases = (bound("route_lease_bound")?, bound("hosting_lease_bound")?);
+    Ok((atespaces, actors, leases))
 }
 
 /// The row, with its status as stored (checked by the caller).
@@ -591,6 +622,7 @@ mod tests {
                 put_atespaces: vec!["demo".into()],
                 put_actors: vec![row("p1"), p2.clone(), row("gone")],
                 route_lease: Some(Duration::from_secs(5)),
+                hosting_lease: Some(Duration::from_secs(60)),
                 ..Batch::default()
             })
             .await
@@ -609,6 +641,7 @@ mod tests {
         assert_eq!(loaded.atespaces, vec!["demo".to_owned()]);
         assert_eq!(loaded.actors, vec![row("p1"), p2]);
         assert_eq!(loaded.route_lease, Some(Duration::from_secs(5)));
+        assert_eq!(loaded.hosting_lease, Some(Duration::from_secs(60)));
         // Lowered as well as raised, and a part of a millisecond is never lost.
         store
             .write(Batch {
@@ -664,6 +697,7 @@ mod tests {
         let loaded = store.load().await.unwrap();
         assert_eq!(loaded.atespaces, vec!["demo".to_owned()]);
         assert_eq!(loaded.route_lease, None, "not recorded before version 3");
+        assert_eq!(loaded.hosting_lease, None, "not recorded before version 4");
         let placed: Vec<(String, ActorStatus, Option<String>)> = loaded
             .actors
             .iter()

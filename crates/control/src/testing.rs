@@ -71,11 +71,12 @@ impl Gate {
     }
 }
 
-/// What a [`MemoryStore`] holds: atespaces, actors and the route lease bound.
+/// What a [`MemoryStore`] holds: atespaces, actors and the (route, hosting) lease
+/// bounds.
 type Records = (
     BTreeSet<String>,
     BTreeMap<ActorKey, ActorRow>,
-    Option<Duration>,
+    (Option<Duration>, Option<Duration>),
 );
 
 /// A store in memory, for the paused clock (the SQLite store runs on the blocking
@@ -106,7 +107,8 @@ impl Store for MemoryStore {
             Ok(Loaded {
                 atespaces: data.0.iter().cloned().collect(),
                 actors: data.1.values().cloned().collect(),
-                route_lease: data.2,
+                route_lease: data.2.0,
+                hosting_lease: data.2.1,
             })
         })
     }
@@ -131,7 +133,10 @@ impl Store for MemoryStore {
                 next.0.remove(&a);
             }
             if let Some(lease) = batch.route_lease {
-                next.2 = Some(lease);
+                next.2.0 = Some(lease);
+            }
+            if let Some(lease) = batch.hosting_lease {
+                next.2.1 = Some(lease);
             }
             let mut workers = BTreeSet::new();
             for row in next.1.values() {

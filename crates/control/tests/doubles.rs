@@ -1040,6 +1040,59 @@ async fn a_busy_actor_stays_running_when_its_record_cannot_be_written() {
     );
 }
 
+/// A plane restarted with a shorter `--hosting-lease` still waits out the longer one
+/// its previous run told the workers before it releases an actor whose worker did not
+/// re-attach: that worker may serve it until then. Before, it waited its own lease
+/// (or the rejoin grace) only.
+#[tokio::test(start_paused = true)]
+async fn a_restart_with_a_shorter_hosting_lease_waits_out_the_longer_one() {
+    let longer = Duration::from_secs(30);
+    let store = MemoryStore::default();
+    let first = Plane::open(
+        Arc::new(store.clone()),
+        PlaneConfig {
+            hosting_lease: longer,
+            ..config()
+        },
+    )
+    .await
+    .unwrap();
+    first.create_atespace("demo").await.unwrap();
+    first
+        .create_actor(key("a"), "default", "counter", Vec::new())
+        .await
+        .unwrap();
+    let (mut w, _) = FakeWorker::attach(&first, "w1", "counter", app(), None).unwrap();
+    let resume = spawn_resume(&first, "a", None);
+    let r = expect(&mut w, "restore").await;
+    w.answer(r.id, Ok(()));
+    resume.await.unwrap().unwrap();
+    first.shutdown(Duration::ZERO).await;
+    drop(w);
+
+    let restarted = Instant::now();
+    let plane = Plane::open(Arc::new(store.clone()), config())
+        .await
+        .unwrap();
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(120), |p| p.status_of("demo", "a")
+                == Some(S::Suspended))
+            .await
+    );
+    assert!(
+        restarted.elapsed() >= longer,
+        "released {:?} after the start, with workers told {longer:?}",
+        restarted.elapsed()
+    );
+    // Once that has passed, the record is this run's lease again.
+    plane.shutdown(Duration::ZERO).await;
+    assert_eq!(
+        store.load().await.unwrap().hosting_lease,
+        Some(config().hosting_lease)
+    );
+}
+
 /// A plane that lost its database lock (another replica may be active) detaches its
 /// workers at once, even with an operation in progress, and takes no new one: none
 /// keeps hosting on its renewals while that operation winds down. Before, workers were

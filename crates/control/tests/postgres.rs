@@ -115,6 +115,7 @@ async fn the_record_survives_a_reopen_and_batches_are_transactions() {
             put_atespaces: vec!["demo".into()],
             put_actors: vec![row("p1"), on("p2", "w1"), row("gone")],
             route_lease: Some(Duration::from_millis(7_500)),
+            hosting_lease: Some(Duration::from_secs(20)),
             ..Batch::default()
         })
         .await
@@ -142,6 +143,7 @@ async fn the_record_survives_a_reopen_and_batches_are_transactions() {
     assert_eq!(loaded.atespaces, vec!["demo".to_owned()]);
     assert_eq!(loaded.actors, vec![on("p1", "w1"), row("p2")]);
     assert_eq!(loaded.route_lease, Some(Duration::from_millis(7_500)));
+    assert_eq!(loaded.hosting_lease, Some(Duration::from_secs(20)));
     store.ping().await.unwrap();
 }
 
@@ -505,6 +507,17 @@ async fn the_stores_sessions_commit_synchronously() {
     assert_eq!(lock, "10000", "milliseconds");
 }
 
+/// Undoes every migration after the first on the database at `url`.
+async fn back_to_version_1(url: &str) {
+    sql(
+        url,
+        "ALTER TABLE actors DROP CONSTRAINT actors_one_per_worker; \
+         DROP TABLE route_lease_bound; DROP TABLE hosting_lease_bound; \
+         UPDATE valet_schema SET version = 1",
+    )
+    .await;
+}
+
 /// A database at schema version 1 whose records place one worker on two actors (older
 /// versions could write that) is upgraded: those actors go back to SUSPENDED, not a
 /// reason to refuse every start.
@@ -513,13 +526,7 @@ async fn an_older_schema_with_a_worker_on_two_actors_is_upgraded() {
     let pg = TempPostgres::start_async().await;
     let url = pg.url();
     drop(PostgresStore::open(&url).await.unwrap());
-    sql(
-        &url,
-        "ALTER TABLE actors DROP CONSTRAINT actors_one_per_worker; \
-         DROP TABLE route_lease_bound; \
-         UPDATE valet_schema SET version = 1",
-    )
-    .await;
+    back_to_version_1(&url).await;
     for (name, worker) in [("a", "w1"), ("b", "w1"), ("c", "w2")] {
         sql(
             &url,
@@ -561,13 +568,7 @@ async fn a_takeover_fences_the_replaced_replica_before_it_migrates() {
     let pg = TempPostgres::start_async().await;
     let url = pg.url();
     drop(PostgresStore::open(&url).await.unwrap());
-    sql(
-        &url,
-        "ALTER TABLE actors DROP CONSTRAINT actors_one_per_worker; \
-         DROP TABLE route_lease_bound; \
-         UPDATE valet_schema SET version = 1",
-    )
-    .await;
+    back_to_version_1(&url).await;
     // A write of the replaced replica in progress.
     let (held, conn) = epoch_row_locked(&url, "FOR SHARE").await;
     let opening = opening(&url);

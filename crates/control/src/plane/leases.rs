@@ -288,30 +288,37 @@ impl Plane {
         tracing::debug!(actor = %key, took = ?started.elapsed(), "route leases revoked");
     }
 
-    /// Once the leases earlier runs granted have ended, records this run's
-    /// `--route-lease` as the longest that may be held, so that the next start waits
-    /// out no more than that. A failed write leaves the longer one recorded: the
-    /// next start waits longer than it needs to, never shorter. Cancelled by shutdown.
-    pub(super) fn spawn_lower_route_lease(&self) {
+    /// Once the route leases (`hosting` false) or the hosting leases (true) of earlier
+    /// runs have ended, records this run's `--route-lease` or `--hosting-lease` as the
+    /// longest that may be held, so that the next start waits out no more than that.
+    /// A failed write leaves the longer one recorded: the next start waits longer than
+    /// it needs to, never shorter. Cancelled by shutdown.
+    pub(super) fn spawn_lower_lease_bound(&self, hosting: bool) {
         let plane = self.clone();
         self.inner.chores.spawn(async move {
+            let (ended, lease) = if hosting {
+                (plane.inner.workers_unknown_until, plane.config().hosting_lease)
+            } else {
+                (plane.inner.leases_unknown_until, plane.config().route_lease)
+            };
             tokio::select! {
-                () = tokio::time::sleep_until(plane.inner.leases_unknown_until) => {}
+                () = tokio::time::sleep_until(ended) => {}
                 () = plane.inner.shutdown.cancelled() => return,
             }
-            let lease = plane.config().route_lease;
             let batch = Batch {
-                route_lease: Some(lease),
+                route_lease: (!hosting).then_some(lease),
+                hosting_lease: hosting.then_some(lease),
                 ..Batch::default()
             };
+            let which = if hosting { "hosting" } else { "route" };
             match plane.inner.store.write(batch).await {
                 Ok(()) => tracing::info!(
-                    route_lease = ?lease,
-                    "the previous run's longer route leases have ended"
+                    ?lease,
+                    "the previous run's longer {which} leases have ended"
                 ),
                 Err(e) => tracing::warn!(
                     error = %e,
-                    "could not record the shorter route lease; the next start waits out the longer one"
+                    "could not record the shorter {which} lease; the next start waits out the longer one"
                 ),
             }
         });

@@ -601,14 +601,22 @@ impl Plane {
     /// After `rejoin_grace`, RUNNING actors whose worker has not re-attached go back to
     /// SUSPENDED. Cancelled by shutdown.
     ///
-    /// The wait is at least the hosting lease: a worker cut off from the plane by the
+    /// The wait is at least the hosting lease the earlier runs told their workers
+    /// (recorded in the store), and this run's: a worker cut off from the plane by the
     /// restart fences its actor at its own deadline, which came before (its last
     /// answered renewal was before the restart). Only actors recorded RUNNING at the
     /// start whose worker never re-attached are released here; a worker that attached
     /// and left is [`Self::worker_left`]'s (its lease counts from its last renewal).
     pub(super) fn spawn_rejoin_deadline(&self, awaiting: Vec<ActorKey>) {
         let plane = self.clone();
-        let grace = self.config().rejoin_grace.max(self.config().hosting_lease);
+        // The earlier runs' hosting lease (recorded), which workers that do not
+        // re-attach still go by; at least this run's.
+        let grace = self.config().rejoin_grace.max(
+            self.inner
+                .workers_unknown_until
+                .saturating_duration_since(tokio::time::Instant::now())
+                .max(self.config().hosting_lease),
+        );
         self.inner.chores.spawn(async move {
             tokio::select! {
                 () = tokio::time::sleep(grace) => {}

@@ -411,23 +411,30 @@ impl Plane {
         // Route leases earlier runs granted end at most their `--route-lease` after
         // the start (a store from before that was recorded: this run's). The record
         // is raised before this run grants longer ones, and lowered once the earlier
-        // ones ended (`spawn_lower_route_lease`), so a crash in between only waits
+        // ones ended (`spawn_lower_lease_bound`), so a crash in between only waits
         // longer.
+        // The same for the hosting lease workers were told: one the restart cut off
+        // fences its actor at most the earlier runs' lease after its last answered
+        // renewal, which came before the start.
         let earlier_lease = loaded.route_lease.unwrap_or(config.route_lease);
-        let longest = earlier_lease.max(config.route_lease);
-        if loaded.route_lease != Some(longest) {
-            store
-                .write(Batch {
-                    route_lease: Some(longest),
-                    ..Batch::default()
-                })
-                .await?;
+        let earlier_hosting = loaded.hosting_lease.unwrap_or(config.hosting_lease);
+        let longest = (
+            earlier_lease.max(config.route_lease),
+            earlier_hosting.max(config.hosting_lease),
+        );
+        let raise = Batch {
+            route_lease: (loaded.route_lease != Some(longest.0)).then_some(longest.0),
+            hosting_lease: (loaded.hosting_lease != Some(longest.1)).then_some(longest.1),
+            ..Batch::default()
+        };
+        if !raise.is_empty() {
+            store.write(raise).await?;
         }
         let (leases_unknown_until, workers_unknown_until) = if fresh {
             (tokio::time::Instant::now(), tokio::time::Instant::now())
         } else {
             let now = tokio::time::Instant::now();
-            (now + earlier_lease, now + config.hosting_lease)
+            (now + earlier_lease, now + earlier_hosting)
         };
         let mut state = State {
             atespaces: loaded.atespaces.into_iter().collect(),
@@ -475,8 +482,11 @@ impl Plane {
             .filter(|(_, r)| r.status == ActorStatus::Running)
             .map(|(k, _)| k.clone())
             .collect();
-        if longest > plane.config().route_lease {
-            plane.spawn_lower_route_lease();
+        if longest.0 > plane.config().route_lease {
+            plane.spawn_lower_lease_bound(false);
+        }
+        if longest.1 > plane.config().hosting_lease {
+            plane.spawn_lower_lease_bound(true);
         }
         plane.spawn_rejoin_deadline(awaiting);
         plane.spawn_settler();
