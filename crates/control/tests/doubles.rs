@@ -1040,18 +1040,13 @@ async fn a_busy_actor_stays_running_when_its_record_cannot_be_written() {
     );
 }
 
-/// A plane restarted with a shorter `--hosting-lease` still waits out the longer one
-/// its previous run told the workers before it releases an actor whose worker did not
-/// re-attach: that worker may serve it until then. Before, it waited its own lease
-/// (or the rejoin grace) only.
-#[tokio::test(start_paused = true)]
-async fn a_restart_with_a_shorter_hosting_lease_waits_out_the_longer_one() {
-    let longer = Duration::from_secs(30);
-    let store = MemoryStore::default();
+/// A first run told its workers a hosting lease of `lease`, with `a` RUNNING on `w1`
+/// (its app at `port`); it has stopped.
+async fn ran_with_hosting_lease(store: &MemoryStore, lease: Duration, port: SocketAddr) {
     let first = Plane::open(
         Arc::new(store.clone()),
         PlaneConfig {
-            hosting_lease: longer,
+            hosting_lease: lease,
             ..config()
         },
     )
@@ -1062,35 +1057,69 @@ async fn a_restart_with_a_shorter_hosting_lease_waits_out_the_longer_one() {
         .create_actor(key("a"), "default", "counter", Vec::new())
         .await
         .unwrap();
-    let (mut w, _) = FakeWorker::attach(&first, "w1", "counter", app(), None).unwrap();
+    let (mut w, _) = FakeWorker::attach(&first, "w1", "counter", port, None).unwrap();
     let resume = spawn_resume(&first, "a", None);
     let r = expect(&mut w, "restore").await;
     w.answer(r.id, Ok(()));
     resume.await.unwrap().unwrap();
     first.shutdown(Duration::ZERO).await;
-    drop(w);
+}
 
-    let restarted = Instant::now();
-    let plane = Plane::open(Arc::new(store.clone()), config())
-        .await
-        .unwrap();
+/// How long after `since` the plane records `a` SUSPENDED (bounded).
+async fn released_after(plane: &Plane, since: Instant) -> Duration {
     assert!(
         plane
             .wait_until(Duration::from_secs(120), |p| p.status_of("demo", "a")
                 == Some(S::Suspended))
             .await
     );
-    assert!(
-        restarted.elapsed() >= longer,
-        "released {:?} after the start, with workers told {longer:?}",
-        restarted.elapsed()
-    );
+    since.elapsed()
+}
+
+/// A plane restarted with a shorter `--hosting-lease` still waits out the longer one
+/// its previous run told the workers before it releases an actor whose worker did not
+/// re-attach: that worker may serve it until then. Before, it waited its own lease
+/// (or the rejoin grace) only.
+#[tokio::test(start_paused = true)]
+async fn a_restart_with_a_shorter_hosting_lease_waits_out_the_longer_one() {
+    let longer = Duration::from_secs(30);
+    let store = MemoryStore::default();
+    ran_with_hosting_lease(&store, longer, app()).await;
+    let restarted = Instant::now();
+    let plane = Plane::open(Arc::new(store.clone()), config())
+        .await
+        .unwrap();
+    let waited = released_after(&plane, restarted).await;
+    assert!(waited >= longer, "released {waited:?} after the start");
     // Once that has passed, the record is this run's lease again.
     plane.shutdown(Duration::ZERO).await;
     assert_eq!(
         store.load().await.unwrap().hosting_lease,
         Some(config().hosting_lease)
     );
+}
+
+/// The same for a worker that re-attaches after such a restart but whose stream ends
+/// before it reads its Welcome: it still goes by the longer lease. Before, its actor
+/// was released this run's lease after its attach.
+#[tokio::test(start_paused = true)]
+async fn a_worker_gone_before_its_welcome_goes_by_the_longer_hosting_lease() {
+    let longer = Duration::from_secs(30);
+    // Its app still answers: only its stream was cut.
+    let app = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = app.local_addr().unwrap();
+    let store = MemoryStore::default();
+    ran_with_hosting_lease(&store, longer, port).await;
+    let restarted = Instant::now();
+    let plane = Plane::open(Arc::new(store.clone()), config())
+        .await
+        .unwrap();
+    let (w, kept) = FakeWorker::attach(&plane, "w1", "counter", port, Some(&key("a"))).unwrap();
+    assert!(kept);
+    w.leave();
+    let waited = released_after(&plane, restarted).await;
+    assert!(waited >= longer, "released {waited:?} after the start");
+    drop(app);
 }
 
 /// A plane that lost its database lock (another replica may be active) detaches its

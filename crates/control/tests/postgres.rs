@@ -545,6 +545,10 @@ async fn an_older_schema_with_a_worker_on_two_actors_is_upgraded() {
         loaded.route_lease, None,
         "no route lease recorded before version 3"
     );
+    assert_eq!(
+        loaded.hosting_lease, None,
+        "no hosting lease recorded before version 4"
+    );
     let placed: Vec<(String, ActorStatus, Option<String>)> = loaded
         .actors
         .into_iter()

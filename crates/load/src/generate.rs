@@ -38,8 +38,11 @@ impl HttpClient {
     pub fn new(domain: &str) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
+        // Idle connections go before a worker closes them itself (the fast-path
+        // scenario sends straight to a worker).
         let client = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(1024)
+            .pool_idle_timeout(valet_proto::WORKER_POOL_IDLE)
             .build(connector);
         Self {
             client,

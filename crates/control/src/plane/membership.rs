@@ -94,7 +94,7 @@ impl Plane {
             let lease = self.config().hosting_lease;
             let other = match (st.workers.get(&id), st.departed.get(&id)) {
                 (Some(w), _) if !w.link.is_closed() || w.slot.has_actor() => {
-                    Some((w.incarnation, w.last_renewal + lease))
+                    Some((w.incarnation, self.fenced_by(w.last_renewal, lease)))
                 }
                 (None, Some(d)) if d.hosting => Some((d.incarnation, d.fenced_by)),
                 _ => None,
@@ -427,7 +427,7 @@ impl Plane {
             let departure = Departure {
                 id: st.id(),
                 app: rec.app_addr,
-                fenced_by: rec.last_renewal + self.config().hosting_lease,
+                fenced_by: self.fenced_by(rec.last_renewal, self.config().hosting_lease),
                 incarnation: rec.incarnation,
                 hosting: rec.slot.has_actor(),
                 reserved: match &rec.slot {
@@ -467,6 +467,18 @@ impl Plane {
         }
     }
 
+    /// When a worker whose last renewal the plane answered at `last_renewal` has surely
+    /// fenced its actor: `lease` after it, and never before the hosting lease earlier
+    /// runs told their workers has passed since the start. A worker that re-attached
+    /// but never read its Welcome (its stream ended first) still goes by that one.
+    pub(super) fn fenced_by(
+        &self,
+        last_renewal: tokio::time::Instant,
+        lease: std::time::Duration,
+    ) -> tokio::time::Instant {
+        (last_renewal + lease).max(self.inner.workers_unknown_until)
+    }
+
     /// Waits until `worker` can no longer serve the actor the records place on it: it is
     /// attached (the plane decides what it hosts), its process is gone (its app port
     /// refuses connections), or its hosting lease has run out since the last renewal
@@ -483,7 +495,7 @@ impl Plane {
                 // Its stream just ended (the plane has not heard of it yet).
                 (Some(w), _) => (
                     Some(w.app_addr),
-                    w.last_renewal + self.config().hosting_lease,
+                    self.fenced_by(w.last_renewal, self.config().hosting_lease),
                 ),
                 (None, Some(d)) => (Some(d.app), d.fenced_by),
                 (None, None) => (None, self.inner.workers_unknown_until),
