@@ -31,9 +31,12 @@ fn config() -> PlaneConfig {
 }
 
 async fn plane_with(store: &MemoryStore, actors: &[&str]) -> Plane {
-    let plane = Plane::open(Arc::new(store.clone()), config())
-        .await
-        .unwrap();
+    plane_configured(store, config(), actors).await
+}
+
+/// A plane on `store` with `config`, atespace `demo` and `actors` in it.
+async fn plane_configured(store: &MemoryStore, config: PlaneConfig, actors: &[&str]) -> Plane {
+    let plane = Plane::open(Arc::new(store.clone()), config).await.unwrap();
     plane.create_atespace("demo").await.unwrap();
     for a in actors {
         plane
@@ -46,23 +49,11 @@ async fn plane_with(store: &MemoryStore, actors: &[&str]) -> Plane {
 
 /// [`plane_with`], honouring `wait_for_capacity`.
 async fn waiting_plane(store: &MemoryStore, actors: &[&str]) -> Plane {
-    let plane = Plane::open(
-        Arc::new(store.clone()),
-        PlaneConfig {
-            capacity_wait: true,
-            ..config()
-        },
-    )
-    .await
-    .unwrap();
-    plane.create_atespace("demo").await.unwrap();
-    for a in actors {
-        plane
-            .create_actor(key(a), "default", "counter", Vec::new())
-            .await
-            .unwrap();
-    }
-    plane
+    let config = PlaneConfig {
+        capacity_wait: true,
+        ..config()
+    };
+    plane_configured(store, config, actors).await
 }
 
 /// `resume_actor(atespace demo, name, wait)` in a task of its own.
@@ -1043,20 +1034,11 @@ async fn a_busy_actor_stays_running_when_its_record_cannot_be_written() {
 /// A first run told its workers a hosting lease of `lease`, with `a` RUNNING on `w1`
 /// (its app at `port`); it has stopped.
 async fn ran_with_hosting_lease(store: &MemoryStore, lease: Duration, port: SocketAddr) {
-    let first = Plane::open(
-        Arc::new(store.clone()),
-        PlaneConfig {
-            hosting_lease: lease,
-            ..config()
-        },
-    )
-    .await
-    .unwrap();
-    first.create_atespace("demo").await.unwrap();
-    first
-        .create_actor(key("a"), "default", "counter", Vec::new())
-        .await
-        .unwrap();
+    let config = PlaneConfig {
+        hosting_lease: lease,
+        ..config()
+    };
+    let first = plane_configured(store, config, &["a"]).await;
     let (mut w, _) = FakeWorker::attach(&first, "w1", "counter", port, None).unwrap();
     let resume = spawn_resume(&first, "a", None);
     let r = expect(&mut w, "restore").await;
