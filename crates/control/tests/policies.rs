@@ -187,14 +187,7 @@ async fn a_drain_does_not_hold_back_an_eviction() {
     let drain = w2.next().await.unwrap();
     assert!(matches!(drain.command, Command::Checkpoint(_)), "{drain:?}");
     let start = Instant::now();
-    let _waiter = {
-        let plane = plane.clone();
-        tokio::spawn(async move {
-            plane
-                .resume_actor(key("waiting"), Some(Duration::from_secs(60)))
-                .await
-        })
-    };
+    let _waiter = spawn_resume(&plane, "waiting", Some(Duration::from_secs(60)));
     // The drain's checkpoint is not answered: the busy actor's requests go on.
     let r = tokio::time::timeout(Duration::from_secs(20), policy_checkpoint(&mut w1, 0))
         .await
