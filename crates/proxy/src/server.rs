@@ -563,6 +563,10 @@ impl Conn {
                             format!("client certificate not allowed: {why}\n"),
                         );
                         let (parts, body) = req.into_parts();
+                        shared
+                            .router
+                            .metrics()
+                            .answered_undecided(403, "client_certificate_refused");
                         let mut held =
                             Held::new(body, None, 0, shared.router.lot().bytes().charge());
                         unforwarded(&parts, &mut held, resp, false).await
@@ -864,6 +868,9 @@ async fn handle(
     }
     // The router tunnels to no one: answered before any actor is resumed.
     if parts.method == http::Method::CONNECT {
+        router
+            .metrics()
+            .answered_undecided(405, "method_not_allowed");
         return unforwarded(&parts, &mut held, connect_refused(), true).await;
     }
     if headers.len() > limits.max_headers {
@@ -871,6 +878,9 @@ async fn handle(
             count: headers.len(),
             limit: limits.max_headers,
         });
+        router
+            .metrics()
+            .answered_undecided(v.status().as_u16(), v.reason());
         return unforwarded(&parts, &mut held, render(&v), false).await;
     }
     let header_bytes: usize = headers
@@ -882,6 +892,9 @@ async fn handle(
             bytes: header_bytes,
             limit: limits.max_header_bytes,
         });
+        router
+            .metrics()
+            .answered_undecided(v.status().as_u16(), v.reason());
         return unforwarded(&parts, &mut held, render(&v), false).await;
     }
     // Two Host fields name no one actor (RFC 9112 §3.2): the empty host, whose
@@ -1034,11 +1047,10 @@ async fn send(
     };
     // A request that parked before is never shed now (it may park again past the
     // lot's size); one that did not is decided as any request is.
-    let decided = if parked {
-        shared.router.decide_again(host, deadline, holding).await
-    } else {
-        shared.router.decide_holding(host, deadline, holding).await
-    };
+    let decided = shared
+        .router
+        .decide_replay(host, deadline, holding, parked)
+        .await;
     drop(charge);
     match decided {
         Decision::Route(again) => match out.send(&shared.client, &shared.tunnels, &again).await {
@@ -1053,7 +1065,14 @@ async fn send(
                 denied_after_route(shared, &moved, again.addr)
             }
         },
-        Decision::Deny(_, v) => (render(&v), None, v.reason()),
+        Decision::Deny(_, v) => {
+            // Counted routed when it was first decided.
+            shared
+                .router
+                .metrics()
+                .answered_after_route(v.status().as_u16(), v.reason());
+            (render(&v), None, v.reason())
+        }
     }
 }
 

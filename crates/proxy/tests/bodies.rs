@@ -12,6 +12,7 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tonic::Code;
 use valet_proxy::{HttpServer, Limits};
 use valet_router::testing::{AlwaysRunning, Scripted};
 use valet_router::{ControlPlane, Metrics, Router, RouterArgs};
@@ -380,6 +381,34 @@ async fn a_moved_actor_is_resolved_again() {
     assert!(
         calls.try_next().is_none(),
         "a streamed body is never replayed"
+    );
+
+    // A replay the pipeline denies: the request was counted routed when it was first
+    // decided, and is counted once more only as answered after its route.
+    let upstream = moving_upstream(1).await;
+    let req = tokio::spawn(post(addr, "p4", pattern(1000, 5)));
+    calls.next().await.running(upstream);
+    calls
+        .next()
+        .await
+        .fail(Code::NotFound, "actor demo/p4 not found");
+    let (status, _) = req.await.unwrap();
+    assert_eq!(status, 404);
+    let m = router.metrics();
+    assert_eq!(
+        (
+            m.sample("atenet_router_requests_total", &[]),
+            m.sample("atenet_router_route_duration_seconds_count", &[]),
+        ),
+        (4.0, 4.0),
+        "each of the four requests is decided once, replayed or not"
+    );
+    assert_eq!(
+        m.sample(
+            "atenet_router_requests_answered_after_route_total",
+            &[("status", "404")]
+        ),
+        1.0
     );
 }
 

@@ -62,14 +62,19 @@ async fn header_limits_answer_431() {
         max_header_bytes: 1024,
         ..Limits::default()
     };
-    let addr = serve(
+    let router = router_of(
         Arc::new(AlwaysRunning {
             port: closed_port(),
         }),
         &[],
+    );
+    let server = HttpServer::spawn(
+        TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        router.clone(),
         limits,
     )
-    .await;
+    .unwrap();
+    let addr = server.local_addr();
     let many: String = (0..30).map(|i| format!("x-h{i}: v\r\n")).collect();
     let (status, body) = raw(
         addr,
@@ -90,6 +95,14 @@ async fn header_limits_answer_431() {
         "{body}"
     );
     assert!(body.ends_with("bytes (limit 1024)"), "{body}");
+    // Counted, though no decision was made: a flood of them shows.
+    assert_eq!(
+        router.metrics().sample(
+            "atenet_router_requests_total",
+            &[("status", "431"), ("verdict", "headers_too_large")]
+        ),
+        2.0
+    );
 }
 
 /// The 502 is counted by its own status and verdict and shown so on the status page

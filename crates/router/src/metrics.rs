@@ -111,7 +111,7 @@ impl Metrics {
         let requests = prometheus::IntCounterVec::new(
             prometheus::Opts::new(
                 "atenet_router_requests_total",
-                "Requests decided, by HTTP status and verdict.",
+                "Requests decided, by HTTP status and verdict (with those a data plane refused before a decision: header limits, a refused client certificate, CONNECT).",
             ),
             &["status", "verdict"],
         )
@@ -237,6 +237,15 @@ impl Metrics {
 
     pub(crate) fn rejected(&self) {
         self.parking_rejected.add(1, &[]);
+    }
+
+    /// Counts a request a data plane answered before the pipeline could decide it
+    /// (its headers over the limits, a refused client certificate, CONNECT), by status
+    /// and verdict in `requests_total`; it has no decision latency.
+    pub fn answered_undecided(&self, status: u16, verdict: &'static str) {
+        self.requests
+            .with_label_values(&[&status.to_string(), verdict])
+            .inc();
     }
 
     pub(crate) fn decided(&self, status: u16, verdict: &'static str, took: Duration) {

@@ -28,7 +28,7 @@ pub struct Route {
     pub addr: SocketAddr,
     /// Whether the request parked on its way here (it waited on a flight that
     /// parked): sent through the pipeline again after a 421, it is never shed
-    /// ([`Router::decide_again`]).
+    /// ([`Router::decide_replay`]).
     pub parked: bool,
     /// Whether it came from the route cache (a lease) rather than from a control-plane
     /// answer to this request: a worker that cannot be reached there may be one the
@@ -155,7 +155,7 @@ impl Router {
     /// the others. Never routes under an expired lease (for the Envoy data plane, which
     /// cannot replay a 421).
     pub async fn decide(&self, host: &str, deadline: Instant) -> Decision {
-        self.decide_inner(host, deadline, std::future::pending(), false, false)
+        self.decide_inner(host, deadline, std::future::pending(), false, false, true)
             .await
     }
 
@@ -175,18 +175,27 @@ impl Router {
     where
         F: Future<Output = CallerEnd>,
     {
-        self.decide_inner(host, deadline, while_parked, true, false)
+        self.decide_inner(host, deadline, while_parked, true, false, true)
             .await
     }
 
-    /// [`Self::decide_holding`] for a request that parked once already and is sent
-    /// through the pipeline again (its worker answered 421): should it park again it
-    /// is never shed for a full lot, and its wait is not sampled twice.
-    pub async fn decide_again<F>(&self, host: &str, deadline: Instant, while_parked: F) -> Decision
+    /// [`Self::decide_holding`] for a request sent through the pipeline again (its
+    /// worker answered 421, or its leased worker refused the connection). It was
+    /// counted when it was first decided (routed), so this decision is not counted
+    /// again: the data plane counts a denial as answered after the route. Should a
+    /// request that parked once already (`parked_before`) park again, it is never shed
+    /// for a full lot, and its wait is not sampled twice.
+    pub async fn decide_replay<F>(
+        &self,
+        host: &str,
+        deadline: Instant,
+        while_parked: F,
+        parked_before: bool,
+    ) -> Decision
     where
         F: Future<Output = CallerEnd>,
     {
-        self.decide_inner(host, deadline, while_parked, true, true)
+        self.decide_inner(host, deadline, while_parked, true, parked_before, false)
             .await
     }
 
@@ -197,6 +206,7 @@ impl Router {
         while_parked: F,
         stale_ok: bool,
         again: bool,
+        counted: bool,
     ) -> Decision
     where
         F: Future<Output = CallerEnd>,
@@ -204,7 +214,8 @@ impl Router {
         let mut record = Recording {
             metrics: &self.inner.metrics,
             started: Instant::now(),
-            done: false,
+            // A decision not counted is done with from the start.
+            done: !counted,
         };
         let decision = match parse_host(host, self.inner.config.actor_domain()) {
             Err(e) => deny(Denial::InvalidHost(e)),
@@ -233,7 +244,9 @@ impl Router {
                 },
             },
         };
-        record.finish(&decision);
+        if counted {
+            record.finish(&decision);
+        }
         decision
     }
 
@@ -377,7 +390,7 @@ struct Wait<'a> {
     actor: &'a ActorRef,
     watch: FlightWatch,
     slot: Option<Slot>,
-    /// It parked once already (see [`Router::decide_again`]).
+    /// It parked once already (see [`Router::decide_replay`]).
     again: bool,
 }
 
