@@ -54,8 +54,8 @@ pub async fn serve(
     let mut builder = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(1)))
         .http2_keepalive_timeout(Some(Duration::from_secs(3)));
-    // Every valet service checks the bearer token (when one is required); reflection
-    // describes the schema only.
+    // Every service checks the bearer token (when one is required), reflection too:
+    // without a token nothing is answered, not even the schema.
     let router = builder
         .add_service(InterceptedService::new(
             control_server::ControlServer::new(ControlService {
@@ -77,9 +77,9 @@ pub async fn serve(
                 plane: plane.clone(),
             })
             .max_decoding_message_size(MAX_MESSAGE_BYTES),
-            authn,
+            authn.clone(),
         ))
-        .add_service(reflection);
+        .add_service(InterceptedService::new(reflection, authn));
     let stopped = stop.clone().cancelled_owned();
     // The TLS accept loop owns the listener: it is ended (and the port let go) before
     // this returns, so that the caller can bind the port again at once.

@@ -347,6 +347,45 @@ async fn a_real_worker_renews_its_rotated_token_and_stays_attached() {
     s.stop().await;
 }
 
+/// Reflection answers only a caller with a valid token, as every other service: before,
+/// it described the schema to anyone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reflection_needs_a_token_too() {
+    use tokio_stream::StreamExt;
+    use tonic_reflection::pb::v1::{
+        ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
+        server_reflection_request::MessageRequest,
+    };
+    let cp = Secured::start().await;
+    let list = |channel: CpChannel| async move {
+        let req = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut answers = ServerReflectionClient::new(channel)
+            .server_reflection_info(tokio_stream::iter([req]))
+            .await?
+            .into_inner();
+        answers.next().await.expect("an answer").map(drop)
+    };
+    let anonymous = ClientCredentials::tls(
+        &ClientTlsFiles {
+            ca: cp.ca.clone(),
+            identity: None,
+            server_name: None,
+        },
+        None,
+    )
+    .unwrap();
+    let refused = list(cp.channel(&anonymous)).await.unwrap_err();
+    assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
+    let (signed, _) = cp.credentials("token", &token(&cp.signing, 600));
+    list(cp.channel(&signed))
+        .await
+        .expect("answered with a token");
+    cp.stop().await;
+}
+
 /// A connection that never sends the HTTP/2 preface (hyper's server would wait for it
 /// for good, holding the connection) is closed 10 s after it was accepted: in plain
 /// text, after part of the preface, and after a TLS handshake.

@@ -102,7 +102,7 @@ pub fn pem_certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, Cre
 /// How far in the future a server certificate's `notBefore` may be (clock skew).
 pub const NOT_BEFORE_SKEW: std::time::Duration = std::time::Duration::from_secs(300);
 
-/// The PEM certificate chain in `path` that a server presents, its first (leaf)
+/// The PEM certificate chain in `path` that a server (or a client) presents, its first (leaf)
 /// certificate valid now (up to [`NOT_BEFORE_SKEW`] early): an expired or not-yet-valid
 /// certificate swapped in would
 /// fail every new handshake, so it is refused like an unreadable one (a reload keeps
@@ -135,7 +135,7 @@ pub fn pem_certificates_valid_now(
 /// Why a certificate valid from `not_before` to `not_after` (Unix seconds) is not
 /// usable at `now`, if it is not: expired, or not valid before a time more than
 /// [`NOT_BEFORE_SKEW`] ahead (a certificate issued a moment ago by a clock a little
-/// ahead is used: refused, its reload would not be tried again until the files change).
+/// ahead is used at once; a refused one is tried again at every poll).
 fn outside_validity(not_before: i64, not_after: i64, now: i64) -> Option<String> {
     let at = |t: i64| {
         x509_parser::time::ASN1Time::from_timestamp(t)
@@ -194,7 +194,9 @@ fn client_config(files: &ClientTlsFiles) -> Result<ClientConfig, CredentialError
         .with_root_certificates(roots);
     let mut config = match &files.identity {
         Some((cert, key)) => {
-            let chain = pem_certificates(cert)?;
+            // Expired or not valid yet, it would fail every new handshake: refused
+            // like an unreadable one (a reload keeps the last good one).
+            let chain = pem_certificates_valid_now(cert)?;
             let key_der = pem_private_key(key)?;
             builder
                 .with_client_auth_cert(chain, key_der)

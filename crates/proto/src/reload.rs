@@ -1,7 +1,8 @@
 //! Credentials rebuilt from their files without a restart: every certificate, key, CA
 //! and verification-key file is re-read when its bytes change on disk (polled every
 //! [`POLL_INTERVAL`]) and on SIGHUP ([`reload_all`]). A rebuild that fails keeps the
-//! previous value and logs why, once per change. Whoever loads the value once per
+//! previous value, logs why (once per reason), and is tried again at every poll until
+//! one succeeds: what failed may pass with the files unchanged. Whoever loads the value once per
 //! connection gets "connections in progress keep their old credentials" for free.
 //!
 //! Polling the bytes rather than watching inodes sees every way files are replaced:
@@ -143,8 +144,14 @@ impl<T: Send + Sync + 'static> Reloading<T> {
     }
 }
 
-/// Polls the files of `inner` until it is dropped; rebuilds on a change or a hangup.
+/// Polls the files of `inner` until it is dropped; rebuilds on a change or a hangup,
+/// and at every poll while the last rebuild failed: a failure may pass with the files
+/// unchanged (a certificate not valid yet becomes valid, a read failed for a moment),
+/// and the previous value may be about to expire. A failure is logged when its reason
+/// changes, not at every poll.
 async fn watch_files<T: Send + Sync + 'static>(inner: Weak<Inner<T>>, mut seen: Snapshot) {
+    // Why the last rebuild failed, until one succeeds.
+    let mut failing: Option<String> = None;
     let mut hangups = HANGUPS.subscribe();
     let mut tick = tokio::time::interval(POLL_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -160,9 +167,10 @@ async fn watch_files<T: Send + Sync + 'static>(inner: Weak<Inner<T>>, mut seen: 
         let Ok(now) = tokio::task::spawn_blocking(move || snapshot(&files)).await else {
             continue;
         };
-        if !forced && now == seen {
+        if !forced && now == seen && failing.is_none() {
             continue;
         }
+        let quiet = !forced && now == seen;
         seen = now;
         let Some(strong) = inner.upgrade() else {
             return;
@@ -174,13 +182,19 @@ async fn watch_files<T: Send + Sync + 'static>(inner: Weak<Inner<T>>, mut seen: 
             built
         })
         .await;
-        match built {
-            Ok(Ok(())) => tracing::info!(what, "reloaded from its files"),
-            Ok(Err(why)) => {
-                tracing::warn!(what, %why, "reload failed; keeping the previous ones");
+        let why = match built {
+            Ok(Ok(())) => {
+                tracing::info!(what, "reloaded from its files");
+                failing = None;
+                continue;
             }
-            Err(e) => tracing::warn!(what, error = %e, "reload failed; keeping the previous ones"),
+            Ok(Err(why)) => why,
+            Err(e) => e.to_string(),
+        };
+        if !quiet || failing.as_ref() != Some(&why) {
+            tracing::warn!(what, %why, "reload failed; keeping the previous ones, trying again every second");
         }
+        failing = Some(why);
     }
 }
 
@@ -261,6 +275,37 @@ mod tests {
         std::fs::write(&path, "2").unwrap();
         until(|| value.attempts() > 0).await;
         assert_eq!(*value.load(), 2);
+    }
+
+    /// A rebuild that failed for a reason outside the files (a certificate not valid
+    /// yet, a read that failed for a moment) is tried again with the files unchanged:
+    /// before, the previous value stayed until the files changed again, even past its
+    /// expiry.
+    #[tokio::test]
+    async fn a_failed_rebuild_is_tried_again_with_the_files_unchanged() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("n");
+        std::fs::write(&path, "1").unwrap();
+        let valid = Arc::new(AtomicBool::new(true));
+        let (p, v) = (path.clone(), Arc::clone(&valid));
+        let value = Reloading::new("number", vec![path.clone()], move || {
+            if v.load(Ordering::Acquire) {
+                parse(&p)
+            } else {
+                Err("not valid yet".to_owned())
+            }
+        })
+        .unwrap();
+        valid.store(false, Ordering::Release);
+        std::fs::write(&path, "2").unwrap();
+        until(|| value.attempts() > 0).await;
+        assert_eq!(
+            *value.load(),
+            1,
+            "the failed rebuild kept the previous value"
+        );
+        valid.store(true, Ordering::Release);
+        until(|| *value.load() == 2).await;
     }
 
     #[test]

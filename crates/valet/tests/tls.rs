@@ -590,7 +590,29 @@ async fn bad_tls_flags_are_configuration_errors() {
     let pki = pki();
     let garbage = pki.dir.path().join("garbage.pem");
     std::fs::write(&garbage, "not a key").unwrap();
+    // A client certificate that expired would fail every handshake.
+    let (expired, expired_key) = expired_leaf(&ca("valet test CA"), &["router.valet.test"]);
+    let (expired_cert, expired_key_file) = (
+        pki.dir.path().join("expired.pem"),
+        pki.dir.path().join("expired.key"),
+    );
+    std::fs::write(&expired_cert, expired).unwrap();
+    std::fs::write(&expired_key_file, expired_key).unwrap();
     let cases: &[(&[&str], &str)] = &[
+        (
+            &[
+                "router",
+                "--control-plane",
+                "https://127.0.0.1:7070",
+                "--ateapi-ca-file",
+                s(&pki.ca),
+                "--ateapi-cert-file",
+                s(&expired_cert),
+                "--ateapi-key-file",
+                s(&expired_key_file),
+            ],
+            "--ateapi-cert-file",
+        ),
         (
             &[
                 "router",
