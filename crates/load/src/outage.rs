@@ -254,6 +254,7 @@ pub async fn leases(opts: &LeaseOpts) -> Result<Report, String> {
         text,
         records,
         budget_s: Some(opts.budget.as_secs_f64()),
+        failed: None,
     })
 }
 

@@ -161,6 +161,7 @@ pub async fn parked_scale(sys: &System, o: &ParkedScaleOpts) -> Result<Report, S
         text,
         records,
         budget_s: Some(o.budget.as_secs_f64()),
+        failed: None,
     })
 }
 

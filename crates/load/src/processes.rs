@@ -283,7 +283,17 @@ impl Processes {
                 .map_err(|e| format!("{}: {e}", opts.exe.display()))?;
             children.push(child);
         }
-        wait_workers(&ctl, opts.workers).await?;
+        if let Err(e) = wait_workers(&ctl, opts.workers).await {
+            // What the workers said (the directory goes with this error).
+            let said: String = (1..=opts.workers)
+                .filter_map(|i| {
+                    let t = tail(&dir.path().join(format!("worker-{i}.log")));
+                    (!t.is_empty()).then(|| format!("\nworker {i}{t}"))
+                })
+                .take(3)
+                .collect();
+            return Err(format!("{e}{said}"));
+        }
         match ctl
             .clone()
             .create_atespace(ateapi::CreateAtespaceRequest {
@@ -412,7 +422,8 @@ pub(crate) async fn wait_workers(ctl: &ControlClient<Channel>, n: usize) -> Resu
     let deadline = Instant::now() + START_WITHIN;
     let mut attached = 0;
     while Instant::now() < deadline {
-        if let Ok(w) = ctl.clone().list_workers(()).await {
+        let listed = tokio::time::timeout_at(deadline, ctl.clone().list_workers(())).await;
+        if let Ok(Ok(w)) = listed {
             attached = w.into_inner().workers.len();
             if attached == n {
                 return Ok(());

@@ -24,6 +24,9 @@ pub struct Report {
     pub records: Vec<Record>,
     /// The parking budget, for charts (seconds).
     pub budget_s: Option<f64>,
+    /// Why the run failed, when it did: its records and text are published all the
+    /// same (they are what explains the failure), then the run fails.
+    pub failed: Option<String>,
 }
 
 fn secs(d: Duration) -> String {
@@ -149,6 +152,7 @@ pub async fn timeline(
         text,
         records,
         budget_s: Some(budget.as_secs_f64()),
+        failed: None,
     })
 }
 
@@ -188,6 +192,7 @@ pub async fn steady(sys: &System, duration: Duration) -> Result<Report, String> 
         text: s.seed_block(),
         records,
         budget_s: None,
+        failed: None,
     })
 }
 
@@ -290,6 +295,7 @@ pub async fn bursts(sys: &System, levels: &[usize], rounds: usize) -> Result<Rep
         text,
         records,
         budget_s: None,
+        failed: None,
     })
 }
 
@@ -375,6 +381,7 @@ pub async fn overflow(sys: &System, budget: Duration, free_at: Duration) -> Resu
         text,
         records,
         budget_s: Some(budget.as_secs_f64()),
+        failed: None,
     })
 }
 
@@ -493,6 +500,7 @@ pub async fn fast_path(
         text,
         records,
         budget_s: None,
+        failed: None,
     })
 }
 
@@ -564,6 +572,8 @@ pub async fn eviction(
             secs(l.p99),
             secs(l.max)
         );
+    } else {
+        let _ = writeln!(text, "none of {} returned 200: {s}", s.total);
     }
     if let (Some(b), Some(a)) = (before, after) {
         let _ = writeln!(text, "evictions: {}", a - b);
@@ -573,6 +583,7 @@ pub async fn eviction(
         text,
         records,
         budget_s: None,
+        failed: None,
     })
 }
 

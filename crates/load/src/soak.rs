@@ -106,9 +106,10 @@ impl Tally {
 
 /// Runs the soak against an embedded system (the router's books are read in process).
 ///
+/// When the books do not balance the report says which line, and its `failed` why.
+///
 /// # Errors
-/// When the system cannot be set up, or when the books do not balance (the text says
-/// which line).
+/// When the system cannot be set up.
 pub async fn soak(sys: &System, opts: &SoakOpts) -> Result<Report, String> {
     let router = sys
         .in_process_router()
@@ -209,14 +210,14 @@ pub async fn soak(sys: &System, opts: &SoakOpts) -> Result<Report, String> {
     }
     let report = Report {
         name: "soak".into(),
-        text: text.clone(),
+        text,
         records,
         budget_s: Some(opts.budget.as_secs_f64()),
+        failed: balanced
+            .err()
+            .map(|why| format!("the books do not balance: {why}")),
     };
-    match balanced {
-        Ok(()) => Ok(report),
-        Err(why) => Err(format!("{text}the books do not balance: {why}")),
-    }
+    Ok(report)
 }
 
 /// Waits (bounded) until nothing is parked and no flight runs.

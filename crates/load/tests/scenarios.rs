@@ -242,6 +242,7 @@ async fn soak_books_balance() {
         .unwrap_or_else(|e| panic!("{e}"));
     println!("{}", report.text);
     assert!(report.text.contains("books: balanced"), "{}", report.text);
+    assert_eq!(report.failed, None);
     assert!(
         report.records.iter().any(|r| r.status == 200)
             && report

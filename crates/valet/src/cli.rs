@@ -86,6 +86,21 @@ fn at_least_one(s: &str) -> Result<usize, String> {
     }
 }
 
+/// An actor reference, `atespace/name` (kept as text).
+fn parse_actor(s: &str) -> Result<String, String> {
+    s.parse::<valet_router::ActorRef>()
+        .map(|a| a.to_string())
+        .map_err(|e| e.to_string())
+}
+
+/// A duration that must be more than zero.
+fn positive_duration(s: &str) -> Result<Duration, String> {
+    match parse_duration(s)? {
+        d if d.is_zero() => Err("must be > 0".into()),
+        d => Ok(d),
+    }
+}
+
 /// `--hosting-lease`: a duration of at least [`valet_worker::MIN_HOSTING_LEASE`].
 fn parse_hosting_lease(s: &str) -> Result<Duration, String> {
     let lease = parse_duration(s)?;
@@ -212,7 +227,7 @@ pub(crate) struct TargetArgs {
     )]
     pub(crate) database: Option<String>,
     /// The parking budget of the embedded router (or the --cluster routers).
-    #[arg(long, env = "VALET_TARGET_BUDGET", default_value = "5s", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "VALET_TARGET_BUDGET", default_value = "5s", value_parser = positive_duration, value_name = "DURATION")]
     pub(crate) budget: Duration,
     /// Each restore's extra time on embedded (or --cluster) workers (the seed measured
     /// 230ms).
@@ -276,6 +291,7 @@ pub(crate) struct LoadRunArgs {
         env = "VALET_LOAD_RUN_ACTORS",
         value_delimiter = ',',
         default_value = "demo/p1",
+        value_parser = parse_actor,
         value_name = "LIST"
     )]
     pub(crate) actors: Vec<String>,
@@ -315,7 +331,8 @@ pub(crate) struct ScenarioArgs {
     pub(crate) scenario: Scenario,
     #[command(flatten)]
     pub(crate) target: TargetArgs,
-    /// Run with the control plane's capacity wait on, off, or both (embedded only).
+    /// Run with the control plane's capacity wait on, off, or both (embedded or
+    /// --cluster parts; not with --router).
     #[arg(
         long,
         env = "VALET_SCENARIO_CAPACITY_WAIT",
@@ -330,13 +347,14 @@ pub(crate) struct ScenarioArgs {
     /// Requests of the parked-scale scenario.
     #[arg(long, env = "VALET_SCENARIO_REQUESTS", default_value_t = 10_000, value_parser = at_least_one)]
     pub(crate) requests: usize,
-    /// Runs of the eviction scenario (and workers of its pool).
+    /// Runs of the eviction scenario (and workers of its pool), and suspend cycles of
+    /// the leases scenario.
     #[arg(long, env = "VALET_SCENARIO_RUNS", default_value_t = 50, value_parser = at_least_one)]
     pub(crate) runs: usize,
     /// The control plane's --evict-idle-after for the eviction scenario and the soak
     /// (the seed's experiments always run with it off). Default: 10s for the eviction
     /// scenario, off for the soak.
-    #[arg(long, env = "VALET_SCENARIO_EVICT_IDLE_AFTER", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "VALET_SCENARIO_EVICT_IDLE_AFTER", value_parser = positive_duration, value_name = "DURATION")]
     pub(crate) evict_idle_after: Option<Duration>,
     /// The control plane's --route-lease for the fast-path and leases scenarios (0: the
     /// router asks for every request, as the seed's does). Default: 5s.

@@ -759,6 +759,53 @@ fn load_scenario_counts_are_at_least_one() {
     }
 }
 
+/// Values the load tool would pass on to parts it starts, or send, refused at once
+/// with the flag the user gave: before, `--budget 0s` failed after the parts started,
+/// naming the router's `--parked-request-budget` (exit 1); `--evict-idle-after 0` ran
+/// the eviction scenario with eviction off; `--actors p1` sent every request with the
+/// host `p1` (404s, exit 0).
+#[test]
+fn load_values_are_checked_before_anything_starts() {
+    let cases: &[(&[&str], &str, &str)] = &[
+        (
+            &["load", "scenario", "timeline", "--budget", "0s"],
+            "--budget",
+            "must be > 0",
+        ),
+        (
+            &["demo", "parking", "--budget", "0s"],
+            "--budget",
+            "must be > 0",
+        ),
+        (
+            &["load", "scenario", "eviction", "--evict-idle-after", "0"],
+            "--evict-idle-after",
+            "must be > 0",
+        ),
+        (
+            &["load", "run", "--actors", "p1"],
+            "--actors",
+            "want <atespace>/<name>",
+        ),
+        (
+            &["load", "run", "--actors", "demo/p1,"],
+            "--actors",
+            "want <atespace>/<name>",
+        ),
+    ];
+    for &(args, flag, rule) in cases {
+        let o = valet(args, &[]);
+        assert_eq!(o.status.code(), Some(64), "{args:?}");
+        let lines = stderr_lines(&o);
+        assert_eq!(lines.len(), 1, "{args:?}: {lines:?}");
+        assert!(
+            lines[0].contains(flag) && lines[0].contains(rule),
+            "{args:?}: {}",
+            lines[0]
+        );
+    }
+}
+
 /// `valet up --check`, as `valet router --check`, prints the router's effective flags
 /// and exits 0 without starting or writing anything; a bad value is exit 64.
 #[test]

@@ -399,6 +399,10 @@ async fn run_scenario(args: ScenarioArgs) -> Result<(), Failure> {
         })
         .await?;
         publish(&report, &tag, &args.out)?;
+        // Published first: the records explain the failure.
+        if let Some(why) = report.failed {
+            return Err(Failure::Run(why));
+        }
     }
     Ok(())
 }
