@@ -366,7 +366,8 @@ pub struct ParkingArgs {
 pub struct ConfigError {
     /// The flag, with its dashes.
     pub flag: &'static str,
-    /// The value as given.
+    /// The value as given (durations as parsed), its control characters escaped so
+    /// that the message stays one line (a value from a file often ends in a newline).
     pub value: String,
     /// The rule it breaks.
     pub rule: String,
@@ -374,9 +375,21 @@ pub struct ConfigError {
 
 impl ConfigError {
     fn new(flag: &'static str, value: impl fmt::Display, rule: impl Into<String>) -> Self {
+        let value = value
+            .to_string()
+            .chars()
+            .flat_map(|c| {
+                let escaped: Vec<char> = if c.is_control() {
+                    c.escape_default().collect()
+                } else {
+                    vec![c]
+                };
+                escaped
+            })
+            .collect();
         Self {
             flag,
-            value: value.to_string(),
+            value,
             rule: rule.into(),
         }
     }
@@ -997,6 +1010,18 @@ mod tests {
 
     fn rule_of(args: &[&str]) -> String {
         resolve(args).unwrap_err().to_string()
+    }
+
+    /// A value read from a file (a ConfigMap's, say) ends in a newline: the message
+    /// stays one line, the newline shown escaped.
+    #[test]
+    fn a_refused_value_is_shown_on_one_line() {
+        let e = rule_of(&["--listen", "0.0.0.0:8080\n"]);
+        assert_eq!(e.lines().count(), 1, "{e}");
+        assert!(
+            e.contains("--listen=0.0.0.0:8080\\n: must be <ip>:<port>"),
+            "{e}"
+        );
     }
 
     #[test]
