@@ -740,6 +740,11 @@ impl RouterArgs {
         let listen = parse_listen("--listen", &self.listen)?;
         let extproc_listen = parse_listen("--extproc-listen", &self.extproc_listen)?;
         let admin_listen = parse_listen("--admin-listen", &self.admin_listen)?;
+        distinct_listeners(&[
+            ("--listen", listen),
+            ("--extproc-listen", extproc_listen),
+            ("--admin-listen", admin_listen),
+        ])?;
         let control_planes = parse_control_planes(&self.control_plane)?;
         let control_plane = control_planes.join(",");
         let credentials = self.ateapi.credentials(&control_planes[0])?;
@@ -833,6 +838,36 @@ impl RouterArgs {
             more_flags: self.ateapi.given(),
         })
     }
+}
+
+/// Refuses two listeners of one process on one address: the same address, or one on
+/// every address (`0.0.0.0`, `[::]`) and another on the same port. The second would
+/// fail to bind after the first had started; refused here, before anything starts,
+/// it is a configuration error naming both flags.
+///
+/// # Errors
+/// The later of two listeners that overlap, naming the earlier one.
+pub fn distinct_listeners(
+    listeners: &[(&'static str, Option<SocketAddr>)],
+) -> Result<(), ConfigError> {
+    let fixed: Vec<(&'static str, SocketAddr)> = listeners
+        .iter()
+        .filter_map(|&(flag, addr)| addr.filter(|a| a.port() != 0).map(|a| (flag, a)))
+        .collect();
+    for (i, &(flag, addr)) in fixed.iter().enumerate() {
+        let overlaps = |b: &SocketAddr| {
+            b.port() == addr.port()
+                && (b.ip() == addr.ip() || b.ip().is_unspecified() || addr.ip().is_unspecified())
+        };
+        if let Some((earlier, _)) = fixed[..i].iter().find(|(_, b)| overlaps(b)) {
+            return Err(ConfigError::new(
+                flag,
+                addr,
+                format!("{earlier} listens there already: give each listener its own port"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn parse_listen(flag: &'static str, value: &str) -> Result<Option<SocketAddr>, ConfigError> {
@@ -1022,6 +1057,42 @@ mod tests {
             e.contains("--listen=0.0.0.0:8080\\n: must be <ip>:<port>"),
             "{e}"
         );
+    }
+
+    /// Two listeners on one port (the same address, or every address and one of
+    /// them) are refused before anything starts: before, the second failed to bind
+    /// after the first had started (exit 1).
+    #[test]
+    fn two_listeners_on_one_address_are_refused() {
+        let e = rule_of(&[
+            "--admin-listen",
+            "127.0.0.1:8080",
+            "--listen",
+            "127.0.0.1:8080",
+        ]);
+        assert!(
+            e.contains("--admin-listen=127.0.0.1:8080: --listen listens there already"),
+            "{e}"
+        );
+        let e = rule_of(&[
+            "--listen",
+            "0.0.0.0:9000",
+            "--extproc-listen",
+            "127.0.0.1:9000",
+        ]);
+        assert!(
+            e.contains("--extproc-listen=127.0.0.1:9000: --listen"),
+            "{e}"
+        );
+        // Port 0 picks a free one each time; other ports do not overlap.
+        resolve(&["--listen", "127.0.0.1:0", "--extproc-listen", "127.0.0.1:0"]).unwrap();
+        resolve(&[
+            "--listen",
+            "127.0.0.1:9000",
+            "--admin-listen",
+            "127.0.0.2:9000",
+        ])
+        .unwrap();
     }
 
     #[test]

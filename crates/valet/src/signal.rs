@@ -24,11 +24,19 @@ pub(crate) fn terminated_without_force() -> impl Future<Output = ()> + Send + 's
 /// with SIGKILL), the pipe ends, and the part stops as on SIGTERM instead of running on.
 pub(crate) const STOP_WITH_PARENT: &str = "VALET_STOP_WITH_PARENT";
 
+/// Whether [`STOP_WITH_PARENT`] asks for it: `1` or `true` (any case); `0`, `false`,
+/// empty or unset do not, as with the boolean `VALET_…` flags.
+fn stop_with_parent(value: Option<&std::ffi::OsStr>) -> bool {
+    value
+        .and_then(std::ffi::OsStr::to_str)
+        .is_some_and(|v| v == "1" || v.eq_ignore_ascii_case("true"))
+}
+
 /// Resolves once stdin ends, when [`STOP_WITH_PARENT`] is set; never otherwise. Read on
 /// a thread of its own, which never holds the process's exit.
 fn parent_gone() -> tokio::sync::oneshot::Receiver<()> {
     let (tx, rx) = tokio::sync::oneshot::channel();
-    if std::env::var_os(STOP_WITH_PARENT).is_some() {
+    if stop_with_parent(std::env::var_os(STOP_WITH_PARENT).as_deref()) {
         std::thread::spawn(move || {
             use std::io::Read as _;
             let mut stdin = std::io::stdin();
@@ -94,5 +102,18 @@ fn signals(force_on_second: bool) -> impl Future<Output = ()> + Send + 'static {
             });
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// `VALET_STOP_WITH_PARENT=0` (or empty) must not arm it: a part started so with
+    /// stdin at /dev/null (systemd) stopped at once.
+    #[test]
+    fn stop_with_parent_takes_a_boolean() {
+        use std::ffi::OsStr;
+        let armed = |v: Option<&str>| super::stop_with_parent(v.map(OsStr::new));
+        assert!(armed(Some("1")) && armed(Some("true")) && armed(Some("TRUE")));
+        assert!(!armed(None) && !armed(Some("")) && !armed(Some("0")) && !armed(Some("false")));
     }
 }

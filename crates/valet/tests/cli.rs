@@ -891,6 +891,16 @@ fn valet_up_checks_its_flags_before_the_data_dir() {
             "--ingress-allowed-spiffe-ids=spiffe://td/x",
         ),
         (&["--ateapi-ca-file", "/etc/hosts"][..], "needs --tls"),
+        // Two listeners on one address: before, the control plane started and wrote
+        // the actors, then the router's bind failed (exit 1).
+        (
+            &["--admin-listen", "127.0.0.1:8080"][..],
+            "--admin-listen=127.0.0.1:8080: --listen listens there already",
+        ),
+        (
+            &["--metrics-listen", "0.0.0.0:8080"][..],
+            "--listen=127.0.0.1:8080: --metrics-listen listens there already",
+        ),
         // A rule between two flags names the value of the one it refuses.
         (
             &["--client-ca-file", "/etc/valet/clients.pem"][..],
@@ -905,6 +915,39 @@ fn valet_up_checks_its_flags_before_the_data_dir() {
         assert_eq!(lines.len(), 1, "{lines:?}");
         assert!(lines[0].contains(named), "{lines:?}");
         assert!(!lines[0].contains("--control-plane"), "{lines:?}");
+        assert!(!data.exists(), "nothing written");
+    }
+    // The same rule for the control plane's and the router's own listeners.
+    for (args, named) in [
+        (
+            &[
+                "control-plane",
+                "--data-dir",
+                data.to_str().unwrap(),
+                "--listen",
+                "127.0.0.1:7070",
+                "--metrics-listen",
+                "127.0.0.1:7070",
+            ][..],
+            "--metrics-listen=127.0.0.1:7070: --listen listens there already",
+        ),
+        (
+            &[
+                "router",
+                "--control-plane",
+                "http://127.0.0.1:7070",
+                "--listen-https",
+                "127.0.0.1:8080",
+                "--check",
+            ][..],
+            "--listen-https=127.0.0.1:8080: --listen listens there already",
+        ),
+    ] {
+        let o = valet(args, &[]);
+        assert_eq!(o.status.code(), Some(64), "{args:?}");
+        let lines = stderr_lines(&o);
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert!(lines[0].contains(named), "{lines:?}");
         assert!(!data.exists(), "nothing written");
     }
 }

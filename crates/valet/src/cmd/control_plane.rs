@@ -61,13 +61,21 @@ pub(crate) fn optional_listen(
 pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
     // Before anything is printed: see `signal::terminated`.
     let terminated = crate::signal::terminated();
-    let metrics_listen = match optional_listen("--metrics-listen", &args.metrics_listen) {
-        Ok(a) => a,
-        Err(e) => {
-            say_err!("valet control-plane: {e}");
-            return ExitCode::from(EXIT_CONFIG);
-        }
-    };
+    let metrics_listen =
+        match optional_listen("--metrics-listen", &args.metrics_listen).and_then(|m| {
+            valet_router::config::distinct_listeners(&[
+                ("--listen", Some(args.listen)),
+                ("--metrics-listen", m),
+            ])
+            .map_err(|e| e.to_string())
+            .map(|()| m)
+        }) {
+            Ok(a) => a,
+            Err(e) => {
+                say_err!("valet control-plane: {e}");
+                return ExitCode::from(EXIT_CONFIG);
+            }
+        };
     let security = match args.security.resolve() {
         Ok(s) => s,
         Err(e) => {
@@ -146,7 +154,10 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
     let socket = match reserve(args.listen) {
         Ok(s) => s,
         Err(e) => {
-            say_err!("valet control-plane: cannot bind {}: {e}", args.listen);
+            say_err!(
+                "valet control-plane: cannot listen on --listen={}: {e}",
+                args.listen
+            );
             return ExitCode::FAILURE;
         }
     };

@@ -16,6 +16,16 @@ pub(crate) async fn run(cmd: RouterCmd) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
+    let listeners = [
+        ("--listen", config.listen()),
+        ("--extproc-listen", config.extproc_listen()),
+        ("--admin-listen", config.admin_listen()),
+        ("--listen-https", cmd.ingress.listen_https.parse().ok()),
+    ];
+    if let Err(e) = valet_router::config::distinct_listeners(&listeners) {
+        say_err!("valet router: {e}");
+        return ExitCode::from(EXIT_CONFIG);
+    }
     let https = match cmd.ingress.resolve() {
         Ok(h) => h,
         Err(e) => {

@@ -173,6 +173,17 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
     if let Some(ca) = &throwaway_client_ca {
         valet_control::auth::check_client_ca(ca).map_err(|e| UpError::Config(e.to_string()))?;
     }
+    let https_listen = args.ingress.listen_https.parse().ok();
+    let listeners = [
+        ("--control-plane-listen", Some(args.control_plane_listen)),
+        ("--metrics-listen", metrics_listen),
+        ("--listen", config.listen()),
+        ("--listen-https", https_listen),
+        ("--extproc-listen", config.extproc_listen()),
+        ("--admin-listen", config.admin_listen()),
+    ];
+    valet_router::config::distinct_listeners(&listeners)
+        .map_err(|e| UpError::Config(e.to_string()))?;
     if args.check {
         for (flag, value) in config.with_flags(args.ingress.given()).effective_flags() {
             say!("{flag}={value}");
@@ -181,16 +192,7 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
     }
     // Every port before the data dir: one that is taken (another `valet up`, say)
     // exits 1 naming its flag with nothing written.
-    let https_listen = args.ingress.listen_https.parse().ok();
-    ports_free(&[
-        ("--control-plane-listen", Some(args.control_plane_listen)),
-        ("--metrics-listen", metrics_listen),
-        ("--listen", config.listen()),
-        ("--listen-https", https_listen),
-        ("--extproc-listen", config.extproc_listen()),
-        ("--admin-listen", config.admin_listen()),
-    ])
-    .map_err(UpError::Start)?;
+    ports_free(&listeners).map_err(UpError::Start)?;
     // The data dir's lock before anything is written into it (the throwaway TLS files
     // below): another `valet up` on the same dir keeps its own.
     let store = valet_control::SqliteStore::open(&args.data_dir)
@@ -283,77 +285,89 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
     )
     .await
     .map_err(UpError::Start)?;
-    let cp_addr = cluster.addr;
-    say!("listening control-plane {cp_addr}");
-    if let Some(m) = cluster.metrics_addr {
-        say!("listening metrics {m}");
-    }
-    let plane = cluster.plane.clone();
-    let n = args.workers;
+    // From here on the cluster runs: an error below stops it cleanly (its workers
+    // detach, its store closes) before the error is reported.
+    let started = async {
+        let cp_addr = cluster.addr;
+        say!("listening control-plane {cp_addr}");
+        if let Some(m) = cluster.metrics_addr {
+            say!("listening metrics {m}");
+        }
+        let plane = cluster.plane.clone();
+        let n = args.workers;
 
-    for key in &actors {
-        match plane.create_atespace(key.atespace()).await {
-            Ok(_) => {}
-            Err(e) if e.code() == tonic::Code::AlreadyExists => {}
-            Err(e) => {
-                return Err(UpError::Start(format!(
-                    "atespace {}: {}",
-                    key.atespace(),
-                    e.message()
-                )));
+        for key in &actors {
+            match plane.create_atespace(key.atespace()).await {
+                Ok(_) => {}
+                Err(e) if e.code() == tonic::Code::AlreadyExists => {}
+                Err(e) => {
+                    return Err(UpError::Start(format!(
+                        "atespace {}: {}",
+                        key.atespace(),
+                        e.message()
+                    )));
+                }
+            }
+            match plane
+                .create_actor(key.clone(), "default", "counter", Vec::new())
+                .await
+            {
+                Ok(_) => {}
+                Err(e) if e.code() == tonic::Code::AlreadyExists => {}
+                Err(e) => return Err(UpError::Start(format!("actor {key}: {}", e.message()))),
             }
         }
-        match plane
-            .create_actor(key.clone(), "default", "counter", Vec::new())
+
+        args.router.control_plane = format!("{scheme}://{cp_addr}");
+        let config = args
+            .router
+            .resolve()
+            .map_err(|e| UpError::Config(e.to_string()))?
+            .with_flags(args.ingress.given());
+        let domain = config.actor_domain().to_string();
+        let running = RunningRouter::start(config, https)
             .await
+            .map_err(UpError::Start)?;
+        let names: Vec<String> = actors.iter().map(ToString::to_string).collect();
+        say!(
+            "valet up: pool counter with {n} workers; actors {}; data in {}",
+            if names.is_empty() {
+                "none".to_owned()
+            } else {
+                names.join(" ")
+            },
+            args.data_dir.display()
+        );
+        if let (Some(router), Some(first)) = (running.addr("router"), actors.first()) {
+            say!(
+                "try: curl -H 'Host: {}.{}.{domain}' http://{router}/",
+                first.name(),
+                first.atespace()
+            );
+        }
+        if let (Some(https), Some(first), Some(t)) =
+            (running.addr("router-https"), actors.first(), &tls)
         {
-            Ok(_) => {}
-            Err(e) if e.code() == tonic::Code::AlreadyExists => {}
-            Err(e) => return Err(UpError::Start(format!("actor {key}: {}", e.message()))),
+            say!(
+                "try: curl --cacert {} -H 'Host: {}.{}.{domain}' https://{https}/",
+                t.ca.display(),
+                first.name(),
+                first.atespace()
+            );
+        }
+        if let Some(admin) = running.addr("admin") {
+            say!("status: http://{admin}/statusz   metrics: http://{admin}/metrics");
+        }
+        Ok::<_, UpError>(running)
+    }
+    .await;
+    match started {
+        Ok(running) => Ok((cluster, running)),
+        Err(e) => {
+            cluster.shutdown().await;
+            Err(e)
         }
     }
-
-    args.router.control_plane = format!("{scheme}://{cp_addr}");
-    let config = args
-        .router
-        .resolve()
-        .map_err(|e| UpError::Config(e.to_string()))?
-        .with_flags(args.ingress.given());
-    let domain = config.actor_domain().to_string();
-    let running = RunningRouter::start(config, https)
-        .await
-        .map_err(UpError::Start)?;
-    let names: Vec<String> = actors.iter().map(ToString::to_string).collect();
-    say!(
-        "valet up: pool counter with {n} workers; actors {}; data in {}",
-        if names.is_empty() {
-            "none".to_owned()
-        } else {
-            names.join(" ")
-        },
-        args.data_dir.display()
-    );
-    if let (Some(router), Some(first)) = (running.addr("router"), actors.first()) {
-        say!(
-            "try: curl -H 'Host: {}.{}.{domain}' http://{router}/",
-            first.name(),
-            first.atespace()
-        );
-    }
-    if let (Some(https), Some(first), Some(t)) =
-        (running.addr("router-https"), actors.first(), &tls)
-    {
-        say!(
-            "try: curl --cacert {} -H 'Host: {}.{}.{domain}' https://{https}/",
-            t.ca.display(),
-            first.name(),
-            first.atespace()
-        );
-    }
-    if let Some(admin) = running.addr("admin") {
-        say!("status: http://{admin}/statusz   metrics: http://{admin}/metrics");
-    }
-    Ok((cluster, running))
 }
 
 /// Whether each fixed address (port 0 picks one: always free) can be listened on now;
