@@ -561,7 +561,13 @@ async fn a_release_scheduled_by_one_worker_spares_the_actor_on_another() {
     w1.leave();
     let e = cut.await.unwrap().unwrap_err();
     assert_eq!(e.code(), Code::Unavailable);
-    assert_eq!(plane.status_of("demo", "a"), Some(S::Suspended));
+    // Back to SUSPENDED once w1 has fenced it (a_cut_off_restore_holds_the_actor_until_its_worker_fenced).
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(60), |p| p.status_of("demo", "a")
+                == Some(S::Suspended))
+            .await
+    );
 
     let (_a2, _app2, mut w2) = live_worker(&plane, "w2").await;
     run_on(&plane, &mut w2, "a").await;
@@ -569,7 +575,6 @@ async fn a_release_scheduled_by_one_worker_spares_the_actor_on_another() {
     w2.renew();
     let renewed = Instant::now();
     w2.leave();
-    // w1's lease ended 5 s before w2's.
     tokio::time::sleep(Duration::from_secs(12)).await;
     assert_eq!(plane.status_of("demo", "a"), Some(S::Running));
     assert!(
@@ -579,6 +584,42 @@ async fn a_release_scheduled_by_one_worker_spares_the_actor_on_another() {
             .await
     );
     assert_eq!(renewed.elapsed(), Duration::from_secs(15));
+}
+
+/// A worker whose stream ends while it restores an actor may have installed it: the
+/// caller is answered `Unavailable` at once (it asks again), but the actor goes back
+/// to SUSPENDED, free to run elsewhere, only once that worker has fenced it, a hosting
+/// lease after its last renewal. Before, it was SUSPENDED at once, and the next resume
+/// could run it on a second worker while the first still hosted it.
+#[tokio::test(start_paused = true)]
+async fn a_cut_off_restore_holds_the_actor_until_its_worker_fenced() {
+    let store = MemoryStore::default();
+    let plane = plane_on(&store, &["a"]).await;
+    let (_a1, _app1, mut w1) = live_worker(&plane, "w1").await;
+    let attached = Instant::now();
+    let cut = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.resume_actor(key("a"), None).await })
+    };
+    let restore = w1.next().await.unwrap();
+    assert!(matches!(restore.command, Command::Restore(_)));
+    w1.leave();
+    let e = cut.await.unwrap().unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    assert_eq!(attached.elapsed(), Duration::ZERO, "answered at once");
+    let (_a2, _app2, mut w2) = live_worker(&plane, "w2").await;
+    let again = plane.resume_actor(key("a"), None).await.unwrap_err();
+    assert_eq!(again.code(), Code::Aborted, "not restored on w2 meanwhile");
+    assert_eq!(plane.status_of("demo", "a"), Some(S::Resuming));
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(60), |p| p.status_of("demo", "a")
+                == Some(S::Suspended))
+            .await
+    );
+    assert_eq!(attached.elapsed(), Duration::from_secs(15), "w1 fenced it");
+    run_on(&plane, &mut w2, "a").await;
+    assert_eq!(plane.status_of("demo", "a"), Some(S::Running));
 }
 
 /// `w`, hosting `demo/a`, renews 9 s from now and is cut off at once: `a` still runs

@@ -367,7 +367,7 @@ impl Plane {
         let started = Instant::now();
         let result = self.restore(key, &claimed, op.id()).await;
         self.metrics().operation("restore", started.elapsed());
-        Ok(self.after_restore(op, key, claimed, result).await)
+        Ok(self.after_restore(op, key, claimed, result, tx).await)
     }
 
     /// Restores `key` on its worker for operation `op`: not if the worker attached
@@ -401,6 +401,7 @@ impl Plane {
         key: &ActorKey,
         claimed: ActorRow,
         result: Result<(), LinkError>,
+        tx: &watch::Sender<Option<Outcome>>,
     ) -> Outcome {
         let worker = claimed.worker.clone().unwrap_or_default();
         match result {
@@ -425,11 +426,21 @@ impl Plane {
             }
             Err(LinkError::Gone) => {
                 tracing::warn!(actor = %key, worker, "worker went away during restore");
+                let gone =
+                    Status::unavailable(format!("the worker restoring actor {key} went away"));
+                // It may have installed the actor before its stream ended: not
+                // elsewhere before it has fenced it (at once when its process is gone
+                // or it attaches again; else a hosting lease after its last renewal).
+                // The callers are answered now and ask again; the operation holds the
+                // actor meanwhile. At shutdown the record stays RESUMING, which the
+                // next start settles.
+                tx.send_replace(Some(Err(gone.clone())));
+                if !self.until_fenced(&worker).await {
+                    return Err(shutting_down());
+                }
                 let back = claimed.moved(ActorStatus::Suspended, None);
                 self.finish(op, Batch::put([back])).await?;
-                Err(Status::unavailable(format!(
-                    "the worker restoring actor {key} went away"
-                )))
+                Err(gone)
             }
             Err(e) => {
                 tracing::warn!(actor = %key, worker, error = %e, "restore failed; actor CRASHED");
