@@ -219,6 +219,20 @@ async fn a_running_and_b_waiting(
     (w, waiting)
 }
 
+/// Suspending a suspended actor is a no-op (control-plane.md), also while a resume of
+/// it waits for capacity: before, that answered `Aborted` (another operation holds
+/// it). The waiting resume goes on.
+#[tokio::test(start_paused = true)]
+async fn suspending_a_suspended_actor_with_a_resume_waiting_is_a_no_op() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a", "b"]).await;
+    let (_w, waiting) = a_running_and_b_waiting(&plane, "w1").await;
+    let b = plane.suspend_actor(key("b")).await.unwrap();
+    assert_eq!(b.status, S::Suspended as i32);
+    assert_eq!(plane.stats().queued, 1, "the resume still waits");
+    assert!(!waiting.is_finished());
+}
+
 /// A worker that drains (it got SIGTERM) has its actor checkpointed, not reverted
 /// later: SUSPENDED with no revert pending, restored elsewhere from that snapshot. It is
 /// never handed to a capacity waiter, even when its checkpoint frees it; a new worker

@@ -530,12 +530,19 @@ impl Plane {
             let (op, row) = {
                 let mut st = plane.lock();
                 let row = st.actors.get(&key).ok_or_else(|| not_found(&key))?.clone();
+                // A no-op, also while a resume waits for capacity for it.
+                if row.status == ActorStatus::Suspended {
+                    return Ok(st.to_proto(&row));
+                }
                 if st.busy(&key).is_some() {
                     return Err(aborted());
                 }
                 match row.status {
-                    ActorStatus::Suspended => return Ok(st.to_proto(&row)),
-                    ActorStatus::Running | ActorStatus::Resuming | ActorStatus::Suspending => {}
+                    // SUSPENDED was answered above.
+                    ActorStatus::Suspended
+                    | ActorStatus::Running
+                    | ActorStatus::Resuming
+                    | ActorStatus::Suspending => {}
                     ActorStatus::Crashed => {
                         return Err(Status::failed_precondition(format!(
                             "actor {key} is {}; only RUNNING actors can be suspended",
