@@ -544,6 +544,39 @@ async fn a_suspend_waits_for_a_cut_off_worker_to_fence_its_actor() {
     assert_eq!(plane.status_of("demo", "during"), Some(S::Suspended));
 }
 
+/// A suspend that finds its worker's stream gone, whose worker attaches again still
+/// hosting the actor within its hosting lease, checkpoints it over the new stream: what
+/// the actor did since its last snapshot is kept. Before, the re-attach was told to
+/// drop the actor (the checkpoint held it) and it went back to its last snapshot.
+#[tokio::test(start_paused = true)]
+async fn a_suspend_checkpoints_over_the_new_stream_of_a_worker_that_came_back() {
+    let store = MemoryStore::default();
+    let plane = plane_on(&store, &["a"]).await;
+    let (addr, _app, mut w) = live_worker(&plane, "w1").await;
+    run_on(&plane, &mut w, "a").await;
+    w.leave();
+    let suspend = {
+        let plane = plane.clone();
+        tokio::spawn(async move { plane.suspend_actor(key("a")).await })
+    };
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(10), |p| p.status_of("demo", "a")
+                == Some(S::Suspending))
+            .await
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (mut w, kept) = FakeWorker::attach(&plane, "w1", "counter", addr, Some(&key("a"))).unwrap();
+    assert!(kept, "kept for the checkpoint");
+    let c = w.next().await.unwrap();
+    assert!(matches!(c.command, Command::Checkpoint(_)), "{c:?}");
+    w.answer(c.id, Ok(()));
+    let a = suspend.await.unwrap().unwrap();
+    assert_eq!(a.status, S::Suspended as i32);
+    // The worker is free for the next actor.
+    assert_eq!(plane.pool("counter"), (1, 1));
+}
+
 /// A worker cut off in the middle of a restore schedules the release of that actor;
 /// when the actor has since gone back to SUSPENDED and runs on another worker, that
 /// release does not touch it (only the other worker's own departure does).

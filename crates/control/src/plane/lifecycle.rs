@@ -593,7 +593,14 @@ impl Plane {
         if let Err(e) = self.step(&op, Batch::put([suspending.clone()])).await {
             return Checkpointed::Failed(e);
         }
-        let result = self.checkpoint(key, &suspending, fence).await;
+        let mut result = self.checkpoint(key, &suspending, fence).await;
+        // Its worker's stream is gone (before or during the checkpoint): should it
+        // attach again still hosting the actor, the checkpoint goes over the new stream
+        // rather than the actor going back to its last snapshot.
+        let worker = suspending.worker.clone().unwrap_or_default();
+        if matches!(result, Err(LinkError::Gone)) && self.reattached_hosting(key, &worker).await {
+            result = self.checkpoint(key, &suspending, fence).await;
+        }
         if matches!(result, Err(LinkError::Busy)) {
             let back = suspending.moved(ActorStatus::Running, suspending.worker.clone());
             if let Some(a) = self.lock().activity.get_mut(key) {

@@ -122,10 +122,17 @@ impl Plane {
                     "the worker attached again on another stream",
                 ));
             }
+            // What it reports hosting, if the records place it there: RUNNING with no
+            // operation on it, or SUSPENDING with its checkpoint waiting for this attach.
             let kept = hosting.filter(|k| {
                 st.actors.get(k).is_some_and(|r| {
-                    r.status == ActorStatus::Running && r.worker.as_deref() == Some(id.as_str())
-                }) && st.busy(k).is_none()
+                    r.worker.as_deref() == Some(id.as_str())
+                        && match r.status {
+                            ActorStatus::Running => st.busy(k).is_none(),
+                            ActorStatus::Suspending => st.awaiting_worker.contains(k),
+                            _ => false,
+                        }
+                })
             });
             if let (Some(h), None) = (&join.hosting, &kept)
                 && !h.name.is_empty()
@@ -488,18 +495,8 @@ impl Plane {
         if self.is_shutting_down() {
             return false;
         }
-        let (app, deadline) = {
-            let st = self.lock();
-            match (st.workers.get(worker), st.departed.get(worker)) {
-                (Some(w), _) if !w.link.is_closed() => return true,
-                // Its stream just ended (the plane has not heard of it yet).
-                (Some(w), _) => (
-                    Some(w.app_addr),
-                    self.fenced_by(w.last_renewal, self.config().hosting_lease),
-                ),
-                (None, Some(d)) => (Some(d.app), d.fenced_by),
-                (None, None) => (None, self.inner.workers_unknown_until),
-            }
+        let Some((app, deadline)) = self.unattached(worker) else {
+            return true;
         };
         if deadline <= tokio::time::Instant::now() {
             return true;
@@ -521,6 +518,64 @@ impl Plane {
             _ = self.wait_until(within, |p| p.attached(worker)) => true,
             () = self.inner.shutdown.cancelled() => false,
         }
+    }
+
+    /// For a `worker` not attached: its app address, if known, and when it has surely
+    /// fenced its actor (see [`Self::until_fenced`]). `None` while it is attached.
+    fn unattached(&self, worker: &str) -> Option<(Option<SocketAddr>, tokio::time::Instant)> {
+        let st = self.lock();
+        match (st.workers.get(worker), st.departed.get(worker)) {
+            (Some(w), _) if !w.link.is_closed() => None,
+            // Its stream just ended (the plane has not heard of it yet).
+            (Some(w), _) => Some((
+                Some(w.app_addr),
+                self.fenced_by(w.last_renewal, self.config().hosting_lease),
+            )),
+            (None, Some(d)) => Some((Some(d.app), d.fenced_by)),
+            (None, None) => Some((None, self.inner.workers_unknown_until)),
+        }
+    }
+
+    /// For a checkpoint of SUSPENDING `key` that found its `worker` gone: waits until
+    /// the worker attaches again still hosting it (kept for this checkpoint, which then
+    /// goes over the new stream), bounded by when the worker must have fenced it.
+    /// Whether it did. False at once when the worker's process is gone (its app port
+    /// refuses connections), and when the plane shuts down.
+    pub(super) async fn reattached_hosting(&self, key: &ActorKey, worker: &str) -> bool {
+        let hosting = |p: &Self| {
+            p.lock()
+                .workers
+                .get(worker)
+                .is_some_and(|w| !w.link.is_closed() && w.slot == Slot::Hosting(key.clone()))
+        };
+        let Some((app, deadline)) = self.unattached(worker) else {
+            return hosting(self);
+        };
+        if self.is_shutting_down() || deadline <= tokio::time::Instant::now() {
+            return false;
+        }
+        if let Some(app) = app
+            && refuses(app).await
+        {
+            return false;
+        }
+        /// Takes `key` out of the waiting set however the wait ends.
+        struct Awaiting<'a>(&'a Plane, ActorKey);
+        impl Drop for Awaiting<'_> {
+            fn drop(&mut self) {
+                self.0.lock().awaiting_worker.remove(&self.1);
+            }
+        }
+        self.lock().awaiting_worker.insert(key.clone());
+        let awaiting = Awaiting(self, key.clone());
+        tracing::info!(actor = %key, worker, ?deadline, "checkpoint waits for the worker to attach again");
+        let within = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let attached = tokio::select! {
+            _ = self.wait_until(within, |p| p.attached(worker)) => self.attached(worker),
+            () = self.inner.shutdown.cancelled() => false,
+        };
+        drop(awaiting);
+        attached && hosting(self)
     }
 
     /// Whether `worker` is attached, its stream open.

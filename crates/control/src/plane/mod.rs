@@ -209,6 +209,10 @@ pub(crate) struct State {
     /// Workers whose stream ended and that may still serve their actor, by id, until
     /// they re-attach or their hosting lease has run out.
     pub(crate) departed: HashMap<String, membership::Departure>,
+    /// SUSPENDING actors whose checkpoint waits for their worker to attach again: a
+    /// re-attach that reports one keeps it (the checkpoint then goes over the new
+    /// stream) instead of evicting it with everything it did since its last snapshot.
+    pub(crate) awaiting_worker: std::collections::HashSet<ActorKey>,
 }
 
 impl State {
