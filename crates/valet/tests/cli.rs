@@ -891,6 +891,12 @@ fn valet_up_checks_its_flags_before_the_data_dir() {
             "--ingress-allowed-spiffe-ids=spiffe://td/x",
         ),
         (&["--ateapi-ca-file", "/etc/hosts"][..], "needs --tls"),
+        // With --tls too, whose certificates are made later: before, the data dir was
+        // written first.
+        (
+            &["--tls", "--listen-https", "nonsense"][..],
+            "--listen-https=nonsense",
+        ),
         // Two listeners on one address: before, the control plane started and wrote
         // the actors, then the router's bind failed (exit 1).
         (

@@ -102,9 +102,9 @@ fn precheck(args: &UpArgs) -> Result<valet_router::RouterConfig, UpError> {
     let config = router
         .resolve()
         .map_err(|e| UpError::Config(e.to_string()))?;
-    if !args.tls || args.ingress.ingress_tls_cert_file.is_some() {
-        args.ingress.check().map_err(UpError::Config)?;
-    }
+    // Without certificate files (--tls makes them later), checked with a certificate
+    // made in memory.
+    args.ingress.check().map_err(UpError::Config)?;
     Ok(config)
 }
 
