@@ -89,7 +89,7 @@ pub async fn serve(
             // TLS is done here rather than by tonic, so that each connection takes the
             // configuration current when it is accepted (rotated files, no restart).
             Some(tls) => {
-                let (incoming, task) = tls_incoming(listener, tls);
+                let (incoming, task) = tls_incoming(listener, tls, MAX_HANDSHAKES);
                 accepting = Some(task);
                 Box::pin(router.serve_with_incoming_shutdown(incoming, stopped))
             }
@@ -135,6 +135,11 @@ pub async fn serve(
 
 /// How long a client may take to complete its TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// TLS handshakes in progress at most: past it no connection is accepted (they wait
+/// in the listen backlog) until one ends, so that clients that connect and never
+/// finish a handshake cannot take every file descriptor.
+const MAX_HANDSHAKES: usize = 256;
 
 /// The connections [`tls_incoming`] hands over.
 type TlsIncoming = ReceiverStream<
@@ -250,12 +255,13 @@ impl<S: tonic::transport::server::Connected> tonic::transport::server::Connected
 }
 
 /// Connections accepted on `listener`, through a TLS handshake with the configuration
-/// current at accept time, and the task that accepts them. Failed handshakes are
-/// logged and dropped. The task (and the handshakes in progress) end when the server
-/// drops the stream, or when it is aborted.
+/// current at accept time, at most `max_handshakes` at once, and the task that accepts
+/// them. Failed handshakes are logged and dropped. The task (and the handshakes in
+/// progress) end when the server drops the stream, or when it is aborted.
 fn tls_incoming(
     listener: TcpListener,
     tls: valet_proto::reload::Reloading<tokio_rustls::rustls::ServerConfig>,
+    max_handshakes: usize,
 ) -> (TlsIncoming, tokio::task::JoinHandle<()>) {
     let (tx, rx) = mpsc::channel(64);
     let task = tokio::spawn(async move {
@@ -264,7 +270,7 @@ fn tls_incoming(
             tokio::select! {
                 () = tx.closed() => return,
                 Some(_) = handshakes.join_next(), if !handshakes.is_empty() => {}
-                accepted = listener.accept() => {
+                accepted = listener.accept(), if handshakes.len() < max_handshakes => {
                     let (tcp, peer) = match accepted {
                         Ok(a) => a,
                         Err(e) => {
@@ -653,5 +659,66 @@ impl workers_server::Workers for WorkersService {
             plane.worker_left(&join.worker_id, &link);
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio_rustls::rustls;
+
+    /// Clients that connect and never start their handshake hold at most
+    /// `max_handshakes` places: past them no connection is accepted until one ends
+    /// (before, every one was accepted, each holding a descriptor for 10 s).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tls_handshakes_in_progress_are_capped() {
+        use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+        let dir = tempfile::tempdir().unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(vec!["127.0.0.1".to_owned()])
+            .unwrap()
+            .signed_by(&key, &ca)
+            .unwrap();
+        let (cert_file, key_file) = (dir.path().join("cp.pem"), dir.path().join("cp.key"));
+        std::fs::write(&cert_file, cert.pem()).unwrap();
+        std::fs::write(&key_file, key.serialize_pem()).unwrap();
+        let tls = crate::auth::server_tls(&cert_file, &key_file, None).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (_incoming, task) = tls_incoming(listener, tls, 2);
+
+        let mut silent = Vec::new();
+        for _ in 0..2 {
+            silent.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(ca.as_ref().der().clone()).unwrap();
+        let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        let handshake = tokio::spawn(async move {
+            let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+            tokio_rustls::TlsConnector::from(Arc::new(config))
+                .connect("127.0.0.1".try_into().unwrap(), tcp)
+                .await
+                .map(drop)
+        });
+        // Not a synchronization: however long it waits, it must not be accepted.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!handshake.is_finished(), "accepted past the cap");
+        drop(silent.pop());
+        let done = tokio::time::timeout(Duration::from_secs(5), handshake).await;
+        assert!(
+            matches!(done, Ok(Ok(Ok(())))),
+            "the handshake completes once a place is free: {done:?}"
+        );
+        task.abort();
     }
 }
