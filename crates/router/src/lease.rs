@@ -32,7 +32,9 @@ struct Entry {
     until: Instant,
     /// A request used it since it was granted: renew it before it ends.
     used: bool,
-    /// A renewal is in progress.
+    /// Its renewal was sent (in progress, or failed): one per lease. A failed one is
+    /// not sent again (the next request's own call asks for a new lease once this one
+    /// ends); before, it was sent again at every tick, ten a second.
     renewing: bool,
 }
 
@@ -190,7 +192,9 @@ impl RouteCache {
         now: Instant,
     ) {
         let until = sent_at + grant.lease;
-        if until <= now {
+        // Not while no watch is open (the router stops, or its watch is down): no
+        // revocation could reach this router, and a stopping one has released them.
+        if until <= now || self.watching().is_none() {
             return;
         }
         let mut book = self.book();
@@ -309,12 +313,6 @@ impl RouteCache {
             })
             .collect()
     }
-
-    fn renewal_failed(&self, actor: &ActorRef) {
-        if let Some(e) = self.book().entries.get_mut(actor) {
-            e.renewing = false;
-        }
-    }
 }
 
 /// How long before its end a lease in use is renewed, for a lease of `lease`.
@@ -397,9 +395,12 @@ impl LeaseClient {
         self.up.load(Ordering::Relaxed)
     }
 
-    /// Stops cleanly: the control plane is told every lease is released, the cache is
-    /// emptied, the tasks end.
+    /// Stops cleanly: the cache is emptied and no lease is asked for or taken any more,
+    /// then the control plane is told every lease is released, and the tasks end.
+    /// Emptied first: once the plane has the release it may move the actors.
     pub async fn shutdown(&self) {
+        self.cache.set_holder(None);
+        self.cache.clear();
         self.stop.cancel();
         self.tasks.close();
         self.tasks.wait().await;
@@ -568,15 +569,13 @@ impl LeaseClient {
                     cache.answered(
                         !matches!(&answer, Err(e) if e.code() == tonic::Code::Unavailable),
                     );
-                    match answer {
-                        Ok(r) => match (r.grant, worker_addr(&r.actor, default_port)) {
-                            (Some(grant), Some(addr)) => {
-                                cache.metrics.renewed();
-                                cache.install(&actor, addr, grant, sent_at);
-                            }
-                            _ => cache.renewal_failed(&actor),
-                        },
-                        Err(_) => cache.renewal_failed(&actor),
+                    // Not renewed otherwise: the lease runs out (see `Entry::renewing`).
+                    if let Ok(r) = answer
+                        && let (Some(grant), Some(addr)) =
+                            (r.grant, worker_addr(&r.actor, default_port))
+                    {
+                        cache.metrics.renewed();
+                        cache.install(&actor, addr, grant, sent_at);
                     }
                 });
             }

@@ -168,6 +168,28 @@ async fn stale_leases_only_for_the_built_in_plane_while_unreachable() {
     assert!(cache.route(&actor("demo/p1"), true).is_none());
 }
 
+/// A renewal that fails is not sent again for that lease (one call per lease period):
+/// the lease runs out, and the next request asks for a new one itself. Before, it was
+/// sent again at every tick (100 ms) until the lease ended.
+#[tokio::test(start_paused = true)]
+async fn a_failed_renewal_is_not_sent_again() {
+    let mut h = harness(&[]);
+    watching(&h);
+    let _renewals = h.router.start_renewals_only();
+    let r = h.request("demo/busy");
+    h.calls.next().await.running_leased(9001, LEASE, 1);
+    assert_eq!(status(&r.await.unwrap()), 200);
+    assert_eq!(status(&h.request("demo/busy").await.unwrap()), 200);
+    let renewal = h.calls.next().await;
+    assert_eq!(renewal.request.actor, actor("demo/busy"));
+    renewal.fail(tonic::Code::Unavailable, "worker not renewing");
+    elapse(LEASE).await;
+    assert!(h.calls.try_next().is_none(), "not sent again");
+    let r = h.request("demo/busy");
+    h.calls.next().await.running(9001);
+    assert_eq!(status(&r.await.unwrap()), 200);
+}
+
 /// Stopping the lease client does not wait for a renewal the control plane has not
 /// answered (it could take the whole attempt timeout, 30 s, past the drain).
 #[tokio::test(start_paused = true)]

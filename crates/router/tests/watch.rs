@@ -100,6 +100,10 @@ async fn a_refused_watch_is_not_an_unreachable_control_plane() {
 struct Releasing {
     released: Arc<std::sync::atomic::AtomicBool>,
     welcomed: Arc<Notify>,
+    /// The router's route cache: whether it still asked for leases when its release
+    /// arrived.
+    cache: Arc<std::sync::OnceLock<Arc<valet_router::lease::RouteCache>>>,
+    holder_at_release: Arc<std::sync::Mutex<Option<Option<String>>>>,
 }
 
 #[tonic::async_trait]
@@ -120,12 +124,16 @@ impl leases_server::Leases for Releasing {
         tx.send(Ok(welcome)).await.unwrap();
         self.welcomed.notify_one();
         let released = Arc::clone(&self.released);
+        let (cache, holder_at_release) =
+            (Arc::clone(&self.cache), Arc::clone(&self.holder_at_release));
         tokio::spawn(async move {
             // A busy control plane: it reads the router's messages a while later.
             tokio::time::sleep(Duration::from_millis(200)).await;
             while let Ok(Some(m)) = inbound.message().await {
                 if matches!(m.message, Some(pb::router_message::Message::ReleaseAll(_))) {
                     released.store(true, Ordering::SeqCst);
+                    *holder_at_release.lock().unwrap() =
+                        Some(cache.get().and_then(|c| c.holder_for_test()));
                 }
             }
             drop(tx);
@@ -137,11 +145,14 @@ impl leases_server::Leases for Releasing {
 }
 
 /// A stopping router's release of its leases has reached the control plane by the time
-/// its lease client has stopped, so the plane need not wait the leases out.
+/// its lease client has stopped, so the plane need not wait the leases out; by the time
+/// it is sent, the router asks for and routes on leases no more (before, it did until
+/// its watch ended, after the plane could have moved the actors).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopping_router_releases_its_leases_before_it_stops() {
     let script = Releasing::default();
     let (server, router, _leases) = watching(script.clone()).await;
+    let _ = script.cache.set(Arc::clone(router.route_cache()));
     tokio::time::timeout(Duration::from_secs(10), script.welcomed.notified())
         .await
         .expect("the router watches");
@@ -156,6 +167,11 @@ async fn a_stopping_router_releases_its_leases_before_it_stops() {
     assert!(
         script.released.load(Ordering::SeqCst),
         "the release reached the control plane before the router stopped"
+    );
+    assert_eq!(
+        *script.holder_at_release.lock().unwrap(),
+        Some(None),
+        "no lease asked for once the release is sent"
     );
     server.abort();
 }
