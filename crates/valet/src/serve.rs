@@ -70,15 +70,25 @@ impl RunningRouter {
         .map_err(|e| format!("--control-plane={}: {e}", config.control_plane()))?;
         let channel = cp.channel();
         let channels_for_probe = cp.channels();
+        // Every port first: a bind that fails leaves nothing running (no lease watch).
+        let bound = |flag: &'static str, addr: Option<SocketAddr>| async move {
+            match addr {
+                Some(addr) => bind(flag, addr).await.map(|l| Some((addr, l))),
+                None => Ok(None),
+            }
+        };
+        let http_listener = bound("--listen", config.listen()).await?;
+        let https_listener = bound("--listen-https", https.as_ref().map(|(a, _)| *a)).await?;
+        let extproc_listener = bound("--extproc-listen", config.extproc_listen()).await?;
+        let admin_listener = bound("--admin-listen", config.admin_listen()).await?;
         let router = Router::new(Arc::clone(&config), Arc::new(cp), Arc::new(Metrics::new()));
         router.start_leases(channel);
         let health = Arc::new(Health::default());
         let stop_admin = CancellationToken::new();
         let mut listeners = Vec::new();
 
-        let http = match config.listen() {
-            Some(addr) => {
-                let l = bind("--listen", addr).await?;
+        let http = match http_listener {
+            Some((addr, l)) => {
                 let server = HttpServer::spawn(l, router.clone(), Limits::default())
                     .map_err(|e| format!("--listen={addr}: {e}"))?;
                 listeners.push(("router", server.local_addr()));
@@ -86,9 +96,8 @@ impl RunningRouter {
             }
             None => None,
         };
-        let https = match https {
-            Some((addr, tls)) => {
-                let l = bind("--listen-https", addr).await?;
+        let https = match https.zip(https_listener) {
+            Some(((_, tls), (addr, l))) => {
                 let server = HttpServer::spawn_https(l, router.clone(), Limits::default(), tls)
                     .map_err(|e| format!("--listen-https={addr}: {e}"))?;
                 listeners.push(("router-https", server.local_addr()));
@@ -97,9 +106,8 @@ impl RunningRouter {
             None => None,
         };
         let http: Vec<HttpServer> = http.into_iter().chain(https).collect();
-        let extproc = match config.extproc_listen() {
-            Some(addr) => {
-                let l = bind("--extproc-listen", addr).await?;
+        let extproc = match extproc_listener {
+            Some((addr, l)) => {
                 let server = ExtProcServer::spawn(l, router.clone())
                     .map_err(|e| format!("--extproc-listen={addr}: {e}"))?;
                 listeners.push(("extproc", server.local_addr()));
@@ -107,9 +115,8 @@ impl RunningRouter {
             }
             None => None,
         };
-        let admin_listener = match config.admin_listen() {
-            Some(addr) => {
-                let l = bind("--admin-listen", addr).await?;
+        let admin_listener = match admin_listener {
+            Some((_, l)) => {
                 let a = l.local_addr().map_err(|e| e.to_string())?;
                 listeners.push(("admin", a));
                 Some(l)
