@@ -444,6 +444,13 @@ impl LeaseClient {
                     tracing::info!(error = %why, "lease watch refused; watching again with the token file's current token");
                     backoff
                 }
+                // Reachable too: no stale routing while it notices the earlier watch
+                // gone (a reset that reached only this side, say).
+                Watched::Answered(why) => {
+                    self.cache.answered(true);
+                    tracing::debug!(error = %why, "lease watch refused; watching again");
+                    backoff
+                }
             };
             tokio::select! {
                 () = tokio::time::sleep(wait) => {}
@@ -593,6 +600,9 @@ enum Watched {
     Lost(String),
     /// The control plane refused it: its credentials (a bearer token that expired).
     Refused(String),
+    /// The control plane answered it with another refusal: it holds this router's
+    /// earlier watch, whose end it has not noticed yet (`AlreadyExists`).
+    Answered(String),
 }
 
 impl Watched {
@@ -603,6 +613,7 @@ impl Watched {
             tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => {
                 Self::Refused(status.message().to_owned())
             }
+            tonic::Code::AlreadyExists => Self::Answered(status.message().to_owned()),
             _ => Self::Lost(status.message().to_owned()),
         }
     }

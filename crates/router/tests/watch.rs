@@ -12,15 +12,26 @@ use tonic::{Request, Response, Status, Streaming};
 use valet_proto::leases::{self as pb, leases_server};
 use valet_router::{GrpcControlPlane, Metrics, Router, RouterArgs};
 
-/// The first watch is welcomed, then refused; the second is never answered.
-#[derive(Default)]
+/// The first watch is welcomed, then refused with `refusal`; the second is never
+/// answered.
 struct Script {
     watches: AtomicUsize,
     second: Notify,
+    refusal: Status,
 }
 
-#[derive(Clone, Default)]
+#[derive(Clone)]
 struct Refusing(Arc<Script>);
+
+impl Refusing {
+    fn with(refusal: Status) -> Self {
+        Self(Arc::new(Script {
+            watches: AtomicUsize::new(0),
+            second: Notify::new(),
+            refusal,
+        }))
+    }
+}
 
 type Out = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::PlaneMessage, Status>> + Send>>;
 
@@ -38,7 +49,7 @@ impl leases_server::Leases for Refusing {
                     route_lease: Duration::from_secs(5).try_into().ok(),
                 })),
             };
-            let refused = Status::unauthenticated("bearer token expired: watch again");
+            let refused = self.0.refusal.clone();
             return Ok(Response::new(Box::pin(tokio_stream::iter([
                 Ok(welcome),
                 Err(refused),
@@ -78,20 +89,26 @@ async fn watching<S: leases_server::Leases>(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_watch_is_not_an_unreachable_control_plane() {
-    let script = Refusing::default();
-    let (server, router, leases) = watching(script.clone()).await;
-
-    tokio::time::timeout(Duration::from_secs(10), script.0.second.notified())
-        .await
-        .expect("the router watches again after the refusal");
-    let cache = router.route_cache();
-    assert!(cache.holder_for_test().is_none(), "the watch is down");
-    assert!(
-        !cache.unreachable(),
-        "a refusal is an answer: the control plane is reachable"
-    );
-    leases.shutdown().await;
-    server.abort();
+    // An expired token; and the plane still holding this router's earlier watch (a
+    // reset that reached only the router): before, that one counted as unreachable.
+    for refusal in [
+        Status::unauthenticated("bearer token expired: watch again"),
+        Status::already_exists("router r1 already watches"),
+    ] {
+        let script = Refusing::with(refusal.clone());
+        let (server, router, leases) = watching(script.clone()).await;
+        tokio::time::timeout(Duration::from_secs(10), script.0.second.notified())
+            .await
+            .expect("the router watches again after the refusal");
+        let cache = router.route_cache();
+        assert!(cache.holder_for_test().is_none(), "the watch is down");
+        assert!(
+            !cache.unreachable(),
+            "{refusal:?} is an answer: the control plane is reachable"
+        );
+        leases.shutdown().await;
+        server.abort();
+    }
 }
 
 /// Records whether a watch released every lease before it ended; ends the watch when
