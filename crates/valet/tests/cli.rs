@@ -540,6 +540,30 @@ fn load_run_rates_are_checked() {
     }
 }
 
+/// A run against a router that never answers (nothing listens there) says so and
+/// exits 1 after its summary: before, it printed "N requests (error: N)" and exited 0,
+/// which a script took for a measurement.
+#[test]
+fn a_load_run_with_no_answer_fails() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let router = closed.to_string();
+    let o = valet(
+        &["load", "run", "--router", &router, "--duration", "300ms"],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    let lines = stderr_lines(&o);
+    let last = lines.last().unwrap();
+    assert!(
+        last.starts_with("valet load: none of the ")
+            && last.contains(&format!("got an HTTP answer from --router={router}")),
+        "{lines:?}"
+    );
+}
+
 /// A hosting lease too short for the workers' renewals every second (the control plane
 /// would answer `Unavailable` for a running actor between renewals) is refused, by the
 /// control plane and by `valet up`.

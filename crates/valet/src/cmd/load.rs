@@ -151,6 +151,13 @@ async fn load_run(args: LoadRunArgs) -> Result<(), Failure> {
             args.duration
         )));
     }
+    // A router that never answered (the wrong address, say) is no measurement.
+    if summary.total > 0 && summary.answered.is_none() {
+        return Err(Failure::Run(format!(
+            "none of the {} requests got an HTTP answer from --router={} (see the errors above)",
+            summary.total, args.router
+        )));
+    }
     Ok(())
 }
 
