@@ -233,6 +233,38 @@ async fn suspending_a_suspended_actor_with_a_resume_waiting_is_a_no_op() {
     assert!(!waiting.is_finished());
 }
 
+/// A resume handed a worker writes its claim with the actor still SUSPENDED in
+/// memory: a suspend then is refused `Aborted` (the actor is about to run), not
+/// answered as a no-op, and a drain of that worker waits for the restore and then
+/// checkpoints the actor instead of telling the worker `Drained` at once.
+#[tokio::test(start_paused = true)]
+async fn a_suspend_while_a_resume_claims_its_worker_is_aborted() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a"]).await;
+    let (mut w1, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    store.gate.close();
+    let resume = spawn_resume(&plane, "a", None);
+    store.gate.until_waiting(1).await;
+    assert_eq!(plane.status_of("demo", "a"), Some(S::Suspended));
+    assert_eq!(
+        plane.suspend_actor(key("a")).await.unwrap_err().code(),
+        Code::Aborted
+    );
+
+    w1.drain();
+    // The paused clock moves only once every task is idle: the drain has looked at
+    // the actor by then.
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    store.gate.open();
+    let r = expect(&mut w1, "restore").await;
+    w1.answer(r.id, Ok(()));
+    resume.await.unwrap().unwrap();
+    let r = expect(&mut w1, "checkpoint").await;
+    w1.answer(r.id, Ok(()));
+    expect(&mut w1, "drained").await;
+    assert_eq!(plane.status_of("demo", "a"), Some(S::Suspended));
+}
+
 /// A worker that drains (it got SIGTERM) has its actor checkpointed, not reverted
 /// later: SUSPENDED with no revert pending, restored elsewhere from that snapshot. It is
 /// never handed to a capacity waiter, even when its checkpoint frees it; a new worker

@@ -530,8 +530,15 @@ impl Plane {
             let (op, row) = {
                 let mut st = plane.lock();
                 let row = st.actors.get(&key).ok_or_else(|| not_found(&key))?.clone();
-                // A no-op, also while a resume waits for capacity for it.
-                if row.status == ActorStatus::Suspended {
+                // A no-op, also while a resume waits in its pool's queue for it; not
+                // while one was handed a worker (about to run) or another operation
+                // holds it: `Aborted` below, as for any busy actor.
+                let at_most_queued = match st.busy(&key) {
+                    None => true,
+                    Some(OpKind::Resuming { .. }) => !stop_waits_for(&st, &key),
+                    Some(OpKind::Busy(_)) => false,
+                };
+                if row.status == ActorStatus::Suspended && at_most_queued {
                     return Ok(st.to_proto(&row));
                 }
                 if st.busy(&key).is_some() {
