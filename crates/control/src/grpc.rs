@@ -89,7 +89,7 @@ pub async fn serve(
             // TLS is done here rather than by tonic, so that each connection takes the
             // configuration current when it is accepted (rotated files, no restart).
             Some(tls) => {
-                let (incoming, task) = tls_incoming(listener, tls, MAX_HANDSHAKES);
+                let (incoming, task) = tls_incoming(listener, tls, HANDSHAKE_CAPS);
                 accepting = Some(task);
                 Box::pin(router.serve_with_incoming_shutdown(incoming, stopped))
             }
@@ -136,10 +136,23 @@ pub async fn serve(
 /// How long a client may take to complete its TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// TLS handshakes in progress at most: past it no connection is accepted (they wait
-/// in the listen backlog) until one ends, so that clients that connect and never
-/// finish a handshake cannot take every file descriptor.
-const MAX_HANDSHAKES: usize = 256;
+/// TLS handshakes in progress at most, in all and from one peer address.
+#[derive(Debug, Clone, Copy)]
+struct HandshakeCaps {
+    /// Past it no connection is accepted (they wait in the listen backlog) until one
+    /// ends: clients that connect and never finish a handshake cannot take every file
+    /// descriptor.
+    total: usize,
+    /// Past it a new connection from that address is closed at once: one client
+    /// cannot take every place of `total` (its next attempt gets one once its own
+    /// handshakes end).
+    per_peer: usize,
+}
+
+const HANDSHAKE_CAPS: HandshakeCaps = HandshakeCaps {
+    total: 256,
+    per_peer: 32,
+};
 
 /// The connections [`tls_incoming`] hands over.
 type TlsIncoming = ReceiverStream<
@@ -255,22 +268,38 @@ impl<S: tonic::transport::server::Connected> tonic::transport::server::Connected
 }
 
 /// Connections accepted on `listener`, through a TLS handshake with the configuration
-/// current at accept time, at most `max_handshakes` at once, and the task that accepts
-/// them. Failed handshakes are logged and dropped. The task (and the handshakes in
-/// progress) end when the server drops the stream, or when it is aborted.
+/// current at accept time, at most `caps` at once, and the task that accepts them.
+/// Failed handshakes are logged and dropped. The task (and the handshakes in progress)
+/// end when the server drops the stream, or when it is aborted.
 fn tls_incoming(
     listener: TcpListener,
     tls: valet_proto::reload::Reloading<tokio_rustls::rustls::ServerConfig>,
-    max_handshakes: usize,
+    caps: HandshakeCaps,
 ) -> (TlsIncoming, tokio::task::JoinHandle<()>) {
     let (tx, rx) = mpsc::channel(64);
     let task = tokio::spawn(async move {
         let mut handshakes = tokio::task::JoinSet::new();
+        // The peer address of each handshake in progress, and how many each has.
+        let mut peers = std::collections::HashMap::<tokio::task::Id, std::net::IpAddr>::new();
+        let mut per_peer = std::collections::HashMap::<std::net::IpAddr, usize>::new();
         loop {
             tokio::select! {
                 () = tx.closed() => return,
-                Some(_) = handshakes.join_next(), if !handshakes.is_empty() => {}
-                accepted = listener.accept(), if handshakes.len() < max_handshakes => {
+                Some(ended) = handshakes.join_next_with_id(), if !handshakes.is_empty() => {
+                    let id = match ended {
+                        Ok((id, ())) => id,
+                        Err(e) => e.id(),
+                    };
+                    if let Some(ip) = peers.remove(&id)
+                        && let std::collections::hash_map::Entry::Occupied(mut n) = per_peer.entry(ip)
+                    {
+                        *n.get_mut() -= 1;
+                        if *n.get() == 0 {
+                            n.remove();
+                        }
+                    }
+                }
+                accepted = listener.accept(), if handshakes.len() < caps.total => {
                     let (tcp, peer) = match accepted {
                         Ok(a) => a,
                         Err(e) => {
@@ -280,10 +309,17 @@ fn tls_incoming(
                             continue;
                         }
                     };
+                    let ip = peer.ip().to_canonical();
+                    let n = per_peer.entry(ip).or_default();
+                    if *n >= caps.per_peer {
+                        tracing::debug!(%peer, "too many TLS handshakes in progress from this address; connection closed");
+                        continue;
+                    }
+                    *n += 1;
                     let _ = tcp.set_nodelay(true);
                     let acceptor = tokio_rustls::TlsAcceptor::from(tls.load());
                     let tx = tx.clone();
-                    handshakes.spawn(async move {
+                    let handle = handshakes.spawn(async move {
                         match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                             Ok(Ok(stream)) => {
                                 let _ = tx.send(Ok(Preface::new(stream))).await;
@@ -294,6 +330,7 @@ fn tls_incoming(
                             Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
                         }
                     });
+                    peers.insert(handle.id(), ip);
                 }
             }
         }
@@ -668,10 +705,87 @@ mod tests {
     use tokio_rustls::rustls;
 
     /// Clients that connect and never start their handshake hold at most
-    /// `max_handshakes` places: past them no connection is accepted until one ends
+    /// `caps.total` places: past them no connection is accepted until one ends
     /// (before, every one was accepted, each holding a descriptor for 10 s).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn tls_handshakes_in_progress_are_capped() {
+        let (_dir, tls, config) = loopback_tls();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let caps = HandshakeCaps {
+            total: 2,
+            per_peer: 2,
+        };
+        let (_incoming, task) = tls_incoming(listener, tls, caps);
+
+        let mut silent = Vec::new();
+        for _ in 0..2 {
+            silent.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        let handshake = tokio::spawn(handshake_from("127.0.0.2", addr, config));
+        // Not a synchronization: however long it waits, it must not be accepted.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!handshake.is_finished(), "accepted past the cap");
+        drop(silent.pop());
+        let done = tokio::time::timeout(Duration::from_secs(5), handshake).await;
+        assert!(
+            matches!(done, Ok(Ok(Ok(())))),
+            "the handshake completes once a place is free: {done:?}"
+        );
+        task.abort();
+    }
+
+    /// One address cannot take every place: past its own cap, its next connection is
+    /// closed at once, and another address still gets its handshake.
+    #[tokio::test]
+    async fn one_peer_cannot_take_every_handshake_place() {
+        use tokio::io::AsyncReadExt as _;
+        let (_dir, tls, config) = loopback_tls();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let caps = HandshakeCaps {
+            total: 4,
+            per_peer: 2,
+        };
+        let (_incoming, task) = tls_incoming(listener, tls, caps);
+
+        let mut silent = Vec::new();
+        for _ in 0..2 {
+            silent.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        let mut third = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let read = tokio::time::timeout(Duration::from_secs(5), third.read(&mut [0; 1])).await;
+        assert!(
+            matches!(read, Ok(Ok(0) | Err(_))),
+            "closed at once: {read:?}"
+        );
+        let other = tokio::time::timeout(
+            Duration::from_secs(5),
+            handshake_from("127.0.0.2", addr, Arc::clone(&config)),
+        )
+        .await;
+        assert!(matches!(other, Ok(Ok(()))), "{other:?}");
+        // Once its own handshakes end (the server sees them closed a moment after),
+        // the first address gets a place again.
+        silent.clear();
+        let again = tokio::time::timeout(Duration::from_secs(5), async {
+            while handshake_from("127.0.0.1", addr, Arc::clone(&config))
+                .await
+                .is_err()
+            {}
+        })
+        .await;
+        assert!(again.is_ok(), "no place for the first address again");
+        task.abort();
+    }
+
+    /// A server configuration with a certificate for 127.0.0.1, and a client
+    /// configuration that trusts it.
+    fn loopback_tls() -> (
+        tempfile::TempDir,
+        valet_proto::reload::Reloading<tokio_rustls::rustls::ServerConfig>,
+        Arc<rustls::ClientConfig>,
+    ) {
         use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
         let dir = tempfile::tempdir().unwrap();
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
@@ -686,14 +800,6 @@ mod tests {
         std::fs::write(&cert_file, cert.pem()).unwrap();
         std::fs::write(&key_file, key.serialize_pem()).unwrap();
         let tls = crate::auth::server_tls(&cert_file, &key_file, None).unwrap();
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (_incoming, task) = tls_incoming(listener, tls, 2);
-
-        let mut silent = Vec::new();
-        for _ in 0..2 {
-            silent.push(tokio::net::TcpStream::connect(addr).await.unwrap());
-        }
         let mut roots = rustls::RootCertStore::empty();
         roots.add(ca.as_ref().der().clone()).unwrap();
         let config = rustls::ClientConfig::builder_with_provider(Arc::new(
@@ -703,22 +809,21 @@ mod tests {
         .unwrap()
         .with_root_certificates(roots)
         .with_no_client_auth();
-        let handshake = tokio::spawn(async move {
-            let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-            tokio_rustls::TlsConnector::from(Arc::new(config))
-                .connect("127.0.0.1".try_into().unwrap(), tcp)
-                .await
-                .map(drop)
-        });
-        // Not a synchronization: however long it waits, it must not be accepted.
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        assert!(!handshake.is_finished(), "accepted past the cap");
-        drop(silent.pop());
-        let done = tokio::time::timeout(Duration::from_secs(5), handshake).await;
-        assert!(
-            matches!(done, Ok(Ok(Ok(())))),
-            "the handshake completes once a place is free: {done:?}"
-        );
-        task.abort();
+        (dir, tls, Arc::new(config))
+    }
+
+    /// A TLS handshake with the server at `addr`, from `from`.
+    async fn handshake_from(
+        from: &str,
+        addr: std::net::SocketAddr,
+        config: Arc<rustls::ClientConfig>,
+    ) -> std::io::Result<()> {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.bind(format!("{from}:0").parse().unwrap())?;
+        let tcp = socket.connect(addr).await?;
+        tokio_rustls::TlsConnector::from(config)
+            .connect("127.0.0.1".try_into().unwrap(), tcp)
+            .await
+            .map(drop)
     }
 }
