@@ -66,12 +66,20 @@ pub struct RouteCache {
     book: std::sync::Mutex<Book>,
     /// The router id to ask leases for, and the lease the control plane grants, while
     /// the watch is open.
-    holder: std::sync::Mutex<Option<(String, Duration)>>,
+    holder: std::sync::Mutex<Holder>,
     /// The control plane answers (its watch is up, or a recent call did not end
     /// `Unavailable`).
     reachable: AtomicBool,
     stale_max: Duration,
     metrics: Arc<Metrics>,
+}
+
+/// Who asks leases: the watch's holder while it is open, never again once stopped.
+#[derive(Debug, Default)]
+struct Holder {
+    current: Option<(String, Duration)>,
+    /// The router stops: a watch welcomed late sets no holder any more.
+    stopped: bool,
 }
 
 /// How a request was routed from the cache.
@@ -88,7 +96,7 @@ impl RouteCache {
     pub(crate) fn new(stale_max: Duration, metrics: Arc<Metrics>) -> Self {
         Self {
             book: std::sync::Mutex::default(),
-            holder: std::sync::Mutex::new(None),
+            holder: std::sync::Mutex::default(),
             reachable: AtomicBool::new(true),
             stale_max,
             metrics,
@@ -109,16 +117,29 @@ impl RouteCache {
         self.holder()
     }
 
+    fn holding(&self) -> std::sync::MutexGuard<'_, Holder> {
+        self.holder.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn watching(&self) -> Option<(String, Duration)> {
-        self.holder
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.holding().current.clone()
     }
 
     /// Asks leases as `holder` (the watch is open; the plane grants `lease`), or none.
+    /// Ignored once [`Self::stop_holding`] was called.
     pub fn set_holder(&self, holder: Option<(String, Duration)>) {
-        *self.holder.lock().unwrap_or_else(|e| e.into_inner()) = holder;
+        let mut h = self.holding();
+        if !h.stopped {
+            h.current = holder;
+        }
+    }
+
+    /// Asks no lease and takes none from now on, whatever a watch says later (the
+    /// router stops).
+    pub(crate) fn stop_holding(&self) {
+        let mut h = self.holding();
+        h.stopped = true;
+        h.current = None;
     }
 
     /// Records whether the last control-plane call got an answer (`false`: it ended
@@ -194,10 +215,12 @@ impl RouteCache {
         let until = sent_at + grant.lease;
         // Not while no watch is open (the router stops, or its watch is down): no
         // revocation could reach this router, and a stopping one has released them.
+        // Looked at under the book's lock: a stop that takes the holder away and then
+        // empties the book cannot run in between.
+        let mut book = self.book();
         if until <= now || self.watching().is_none() {
             return;
         }
-        let mut book = self.book();
         if book
             .revoked
             .get(actor)
@@ -399,7 +422,7 @@ impl LeaseClient {
     /// then the control plane is told every lease is released, and the tasks end.
     /// Emptied first: once the plane has the release it may move the actors.
     pub async fn shutdown(&self) {
-        self.cache.set_holder(None);
+        self.cache.stop_holding();
         self.cache.clear();
         self.stop.cancel();
         self.tasks.close();
@@ -662,6 +685,20 @@ mod tests {
         // Neither does one the revocation did not cover but that was granted earlier.
         cache.install_at(&a, addr(1), grant(10), now, now);
         assert_eq!(cache.route_at(&a, false, now), Some(Cached::Valid(addr(2))));
+    }
+
+    /// Once the router stops holding leases, a watch welcomed late (its Welcome read
+    /// just after the stop) sets no holder again, and no answer installs a lease.
+    #[test]
+    fn a_stopped_cache_takes_no_holder_and_no_lease() {
+        let cache = cache();
+        let a: ActorRef = "demo/p1".parse().unwrap();
+        let now = Instant::now();
+        cache.stop_holding();
+        cache.set_holder(Some(("r1".into(), L)));
+        assert_eq!(cache.holder(), None);
+        cache.install_at(&a, addr(1), grant(1), now, now);
+        assert_eq!(cache.len(), 0);
     }
 
     /// A revocation is remembered while an answer it covers could still grant a lease

@@ -82,7 +82,6 @@ impl RunningRouter {
         let extproc_listener = bound("--extproc-listen", config.extproc_listen()).await?;
         let admin_listener = bound("--admin-listen", config.admin_listen()).await?;
         let router = Router::new(Arc::clone(&config), Arc::new(cp), Arc::new(Metrics::new()));
-        router.start_leases(channel);
         let health = Arc::new(Health::default());
         let stop_admin = CancellationToken::new();
         let mut listeners = Vec::new();
@@ -123,6 +122,9 @@ impl RunningRouter {
             }
             None => None,
         };
+        // Last of all: nothing that can fail follows, so a start that fails leaves no
+        // lease watch behind. Requests taken before it ask no lease.
+        router.start_leases(channel);
         let admin = admin_listener.map(|l| {
             admin::spawn(
                 l,
