@@ -5,7 +5,7 @@
 //! consumer (retry loop, Envoy timeouts, drain) reads the same [`RouterConfig`].
 
 use std::fmt;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -375,24 +375,27 @@ pub struct ConfigError {
 
 impl ConfigError {
     fn new(flag: &'static str, value: impl fmt::Display, rule: impl Into<String>) -> Self {
-        let value = value
-            .to_string()
-            .chars()
-            .flat_map(|c| {
-                let escaped: Vec<char> = if c.is_control() {
-                    c.escape_default().collect()
-                } else {
-                    vec![c]
-                };
-                escaped
-            })
-            .collect();
         Self {
             flag,
-            value,
+            value: one_line(&value.to_string()),
             rule: rule.into(),
         }
     }
+}
+
+/// `text` with its control characters escaped (`\n`, `\t`, `\u{1b}`): a message
+/// that quotes a value stays on one line.
+pub fn one_line(text: &str) -> String {
+    text.chars()
+        .flat_map(|c| {
+            let escaped: Vec<char> = if c.is_control() {
+                c.escape_default().collect()
+            } else {
+                vec![c]
+            };
+            escaped
+        })
+        .collect()
 }
 
 /// The resolved, validated router configuration. Fields are read-only: every consumer
@@ -841,7 +844,8 @@ impl RouterArgs {
 }
 
 /// Refuses two listeners of one process on one address: the same address, or one on
-/// every address (`0.0.0.0`, `[::]`) and another on the same port. The second would
+/// every address and another on the same port (`0.0.0.0` beside an IPv4 address,
+/// `[::]` beside any). The second would
 /// fail to bind after the first had started; refused here, before anything starts,
 /// it is a configuration error naming both flags.
 ///
@@ -854,10 +858,17 @@ pub fn distinct_listeners(
         .iter()
         .filter_map(|&(flag, addr)| addr.filter(|a| a.port() != 0).map(|a| (flag, a)))
         .collect();
+    // `0.0.0.0` covers every IPv4 address; `[::]` every address of both families (a
+    // dual-stack socket); an IPv4-mapped IPv6 address is its IPv4 address.
+    let covers = |wide: IpAddr, ip: IpAddr| match wide {
+        IpAddr::V6(v6) if v6.is_unspecified() => true,
+        IpAddr::V4(v4) if v4.is_unspecified() => ip.is_ipv4(),
+        _ => false,
+    };
     for (i, &(flag, addr)) in fixed.iter().enumerate() {
         let overlaps = |b: &SocketAddr| {
-            b.port() == addr.port()
-                && (b.ip() == addr.ip() || b.ip().is_unspecified() || addr.ip().is_unspecified())
+            let (x, y) = (b.ip().to_canonical(), addr.ip().to_canonical());
+            b.port() == addr.port() && (x == y || covers(x, y) || covers(y, x))
         };
         if let Some((earlier, _)) = fixed[..i].iter().find(|(_, b)| overlaps(b)) {
             return Err(ConfigError::new(
@@ -1084,6 +1095,17 @@ mod tests {
             e.contains("--extproc-listen=127.0.0.1:9000: --listen"),
             "{e}"
         );
+        // `[::]` is dual-stack: it takes the IPv4 addresses of its port too; an
+        // IPv4-mapped address is its IPv4 one.
+        for (wide, narrow) in [
+            ("[::]:9000", "127.0.0.1:9000"),
+            ("127.0.0.1:9000", "[::ffff:127.0.0.1]:9000"),
+        ] {
+            let e = rule_of(&["--listen", wide, "--admin-listen", narrow]);
+            assert!(e.contains("--listen listens there already"), "{e}");
+        }
+        // `0.0.0.0` takes no IPv6 address.
+        resolve(&["--listen", "0.0.0.0:9000", "--admin-listen", "[::1]:9000"]).unwrap();
         // Port 0 picks a free one each time; other ports do not overlap.
         resolve(&["--listen", "127.0.0.1:0", "--extproc-listen", "127.0.0.1:0"]).unwrap();
         resolve(&[

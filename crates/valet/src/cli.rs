@@ -1089,7 +1089,7 @@ pub(crate) fn parse_error_exit(e: &clap::Error) -> ExitCode {
                     .map(str::trim)
                     .take_while(|l| !l.is_empty())
                     .collect();
-                say_err!("{line} {}", missing.join(", "));
+                say_usage!("{line} {}", missing.join(", "));
                 return ExitCode::from(EXIT_CONFIG);
             }
             // The rule of an enumerated flag is its possible values: on the same line.
@@ -1098,8 +1098,8 @@ pub(crate) fn parse_error_exit(e: &clap::Error) -> ExitCode {
                 .map(str::trim)
                 .find(|l| l.starts_with("[possible values:"))
             {
-                Some(values) => say_err!("{line} {values}"),
-                None => say_err!("{line}"),
+                Some(values) => say_usage!("{line} {values}"),
+                None => say_usage!("{line}"),
             }
             ExitCode::from(EXIT_CONFIG)
         }

@@ -30,6 +30,14 @@ macro_rules! say_err {
     }};
 }
 
+/// Writes an invalid configuration's message to stderr on one line: control
+/// characters in it (a value read from a file ends in a newline) are escaped.
+macro_rules! say_usage {
+    ($($arg:tt)*) => {{
+        say_err!("{}", valet_router::config::one_line(&format!($($arg)*)));
+    }};
+}
+
 mod admin;
 mod cli;
 mod cmd;
@@ -128,7 +136,7 @@ fn main() -> ExitCode {
             .map(|v| v.to_string_lossy())
             .collect::<Vec<_>>()
             .join(",");
-        say_err!(
+        say_usage!(
             "valet up: invalid configuration: --control-plane={given}: valet up runs its own control plane (see --control-plane-listen)"
         );
         return ExitCode::from(EXIT_CONFIG);

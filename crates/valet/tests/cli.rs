@@ -921,6 +921,11 @@ fn valet_up_checks_its_flags_before_the_data_dir() {
             &["--tls", "--listen-https", "nonsense"][..],
             "--listen-https=nonsense",
         ),
+        // A value read from a file ends in a newline: shown escaped, on one line.
+        (
+            &["--listen-https", "127.0.0.1:8443\n"][..],
+            "--listen-https=127.0.0.1:8443\\n: must be <ip>:<port>",
+        ),
         // Two listeners on one address: before, the control plane started and wrote
         // the actors, then the router's bind failed (exit 1).
         (

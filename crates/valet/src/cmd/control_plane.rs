@@ -72,14 +72,14 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         }) {
             Ok(a) => a,
             Err(e) => {
-                say_err!("valet control-plane: {e}");
+                say_usage!("valet control-plane: {e}");
                 return ExitCode::from(EXIT_CONFIG);
             }
         };
     let security = match args.security.resolve() {
         Ok(s) => s,
         Err(e) => {
-            say_err!("valet control-plane: {e}");
+            say_usage!("valet control-plane: {e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
@@ -88,7 +88,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         .jwt_flag()
         .filter(|_| security.jwt.is_some() && security.tls.is_none())
     {
-        say_err!(
+        say_usage!(
             "valet control-plane: invalid configuration: {jwt}: bearer tokens need TLS (--tls-cert-file and --tls-key-file)"
         );
         return ExitCode::from(EXIT_CONFIG);
@@ -96,17 +96,17 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
     let tls = security.tls.is_some();
     if let Some(url) = &args.database {
         if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
-            say_err!(
+            say_usage!(
                 "valet control-plane: invalid configuration: --database: must be a postgres:// URL"
             );
             return ExitCode::from(EXIT_CONFIG);
         }
         if let Err(why) = PostgresStore::check_url(url) {
-            say_err!("valet control-plane: invalid configuration: --database: {why}");
+            say_usage!("valet control-plane: invalid configuration: --database: {why}");
             return ExitCode::from(EXIT_CONFIG);
         }
         if !args.leases.route_lease.is_zero() {
-            say_err!(
+            say_usage!(
                 "valet control-plane: invalid configuration: --route-lease={}: must be 0 with --database (route leases are not shared across replicas yet)",
                 humantime_secs(args.leases.route_lease)
             );

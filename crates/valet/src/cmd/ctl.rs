@@ -15,7 +15,7 @@ pub(crate) async fn run(args: CtlArgs) -> ExitCode {
     let (credentials, urls) = match resolved {
         Ok(r) => r,
         Err(e) => {
-            say_err!("valet ctl: {e}");
+            say_usage!("valet ctl: {e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
@@ -32,7 +32,7 @@ pub(crate) async fn run(args: CtlArgs) -> ExitCode {
         match credentials.endpoint(url) {
             Ok(e) => endpoints.push(e.connect_timeout(std::time::Duration::from_secs(3))),
             Err(e) => {
-                say_err!(
+                say_usage!(
                     "valet ctl: invalid configuration: --control-plane={}: {e}",
                     args.control_plane
                 );
@@ -68,7 +68,7 @@ pub(crate) async fn run(args: CtlArgs) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(CtlError::Usage(msg)) => {
-            say_err!("valet ctl: {msg}");
+            say_usage!("valet ctl: {msg}");
             ExitCode::from(EXIT_CONFIG)
         }
         Err(CtlError::Rpc(status)) => {

@@ -11,14 +11,14 @@ pub(crate) fn run(args: &EnvoyBootstrapArgs) -> ExitCode {
     let config = match args.router.resolve() {
         Ok(c) => c,
         Err(e) => {
-            say_err!("valet envoy-bootstrap: {e}");
+            say_usage!("valet envoy-bootstrap: {e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
     let https = match envoy_https(args) {
         Ok(h) => h,
         Err(e) => {
-            say_err!("valet envoy-bootstrap: {e}");
+            say_usage!("valet envoy-bootstrap: {e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
@@ -33,7 +33,7 @@ pub(crate) fn run(args: &EnvoyBootstrapArgs) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            say_err!("valet envoy-bootstrap: {e}");
+            say_usage!("valet envoy-bootstrap: {e}");
             ExitCode::from(EXIT_CONFIG)
         }
     }

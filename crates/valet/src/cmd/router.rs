@@ -12,7 +12,7 @@ pub(crate) async fn run(cmd: RouterCmd) -> ExitCode {
     let config = match cmd.args.resolve() {
         Ok(c) => c.with_flags(cmd.ingress.given()),
         Err(e) => {
-            say_err!("valet router: {e}");
+            say_usage!("valet router: {e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
@@ -23,13 +23,13 @@ pub(crate) async fn run(cmd: RouterCmd) -> ExitCode {
         ("--listen-https", cmd.ingress.listen_https.parse().ok()),
     ];
     if let Err(e) = valet_router::config::distinct_listeners(&listeners) {
-        say_err!("valet router: {e}");
+        say_usage!("valet router: {e}");
         return ExitCode::from(EXIT_CONFIG);
     }
     let https = match cmd.ingress.resolve() {
         Ok(h) => h,
         Err(e) => {
-            say_err!("valet router: {e}");
+            say_usage!("valet router: {e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };

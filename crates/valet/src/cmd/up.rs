@@ -16,7 +16,7 @@ pub(crate) async fn run(args: UpArgs) -> ExitCode {
     match up(args, terminated).await {
         Ok(()) | Err(UpError::Checked) => ExitCode::SUCCESS,
         Err(UpError::Config(e)) => {
-            say_err!("valet up: {e}");
+            say_usage!("valet up: {e}");
             ExitCode::from(EXIT_CONFIG)
         }
         Err(UpError::Start(e)) => {

@@ -15,19 +15,19 @@ pub(crate) async fn run(args: WorkerArgs) -> ExitCode {
     let (credentials, control_plane) = match resolved {
         Ok(r) => r,
         Err(e) => {
-            say_err!("valet worker: {e}");
+            say_usage!("valet worker: {e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
     if args.listen.ip().is_unspecified() && args.advertise_address.is_none() {
-        say_err!(
+        say_usage!(
             "valet worker: invalid configuration: --listen={}: routers cannot reach an unspecified address; give --advertise-address (the pod IP)",
             args.listen
         );
         return ExitCode::from(EXIT_CONFIG);
     }
     if let Some(ip) = args.advertise_address.filter(|ip| ip.is_unspecified()) {
-        say_err!(
+        say_usage!(
             "valet worker: invalid configuration: --advertise-address={ip}: must be an address routers can reach, not 0.0.0.0 or ::"
         );
         return ExitCode::from(EXIT_CONFIG);
