@@ -41,7 +41,7 @@ pub(crate) async fn run(cmd: LoadCommand) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::Usage(e)) => {
-            say_err!("valet load: {e}");
+            say_usage!("valet load: {e}");
             ExitCode::from(EXIT_CONFIG)
         }
         Err(Failure::Run(e)) => {
@@ -289,6 +289,9 @@ async fn run_scenario(args: ScenarioArgs) -> Result<(), Failure> {
     };
     let t = &args.target;
     let cluster = if t.cluster { "-cluster" } else { "" };
+    // A mode whose run fails its check does not keep the other from running.
+    let mut failures = Vec::new();
+    let both = modes.len() > 1;
     for cw in modes {
         let tag = if remote {
             String::new()
@@ -408,10 +411,18 @@ async fn run_scenario(args: ScenarioArgs) -> Result<(), Failure> {
         publish(&report, &tag, &args.out)?;
         // Published first: the records explain the failure.
         if let Some(why) = report.failed {
-            return Err(Failure::Run(why));
+            failures.push(match (both, cw) {
+                (false, _) => why,
+                (true, true) => format!("--capacity-wait on: {why}"),
+                (true, false) => format!("--capacity-wait off: {why}"),
+            });
         }
     }
-    Ok(())
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(Failure::Run(failures.join("; ")))
+    }
 }
 
 /// How often a scenario says it is still running.
@@ -434,7 +445,7 @@ async fn with_progress<T>(what: &str, work: impl std::future::Future<Output = T>
 
 pub(crate) async fn demo_parking(args: DemoArgs) -> ExitCode {
     if let Err(Failure::Usage(e) | Failure::Run(e)) = check_target(&args.target, None) {
-        say_err!("valet demo parking: {e}");
+        say_usage!("valet demo parking: {e}");
         return ExitCode::from(EXIT_CONFIG);
     }
     let result = until_terminated(with_progress("valet demo parking", async {
