@@ -6,7 +6,7 @@
 
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Args;
@@ -195,37 +195,17 @@ impl AteapiArgs {
         .collect()
     }
 
-    /// The credentials for `url` (already checked to be `http://` or `https://`),
-    /// every file read now.
+    /// The rules between the flags, no file read: a certificate goes with its key,
+    /// `jwt` with a token file and a token file with `jwt`, a server name is one.
+    /// The client identity (certificate, key) and the token file.
     ///
     /// # Errors
-    /// The first rule broken, naming the flag: TLS flags on an `http://` URL, `jwt`
-    /// without a token file, a certificate without its key, a file that cannot be read.
-    pub fn credentials(&self, url: &str) -> Result<ClientCredentials, ConfigError> {
+    /// The first rule broken, naming the flag.
+    pub fn check_pairs(&self) -> Result<(Option<Identity>, Option<&Path>), ConfigError> {
         let show = |p: &Option<PathBuf>| {
             p.as_ref()
                 .map(|p| p.display().to_string())
                 .unwrap_or_default()
-        };
-        if url.starts_with("http://") {
-            // Any TLS or token flag on a plaintext URL is a mistake, never ignored.
-            if let Some((flag, value)) = self.given().into_iter().next() {
-                return Err(ConfigError::new(
-                    flag,
-                    value,
-                    format!("needs an https:// --control-plane, not {url}"),
-                ));
-            }
-            return Ok(ClientCredentials::plaintext());
-        }
-        let Some(ca) = &self.ateapi_ca_file else {
-            return Err(ConfigError::new(
-                "--ateapi-ca-file",
-                "",
-                format!(
-                    "is required for an https:// --control-plane ({url}): the control plane is always verified"
-                ),
-            ));
         };
         let identity = match (&self.ateapi_cert_file, &self.ateapi_key_file) {
             (Some(c), Some(k)) => Some((c.clone(), k.clone())),
@@ -275,6 +255,37 @@ impl AteapiArgs {
                 "must be a DNS name or an IP address",
             ));
         }
+        Ok((identity, token))
+    }
+
+    /// The credentials for `url` (already checked to be `http://` or `https://`),
+    /// every file read now.
+    ///
+    /// # Errors
+    /// The first rule broken, naming the flag: TLS flags on an `http://` URL, `jwt`
+    /// without a token file, a certificate without its key, a file that cannot be read.
+    pub fn credentials(&self, url: &str) -> Result<ClientCredentials, ConfigError> {
+        if url.starts_with("http://") {
+            // Any TLS or token flag on a plaintext URL is a mistake, never ignored.
+            if let Some((flag, value)) = self.given().into_iter().next() {
+                return Err(ConfigError::new(
+                    flag,
+                    value,
+                    format!("needs an https:// --control-plane, not {url}"),
+                ));
+            }
+            return Ok(ClientCredentials::plaintext());
+        }
+        let Some(ca) = &self.ateapi_ca_file else {
+            return Err(ConfigError::new(
+                "--ateapi-ca-file",
+                "",
+                format!(
+                    "is required for an https:// --control-plane ({url}): the control plane is always verified"
+                ),
+            ));
+        };
+        let (identity, token) = self.check_pairs()?;
         let files = ClientTlsFiles {
             ca: ca.clone(),
             identity,
@@ -359,6 +370,9 @@ pub struct ParkingArgs {
     #[arg(long, env = "VALET_DRAIN_TIMEOUT", default_value = "0s", value_parser = parse_duration, value_name = "DURATION")]
     pub drain_timeout: Duration,
 }
+
+/// A client certificate file and its key file.
+type Identity = (PathBuf, PathBuf);
 
 /// An invalid configuration: names the flag, the value and the rule.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

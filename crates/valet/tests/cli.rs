@@ -921,6 +921,12 @@ fn valet_up_checks_its_flags_before_the_data_dir() {
             &["--tls", "--listen-https", "nonsense"][..],
             "--listen-https=nonsense",
         ),
+        // With --tls, the router's credential flags are checked against each other
+        // before the throwaway CA is made (before, the data dir was written first).
+        (
+            &["--tls", "--ateapi-auth", "jwt"][..],
+            "--ateapi-auth=jwt: needs --ateapi-token-file",
+        ),
         // A value read from a file ends in a newline: shown escaped, on one line.
         (
             &["--listen-https", "127.0.0.1:8443\n"][..],

@@ -95,7 +95,12 @@ fn precheck(args: &UpArgs) -> Result<valet_router::RouterConfig, UpError> {
     let scheme = if https { "https" } else { "http" };
     router.control_plane = format!("{scheme}://{}", args.control_plane_listen);
     if args.tls && router.ateapi.ateapi_ca_file.is_none() {
-        // Checked whole once the throwaway CA is made.
+        // Checked whole once the throwaway CA is made; the rules between the flags
+        // now.
+        router
+            .ateapi
+            .check_pairs()
+            .map_err(|e| UpError::Config(e.to_string()))?;
         router.control_plane = format!("http://{}", args.control_plane_listen);
         router.ateapi = valet_router::config::AteapiArgs::default();
     }
