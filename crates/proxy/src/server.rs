@@ -586,6 +586,7 @@ impl Conn {
             peer,
             stop: &stop,
             force: &force,
+            router: &shared_conn.router,
         };
         match streams {
             None => {
@@ -630,6 +631,8 @@ struct Ends<'a> {
     peer: SocketAddr,
     stop: &'a CancellationToken,
     force: &'a CancellationToken,
+    /// Counts the requests hyper refused itself.
+    router: &'a Router,
 }
 
 /// Runs one connection to its end; when the data plane stops accepting or the
@@ -637,17 +640,21 @@ struct Ends<'a> {
 /// request in progress, HTTP/2 sends GOAWAY and finishes its open streams), and closes
 /// it at the drain's last step, or when it stays idle as long again (a client that
 /// never sent its HTTP/2 preface, which hyper would wait for forever).
-async fn drive<C, E, F>(
+async fn drive<C, F>(
     conn: C,
     graceful: impl FnOnce(std::pin::Pin<&mut C>),
     idle: impl Fn() -> F,
     ends: Ends<'_>,
 ) where
-    C: std::future::Future<Output = Result<(), E>>,
-    E: std::fmt::Display,
+    C: std::future::Future<Output = Result<(), hyper::Error>>,
     F: std::future::Future<Output = ()>,
 {
-    let Ends { peer, stop, force } = ends;
+    let Ends {
+        peer,
+        stop,
+        force,
+        router,
+    } = ends;
     tokio::pin!(conn);
     // The connection first: a request decided before hyper read it (see `lean`) is
     // read and taken on hyper's first poll; shut down gracefully before that, hyper
@@ -656,6 +663,12 @@ async fn drive<C, E, F>(
         biased;
         r = conn.as_mut() => {
             if let Err(e) = r {
+                // A head past hyper's own bounds (more header fields than it
+                // indexes, or past its buffer): hyper answered 431 itself, before
+                // `handle` saw the request. Counted as the check in `handle` counts.
+                if e.is_parse_too_large() {
+                    router.metrics().answered_undecided(431, "headers_too_large");
+                }
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
             return;
@@ -864,6 +877,7 @@ async fn handle(
     );
     // HTTP/1 gives `*` as the whole target; HTTP/2 as the path, beside an authority.
     if parts.method == http::Method::OPTIONS && (parts.uri == "*" || parts.uri.path() == "*") {
+        router.metrics().answered_undecided(204, "options");
         return unforwarded(&parts, &mut held, options_asterisk(), false).await;
     }
     // The router tunnels to no one: answered before any actor is resumed.
@@ -1046,7 +1060,10 @@ async fn send(
         std::future::pending::<valet_router::CallerEnd>().await
     };
     // A request that parked before is never shed now (it may park again past the
-    // lot's size); one that did not is decided as any request is.
+    // lot's size); one that did not is decided as any request is. A decision of its
+    // own, with a deadline of its own: its first decision's may have passed while the
+    // body came in or the worker answered.
+    let deadline = deadline.max(Instant::now() + shared.router.config().decision_timeout());
     let decided = shared
         .router
         .decide_replay(host, deadline, holding, parked)

@@ -335,6 +335,53 @@ async fn moving_upstream(moved: usize) -> u16 {
     port
 }
 
+/// A 421 that comes after the request's decision deadline (the worker answered it
+/// late) is decided again with a deadline of its own: the replay is served, not
+/// answered 504 at once.
+#[tokio::test]
+async fn a_late_421_is_decided_again_with_its_own_deadline() {
+    // The worker holds its first request past the decision deadline, then says 421.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = listener.local_addr().unwrap().port();
+    let first = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let (cp, mut calls) = Scripted::new();
+    let (router, server) = serve(cp, &["--parked-request-budget", "100ms"]).await;
+    let late = router.config().decision_timeout() + Duration::from_millis(300);
+    tokio::spawn(async move {
+        loop {
+            let (s, _) = listener.accept().await.unwrap();
+            let first = Arc::clone(&first);
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req: http::Request<Incoming>| {
+                    let first = Arc::clone(&first);
+                    async move {
+                        let body = req.into_body().collect().await?.to_bytes();
+                        let mut resp = http::Response::new(Full::new(body));
+                        if first.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                            // The scenario's delay, not a synchronization.
+                            tokio::time::sleep(late).await;
+                            *resp.status_mut() = http::StatusCode::MISDIRECTED_REQUEST;
+                        }
+                        Ok::<_, hyper::Error>(resp)
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    let small = pattern(1000, 6);
+    let req = tokio::spawn(post(server.local_addr(), "p1", small.clone()));
+    calls.next().await.running(upstream);
+    let again = tokio::time::timeout(late * 2, calls.next()).await;
+    again
+        .expect("the replay asks for the actor")
+        .running(upstream);
+    let (status, body) = req.await.unwrap();
+    assert_eq!((status, body == small), (200, true));
+}
+
 /// A worker's 421 (its actor moved) sends a small request through the pipeline again,
 /// body and all, once; a request whose body was streamed (too large to hold), or one
 /// that meets a second 421, gets 503 `actor moved` with Retry-After. No 421 reaches the
