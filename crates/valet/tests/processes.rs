@@ -182,6 +182,64 @@ async fn sigterm_worker_checkpoints_its_actor_before_it_stops() {
     assert_eq!(addr_of(&a), w2.addr, "resumed on the other worker");
 }
 
+/// SIGTERM a worker whose actor holds a WebSocket open: the drain cannot checkpoint it
+/// (busy at every try), and the control plane tells the worker `Drained` with the
+/// actor still there. The worker keeps its attachment until its app has stopped (the
+/// tunnel closed at the app's drain), so the actor is released only after that, never
+/// while the old worker may still serve it (before, the stream ended at `Drained`, the
+/// control plane found the app port already closed and released the actor at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_worker_keeps_its_actor_until_its_app_stopped() {
+    use futures_util::StreamExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    let snaps = dir.path().join("snapshots");
+    let cp = control_plane(
+        &dir.path().join("data"),
+        "127.0.0.1:0",
+        &["--checkpoint-timeout", "200ms"],
+    )
+    .await;
+    let c = client(cp.addr);
+    let mut w1 = worker_with(cp.addr, &snaps, "w1", &["--pool", "echo"]).await;
+    workers_joined(&c, 1).await;
+    c.clone()
+        .create_atespace(ateapi::CreateAtespaceRequest {
+            name: "demo".into(),
+        })
+        .await
+        .unwrap();
+    common::create_from(&c, "demo/ws", "echo").await.unwrap();
+    let a = resume(&c, "demo/ws").await.unwrap();
+    assert_eq!(addr_of(&a), w1.addr);
+    let (ws, code) = common::websocket(w1.addr, "ws.demo", &[]).await;
+    assert_eq!(code, 101);
+    // Read to the end in the background: says when the old worker closed it.
+    let (closed, mut is_closed) = tokio::sync::watch::channel(false);
+    let reader = tokio::spawn(async move {
+        let (_, mut ws_in) = ws.split();
+        while let Some(Ok(_)) = ws_in.next().await {}
+        closed.send_replace(true);
+    });
+
+    w1.terminate();
+    // Released: SUSPENDED from its last snapshot (the drain's tries pass through
+    // SUSPENDING and back).
+    eventually("actor released", WITHIN, || async {
+        let a = get(&c, "demo/ws").await.ok()?;
+        (status(&a) == S::Suspended).then_some(())
+    })
+    .await;
+    // This process may not have read the close yet: a moment, far less than the
+    // app's 5 s drain the actor was released before.
+    let read = tokio::time::timeout(Duration::from_secs(1), is_closed.wait_for(|c| *c)).await;
+    assert!(
+        read.is_ok(),
+        "the actor was released while its old worker still served its WebSocket"
+    );
+    assert_eq!(w1.exit_code(WITHIN).await, Some(0));
+    reader.await.unwrap();
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Acked {
     Created,

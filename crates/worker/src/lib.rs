@@ -732,7 +732,12 @@ impl Agent {
                 Command::Drained(_) => {
                     tracing::info!(worker = %self.id, "drained: the control plane released this worker");
                     self.drain.done.cancel();
-                    return Ok(());
+                    // The attachment stays until the worker stops (`stop`, once its app
+                    // has): told `Drained` with its actor still here (the drain could
+                    // not checkpoint it), the worker serves the actor's requests in
+                    // flight meanwhile, and the control plane must not see it leave (and
+                    // find its app port closed) before they end.
+                    continue;
                 }
                 Command::Detach(_) => {
                     tracing::info!(
