@@ -64,6 +64,9 @@ impl Shared {
     fn new(router: Router, limits: Limits, tunnels: Tunnels) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
+        connector.set_keepalive(Some(KEEPALIVE_IDLE));
+        connector.set_keepalive_interval(Some(KEEPALIVE_INTERVAL));
+        connector.set_keepalive_retries(Some(KEEPALIVE_RETRIES));
         connector.set_connect_timeout(Some(Duration::from_secs(5)));
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(valet_proto::WORKER_POOL_IDLE)
@@ -210,6 +213,26 @@ impl HttpServer {
     }
 }
 
+/// TCP keepalive on the data plane's connections, to clients and to workers: a peer
+/// gone without a word (its host lost, a NAT entry dropped) is noticed after about
+/// `IDLE + INTERVAL × RETRIES` (90 s) of silence, and the exchange or tunnel to it
+/// ends instead of holding its actor busy for good (HTTP/2 has its pings besides).
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(60);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_RETRIES: u32 = 3;
+
+/// An accepted connection's socket options: no Nagle delay, TCP keepalive.
+fn tune(stream: &TcpStream) {
+    let _ = stream.set_nodelay(true);
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_RETRIES);
+    if let Err(e) = socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive) {
+        tracing::debug!(error = %e, "cannot set TCP keepalive");
+    }
+}
+
 /// hyper parses up to this many header fields without a heap allocation.
 const HYPER_INLINE_HEADERS: usize = 100;
 
@@ -316,7 +339,7 @@ async fn accept_loop(
                 }
             },
         };
-        let _ = stream.set_nodelay(true);
+        tune(&stream);
         let shared = Arc::clone(&shared);
         let (stop, force) = (stop.clone(), force.clone());
         let tls = tls.clone();
@@ -1119,6 +1142,27 @@ mod tests {
         let client = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
         let (server, _) = l.accept().await.unwrap();
         (client, server)
+    }
+
+    /// An accepted connection probes a silent peer: keepalive on, after 60 s of
+    /// silence, every 10 s, 3 times (before, a vanished client held its tunnel, and its
+    /// actor busy, for good).
+    #[tokio::test]
+    async fn an_accepted_connection_probes_a_silent_peer() {
+        let (_client, server) = pair().await;
+        super::tune(&server);
+        let sock = socket2::SockRef::from(&server);
+        assert!(sock.keepalive().unwrap());
+        assert_eq!(sock.tcp_keepalive_time().unwrap(), super::KEEPALIVE_IDLE);
+        assert_eq!(
+            sock.tcp_keepalive_interval().unwrap(),
+            super::KEEPALIVE_INTERVAL
+        );
+        assert_eq!(
+            sock.tcp_keepalive_retries().unwrap(),
+            super::KEEPALIVE_RETRIES
+        );
+        assert!(server.nodelay().unwrap());
     }
 
     /// A connection's task for `router`, as the accept loop makes it.
