@@ -37,6 +37,21 @@ pub struct Limits {
     /// Longest a small request body (read whole, so a 421 can replay it) may take to
     /// arrive in all, however steadily it trickles.
     pub small_body_within: Duration,
+    /// Most client connections one listener serves at once: past it none is accepted
+    /// (they wait in the listen backlog) until one closes, so that a flood of them
+    /// cannot take every file descriptor the router needs for its workers and its
+    /// control plane. (A connection upgraded to a tunnel no longer counts.)
+    pub max_connections: usize,
+}
+
+/// [`Limits::max_connections`] by default: half the process's open-file limit
+/// (`RLIMIT_NOFILE`), the other half left for the connections to workers and to the
+/// control plane; at least 64.
+fn default_max_connections() -> usize {
+    let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
+    nofile
+        .map_or(usize::MAX, |n| usize::try_from(n / 2).unwrap_or(usize::MAX))
+        .max(64)
 }
 
 impl Default for Limits {
@@ -46,6 +61,7 @@ impl Default for Limits {
             max_header_bytes: 64 * 1024,
             idle_timeout: Duration::from_secs(30),
             small_body_within: Duration::from_secs(120),
+            max_connections: default_max_connections(),
         }
     }
 }
@@ -327,7 +343,15 @@ async fn accept_loop(
     force: CancellationToken,
     connections: TaskTracker,
 ) {
+    let places = Arc::new(tokio::sync::Semaphore::new(
+        shared.limits.max_connections.max(1),
+    ));
     loop {
+        // A place first: at the cap, connections wait in the listen backlog.
+        let place = tokio::select! {
+            () = stop.cancelled() => break,
+            place = Arc::clone(&places).acquire_owned() => place.expect("never closed"),
+        };
         let (stream, peer) = tokio::select! {
             () = stop.cancelled() => break,
             accepted = listener.accept() => match accepted {
@@ -344,6 +368,7 @@ async fn accept_loop(
         let (stop, force) = (stop.clone(), force.clone());
         let tls = tls.clone();
         connections.spawn(async move {
+            let _place = place;
             let conn = Conn {
                 shared,
                 peer,

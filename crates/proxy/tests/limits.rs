@@ -143,6 +143,33 @@ async fn a_head_hyper_refuses_itself_is_counted() {
     assert!(counted.is_ok(), "hyper's 431 is counted");
 }
 
+/// At `max_connections` a listener accepts no more connections until one closes: a
+/// flood of idle connections cannot take every file descriptor (before, each was
+/// accepted until the process ran out of them).
+#[tokio::test]
+async fn a_listener_serves_at_most_max_connections() {
+    let (cp, _calls) = valet_router::testing::Scripted::new();
+    let limits = Limits {
+        max_connections: 1,
+        ..Limits::default()
+    };
+    let addr = serve(cp, &[], limits).await;
+    let idle = TcpStream::connect(addr).await.unwrap();
+    let waiting = tokio::spawn(raw(
+        addr,
+        "OPTIONS * HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+    ));
+    // Not a synchronization: however long it waits, it must not be served.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "served past the cap");
+    drop(idle);
+    let (status, _) = tokio::time::timeout(std::time::Duration::from_secs(5), waiting)
+        .await
+        .expect("served once a place is free")
+        .unwrap();
+    assert_eq!(status, 204);
+}
+
 /// The 502 is counted by its own status and verdict and shown so on the status page
 /// (the decision before it counted the request routed).
 #[tokio::test]

@@ -117,7 +117,27 @@ fn no_default_shown(cmd: clap::Command) -> clap::Command {
     .mut_subcommands(no_default_shown)
 }
 
+/// Raises the soft open-file limit to the hard one, as every Go program does at start
+/// (the seed's router among them): a router holds a descriptor for each client
+/// connection and each worker connection, a soft limit of 1024 is common, and the
+/// data planes size their connection caps by it (`Limits::max_connections`).
+fn raise_open_file_limit() {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    if let (Some(current), Some(maximum)) = (limit.current, limit.maximum)
+        && current < maximum
+    {
+        let raised = Rlimit {
+            current: Some(maximum),
+            maximum: Some(maximum),
+        };
+        // Refused (a sandbox, say): the soft limit stays, and so do the caps sized by it.
+        let _ = setrlimit(Resource::Nofile, raised);
+    }
+}
+
 fn main() -> ExitCode {
+    raise_open_file_limit();
     let matches = match command().try_get_matches() {
         Ok(m) => m,
         Err(e) => return cli::parse_error_exit(&e),

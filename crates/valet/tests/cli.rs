@@ -1134,3 +1134,36 @@ fn a_database_url_requiring_tls_is_refused() {
         "{lines:?}"
     );
 }
+
+/// valet raises its soft open-file limit to the hard one at start, as Go programs (the
+/// seed's router among them) do: the data planes size their connection caps by it.
+#[test]
+fn the_soft_open_file_limit_is_raised_to_the_hard_one() {
+    use std::io::BufRead as _;
+    let script = format!(
+        "ulimit -Sn 256 && exec '{}' router --control-plane http://127.0.0.1:9 \
+         --listen 127.0.0.1:0 --extproc-listen '' --admin-listen ''",
+        env!("CARGO_BIN_EXE_valet")
+    );
+    let mut child = Command::new("sh")
+        .args(["-c", &script])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let listening = lines.next().unwrap().unwrap();
+    assert!(listening.starts_with("listening router"), "{listening}");
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", child.id())).unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    let open_files: Vec<&str> = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    // "Max open files <soft> <hard> files"
+    assert_eq!(open_files[3], open_files[4], "{limits}");
+    assert_ne!(open_files[3], "256", "{limits}");
+}
