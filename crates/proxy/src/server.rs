@@ -244,10 +244,22 @@ fn tune(stream: &TcpStream) {
         .with_time(KEEPALIVE_IDLE)
         .with_interval(KEEPALIVE_INTERVAL)
         .with_retries(KEEPALIVE_RETRIES);
-    if let Err(e) = socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive) {
+    let sock = socket2::SockRef::from(stream);
+    if let Err(e) = sock.set_tcp_keepalive(&keepalive) {
         tracing::debug!(error = %e, "cannot set TCP keepalive");
     }
+    // Keepalive probes only an idle connection: one whose peer vanished while data was
+    // on its way to it (a streamed answer, a tunnel) ends once that data goes
+    // unacknowledged this long, instead of after the kernel's ~15 minutes of
+    // retransmissions.
+    if let Err(e) = sock.set_tcp_user_timeout(Some(USER_TIMEOUT)) {
+        tracing::debug!(error = %e, "cannot set TCP_USER_TIMEOUT");
+    }
 }
+
+/// How long data sent on an accepted connection may go unacknowledged before the
+/// connection is closed: the keepalive's own reach (`IDLE + INTERVAL × RETRIES`).
+const USER_TIMEOUT: Duration = Duration::from_secs(90);
 
 /// hyper parses up to this many header fields without a heap allocation.
 const HYPER_INLINE_HEADERS: usize = 100;
@@ -711,12 +723,7 @@ async fn drive<C, F>(
         biased;
         r = conn.as_mut() => {
             if let Err(e) = r {
-                // A head past hyper's own bounds (more header fields than it
-                // indexes, or past its buffer): hyper answered 431 itself, before
-                // `handle` saw the request. Counted as the check in `handle` counts.
-                if e.is_parse_too_large() {
-                    router.metrics().answered_undecided(431, "headers_too_large");
-                }
+                count_refused_by_hyper(router, &e);
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
             return;
@@ -727,9 +734,32 @@ async fn drive<C, F>(
     tracing::debug!(%peer, why, "closing the connection gracefully");
     graceful(conn.as_mut());
     tokio::select! {
-        _ = conn.as_mut() => {}
+        r = conn.as_mut() => {
+            if let Err(e) = r {
+                count_refused_by_hyper(router, &e);
+            }
+        }
         () = force.cancelled() => {}
         () = idle() => tracing::debug!(%peer, "closing a connection still idle"),
+    }
+}
+
+/// Counts a request hyper refused itself, before `handle` saw it, as the checks in
+/// `handle` count theirs: a head past hyper's own bounds (more header fields than it
+/// indexes, or past its buffer) answered 431, a target past its URI limit answered
+/// 414. (Its other refusals, 400 for a malformed head and 408 for one not finished in
+/// time, answer something that is not a request: not counted.)
+fn count_refused_by_hyper(router: &Router, e: &hyper::Error) {
+    if !e.is_parse_too_large() {
+        return;
+    }
+    // hyper tells the two apart by its message only.
+    if e.to_string().contains("URI too long") {
+        router.metrics().answered_undecided(414, "uri_too_long");
+    } else {
+        router
+            .metrics()
+            .answered_undecided(431, "headers_too_large");
     }
 }
 
@@ -1187,6 +1217,7 @@ mod tests {
             sock.tcp_keepalive_retries().unwrap(),
             super::KEEPALIVE_RETRIES
         );
+        assert_eq!(sock.tcp_user_timeout().unwrap(), Some(super::USER_TIMEOUT));
         assert!(server.nodelay().unwrap());
     }
 

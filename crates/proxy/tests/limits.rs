@@ -141,6 +141,33 @@ async fn a_head_hyper_refuses_itself_is_counted() {
     })
     .await;
     assert!(counted.is_ok(), "hyper's 431 is counted");
+
+    // A target past hyper's URI limit: 414, counted as such (not as a 431).
+    let long = "a".repeat(70 * 1024);
+    let (status, _) = raw(
+        server.local_addr(),
+        &format!("GET /{long} HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n"),
+    )
+    .await;
+    assert_eq!(status, 414);
+    let counted = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        while router.metrics().sample(
+            "atenet_router_requests_total",
+            &[("status", "414"), ("verdict", "uri_too_long")],
+        ) < 1.0
+        {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    assert!(counted.is_ok(), "hyper's 414 is counted");
+    assert_eq!(
+        router.metrics().sample(
+            "atenet_router_requests_total",
+            &[("status", "431"), ("verdict", "headers_too_large")],
+        ),
+        1.0
+    );
 }
 
 /// At `max_connections` a listener accepts no more connections until one closes: a

@@ -47,3 +47,22 @@ pub fn accepted_nodelay(pid: u32, server: SocketAddr, client: SocketAddr) -> Opt
     let dup = pidfd_getfd(&pidfd, fd, PidfdGetfdFlags::empty()).ok()?;
     rustix::net::sockopt::tcp_nodelay(&dup).ok()
 }
+
+/// TCP keepalive (on, idle time) and `TCP_USER_TIMEOUT` (ms) of the socket process
+/// `pid` accepted for the connection from `client` to `server`; `None` while that
+/// socket is not (yet) one of the process's descriptors.
+pub fn accepted_keepalive(
+    pid: u32,
+    server: SocketAddr,
+    client: SocketAddr,
+) -> Option<(bool, std::time::Duration, u32)> {
+    let inode = inode_of(pid, server, client)?;
+    let fd = fd_of(pid, inode)?;
+    let pidfd = pidfd_open(Pid::from_raw(pid as i32)?, PidfdFlags::empty()).ok()?;
+    let dup = pidfd_getfd(&pidfd, fd, PidfdGetfdFlags::empty()).ok()?;
+    Some((
+        rustix::net::sockopt::socket_keepalive(&dup).ok()?,
+        rustix::net::sockopt::tcp_keepidle(&dup).ok()?,
+        rustix::net::sockopt::tcp_user_timeout(&dup).ok()?,
+    ))
+}
