@@ -520,9 +520,9 @@ impl Agent {
             self.drain
                 .attached
                 .store(false, std::sync::atomic::Ordering::Relaxed);
-            if self.drain.done.is_cancelled() {
-                return;
-            }
+            // Also once drained: until `stop` (after the app has stopped) the worker
+            // may still serve its actor, and the control plane must see it attached
+            // (draining) meanwhile, not gone with its app port already closed.
             match attached {
                 Ok(()) => backoff = Duration::from_millis(100),
                 Err(e) if e.code() == tonic::Code::AlreadyExists => {
