@@ -282,6 +282,7 @@ fn tls_incoming(
         // The peer address of each handshake in progress, and how many each has.
         let mut peers = std::collections::HashMap::<tokio::task::Id, std::net::IpAddr>::new();
         let mut per_peer = std::collections::HashMap::<std::net::IpAddr, usize>::new();
+        let mut warned: Option<tokio::time::Instant> = None;
         loop {
             tokio::select! {
                 () = tx.closed() => return,
@@ -312,7 +313,13 @@ fn tls_incoming(
                     let ip = peer.ip().to_canonical();
                     let n = per_peer.entry(ip).or_default();
                     if *n >= caps.per_peer {
-                        tracing::debug!(%peer, "too many TLS handshakes in progress from this address; connection closed");
+                        // Many workers behind one address (SNAT) reconnecting at once
+                        // meet this too, and retry: said, at most every 10 s.
+                        let now = tokio::time::Instant::now();
+                        if warned.is_none_or(|at| now.duration_since(at) >= Duration::from_secs(10)) {
+                            warned = Some(now);
+                            tracing::warn!(%peer, per_peer = caps.per_peer, "too many TLS handshakes in progress from one address; closing its new connections until some end");
+                        }
                         continue;
                     }
                     *n += 1;
