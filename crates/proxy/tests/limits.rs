@@ -105,6 +105,23 @@ async fn header_limits_answer_431() {
     );
 }
 
+/// Waits (bounded) until `requests_total{status, verdict}` counts one: hyper may close
+/// a connection it refused just before its task counts it.
+async fn until_counted(router: &Router, status: &str, verdict: &str) {
+    let labels = [("status", status), ("verdict", verdict)];
+    let counted = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        while router
+            .metrics()
+            .sample("atenet_router_requests_total", &labels)
+            < 1.0
+        {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    assert!(counted.is_ok(), "{status} {verdict} never counted");
+}
+
 /// With the default limits (100 fields), a head past hyper's own bound (it indexes 100
 /// fields) is answered 431 by hyper before the router sees it: counted all the same
 /// (before, it was in no metric).
@@ -129,18 +146,7 @@ async fn a_head_hyper_refuses_itself_is_counted() {
     )
     .await;
     assert_eq!(status, 431);
-    // hyper may close the connection just before its task counts it: bounded wait.
-    let counted = tokio::time::timeout(std::time::Duration::from_secs(5), async {
-        while router.metrics().sample(
-            "atenet_router_requests_total",
-            &[("status", "431"), ("verdict", "headers_too_large")],
-        ) < 1.0
-        {
-            tokio::task::yield_now().await;
-        }
-    })
-    .await;
-    assert!(counted.is_ok(), "hyper's 431 is counted");
+    until_counted(&router, "431", "headers_too_large").await;
 
     // A target past hyper's URI limit: 414, counted as such (not as a 431).
     let long = "a".repeat(70 * 1024);
@@ -150,17 +156,7 @@ async fn a_head_hyper_refuses_itself_is_counted() {
     )
     .await;
     assert_eq!(status, 414);
-    let counted = tokio::time::timeout(std::time::Duration::from_secs(5), async {
-        while router.metrics().sample(
-            "atenet_router_requests_total",
-            &[("status", "414"), ("verdict", "uri_too_long")],
-        ) < 1.0
-        {
-            tokio::task::yield_now().await;
-        }
-    })
-    .await;
-    assert!(counted.is_ok(), "hyper's 414 is counted");
+    until_counted(&router, "414", "uri_too_long").await;
     assert_eq!(
         router.metrics().sample(
             "atenet_router_requests_total",

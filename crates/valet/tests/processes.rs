@@ -42,6 +42,26 @@ async fn two_workers_and_demo(c: &ControlClient<Channel>) {
         .unwrap();
 }
 
+/// A control plane in `dir` (with `flags`), worker `w1` in `pool` joined, and the
+/// atespace `demo`.
+async fn one_worker(
+    dir: &std::path::Path,
+    flags: &[&str],
+    pool: &str,
+) -> (common::Proc, ControlClient<Channel>, common::Proc) {
+    let cp = control_plane(&dir.join("data"), "127.0.0.1:0", flags).await;
+    let c = client(cp.addr);
+    let w1 = worker_with(cp.addr, &dir.join("snapshots"), "w1", &["--pool", pool]).await;
+    workers_joined(&c, 1).await;
+    c.clone()
+        .create_atespace(ateapi::CreateAtespaceRequest {
+            name: "demo".into(),
+        })
+        .await
+        .unwrap();
+    (cp, c, w1)
+}
+
 fn addr_of(a: &ateapi::Actor) -> std::net::SocketAddr {
     format!("{}:{}", a.ateom_pod_ip, a.worker_port)
         .parse()
@@ -112,30 +132,8 @@ async fn killed_worker_releases_its_actor() {
 async fn sigterm_worker_checkpoints_its_actor_before_it_stops() {
     let dir = tempfile::tempdir().unwrap();
     let snaps = dir.path().join("snapshots");
-    let cp = control_plane(
-        &dir.path().join("data"),
-        "127.0.0.1:0",
-        &["--template", "agent:full"],
-    )
-    .await;
-    let c = client(cp.addr);
-    let mut w1 = worker_with(cp.addr, &snaps, "w1", &["--pool", "agent"]).await;
-    workers_joined(&c, 1).await;
-    c.clone()
-        .create_atespace(ateapi::CreateAtespaceRequest {
-            name: "demo".into(),
-        })
-        .await
-        .unwrap();
-    c.clone()
-        .create_actor(ateapi::CreateActorRequest {
-            actor_ref: common::aref("demo/p1"),
-            actor_template_namespace: "default".into(),
-            actor_template_name: "agent".into(),
-            worker_selector: None,
-        })
-        .await
-        .unwrap();
+    let (cp, c, mut w1) = one_worker(dir.path(), &["--template", "agent:full"], "agent").await;
+    common::create_from(&c, "demo/p1", "agent").await.unwrap();
     let a = resume(&c, "demo/p1").await.unwrap();
     assert_eq!(addr_of(&a), w1.addr);
     for n in 1..=3 {
@@ -192,22 +190,7 @@ async fn sigterm_worker_checkpoints_its_actor_before_it_stops() {
 async fn a_drained_worker_keeps_its_actor_until_its_app_stopped() {
     use futures_util::StreamExt as _;
     let dir = tempfile::tempdir().unwrap();
-    let snaps = dir.path().join("snapshots");
-    let cp = control_plane(
-        &dir.path().join("data"),
-        "127.0.0.1:0",
-        &["--checkpoint-timeout", "200ms"],
-    )
-    .await;
-    let c = client(cp.addr);
-    let mut w1 = worker_with(cp.addr, &snaps, "w1", &["--pool", "echo"]).await;
-    workers_joined(&c, 1).await;
-    c.clone()
-        .create_atespace(ateapi::CreateAtespaceRequest {
-            name: "demo".into(),
-        })
-        .await
-        .unwrap();
+    let (_cp, c, mut w1) = one_worker(dir.path(), &["--checkpoint-timeout", "200ms"], "echo").await;
     common::create_from(&c, "demo/ws", "echo").await.unwrap();
     let a = resume(&c, "demo/ws").await.unwrap();
     assert_eq!(addr_of(&a), w1.addr);
