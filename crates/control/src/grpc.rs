@@ -642,7 +642,7 @@ impl workers_server::Workers for WorkersService {
         let (tx, rx) = mpsc::channel(64);
         let link = Arc::new(WorkerLink::new(tx));
         // Its Welcome is queued by the join itself, before any other command.
-        self.plane.worker_joined(&join, Arc::clone(&link))?;
+        self.plane.worker_attached(&join, Arc::clone(&link)).await?;
         let plane = self.plane.clone();
         let jwt = self.jwt.clone();
         self.plane.spawn_link(async move {

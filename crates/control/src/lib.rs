@@ -15,6 +15,7 @@
 
 pub mod admin;
 pub mod auth;
+pub mod cluster;
 pub mod grpc;
 mod link;
 mod metrics;
@@ -27,6 +28,7 @@ pub mod tempdb;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
+pub use cluster::ClusterStore;
 pub use grpc::serve;
 pub use model::{ActorKey, ActorStatus, Template};
 pub use plane::{Plane, PlaneConfig, StatsSnapshot};

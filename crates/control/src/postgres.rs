@@ -33,7 +33,7 @@ const ACTIVE_LOCK: i64 = 0x7661_6c65_742d_6370;
 /// an upgrade; and when the tables are nevertheless in another schema (the role's
 /// own, through the default `"$user", public` path), that schema's keys as well, so
 /// that a replica whose URL names that schema excludes this one too.
-fn lock_keys(chosen: bool, schema: Option<&str>) -> Vec<(i64, i64)> {
+pub(crate) fn lock_keys(chosen: bool, schema: Option<&str>) -> Vec<(i64, i64)> {
     let legacy = (MIGRATION_LOCK, ACTIVE_LOCK);
     let of = |schema: &str| {
         // FNV-1a: stable across versions and platforms.
@@ -53,28 +53,28 @@ fn lock_keys(chosen: bool, schema: Option<&str>) -> Vec<(i64, i64)> {
 /// Connections in the pool.
 const POOL_SIZE: usize = 8;
 /// How long a write or a probe may wait for a pooled connection.
-const POOL_WAIT: Duration = Duration::from_secs(5);
+pub(crate) const POOL_WAIT: Duration = Duration::from_secs(5);
 /// How long connecting may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long taking over (migrating, bumping the epoch) may wait for the replaced
 /// replica's writes in progress.
-const TAKE_OVER_WITHIN: Duration = Duration::from_secs(60);
+pub(crate) const TAKE_OVER_WITHIN: Duration = Duration::from_secs(60);
 /// How long one write (from waiting for a connection to its COMMIT's answer) or one
 /// load of the record may take: past the sessions' own statement timeout, for a
 /// network that went silent and gives no answer at all.
-const WRITE_WITHIN: Duration = Duration::from_secs(15);
+pub(crate) const WRITE_WITHIN: Duration = Duration::from_secs(15);
 /// How often the active replica checks it still holds the database (its epoch on the
 /// lock's connection), and how long that check may take. A replica cut off from the
 /// database stops within about `HEARTBEAT + HEARTBEAT_TIMEOUT`, before the server
 /// notices the dead session (`SERVER_KEEPALIVE`) and a standby can take over.
-const HEARTBEAT: Duration = Duration::from_secs(1);
-const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
+pub(crate) const HEARTBEAT: Duration = Duration::from_secs(1);
+pub(crate) const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
 /// The lock session's TCP keepalives on the server: idle seconds, interval, count
 /// (about 10 s to drop a vanished replica's session, and with it the lock).
 /// With them, a server-side `tcp_user_timeout`: keepalives probe only an idle
 /// connection, and data sent and never acknowledged (a reply to a host that died)
 /// would otherwise hold the session, and the lock, for the OS's 15 minutes.
-const SERVER_KEEPALIVE: &str = "SET tcp_keepalives_idle = 4; SET tcp_keepalives_interval = 2; \
+pub(crate) const SERVER_KEEPALIVE: &str = "SET tcp_keepalives_idle = 4; SET tcp_keepalives_interval = 2; \
      SET tcp_keepalives_count = 3; SET tcp_user_timeout = 10000";
 /// Bounds on every pooled session: no statement, and no transaction left idle (a
 /// replica cut off mid-write), holds the epoch row's lock against a takeover for long.
@@ -136,36 +136,84 @@ const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
          id INTEGER PRIMARY KEY CHECK (id = 1),
          longest_ms BIGINT NOT NULL CHECK (longest_ms >= 0)
      );",
+    // Several replicas active at once (docs/scale-out.md). A replica's id is its
+    // fencing token; `op_replica` names the replica whose operation holds a RESUMING
+    // or SUSPENDING actor; a worker's row names the replica it is attached to; a
+    // waiter's `seq` orders its pool's queue across replicas.
+    "ALTER TABLE actors ADD COLUMN op_replica BIGINT;
+     CREATE TABLE valet_replicas (
+         id BIGSERIAL PRIMARY KEY,
+         name TEXT NOT NULL,
+         started_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+         heartbeat_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+         dead BOOLEAN NOT NULL DEFAULT FALSE
+     );
+     CREATE TABLE valet_workers (
+         id TEXT PRIMARY KEY,
+         pool TEXT NOT NULL,
+         app_address TEXT NOT NULL,
+         replica BIGINT NOT NULL,
+         incarnation BIGINT NOT NULL,
+         leaving BOOLEAN NOT NULL DEFAULT FALSE
+     );
+     CREATE TABLE valet_waiters (
+         seq BIGSERIAL PRIMARY KEY,
+         atespace TEXT NOT NULL,
+         name TEXT NOT NULL,
+         pool TEXT NOT NULL,
+         replica BIGINT NOT NULL,
+         evicting BIGINT,
+         UNIQUE (atespace, name)
+     );
+     CREATE INDEX valet_waiters_by_pool ON valet_waiters (pool, seq);
+     CREATE TABLE valet_forwards (
+         id BIGSERIAL PRIMARY KEY,
+         target BIGINT NOT NULL,
+         origin BIGINT NOT NULL,
+         atespace TEXT NOT NULL,
+         name TEXT NOT NULL,
+         code INTEGER,
+         message TEXT,
+         actor BYTEA
+     );",
 ];
 
-/// The control plane's record in PostgreSQL. Cheap to clone.
+/// The control plane's record in PostgreSQL, one replica active at a time. Cheap to
+/// clone.
 #[derive(Clone)]
 pub struct PostgresStore {
-    pool: Pool,
+    db: Db,
     epoch: i64,
-    database: String,
-    lost: CancellationToken,
     /// Keeps the advisory lock's connection (and so the lock) alive; the probes ask
     /// on it.
     active: std::sync::Arc<Client>,
+}
+
+impl std::fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("database", &self.db.database)
+            .field("epoch", &self.epoch)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What both PostgreSQL stores share: the pool, the database as logs name it, and the
+/// token cancelled once the replica must stop serving. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct Db {
+    pub(crate) pool: Pool,
+    pub(crate) database: String,
+    pub(crate) lost: CancellationToken,
     /// Since when, and until when, no pooled connection could be opened, while every
     /// try since has failed.
     pool_failing:
         std::sync::Arc<std::sync::Mutex<Option<(tokio::time::Instant, tokio::time::Instant)>>>,
 }
 
-impl std::fmt::Debug for PostgresStore {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PostgresStore")
-            .field("database", &self.database)
-            .field("epoch", &self.epoch)
-            .finish_non_exhaustive()
-    }
-}
-
 /// The database's address for logs: hosts, ports, database and user, never the
 /// password.
-fn describe(config: &Config) -> String {
+pub(crate) fn describe(config: &Config) -> String {
     let hosts: Vec<String> = config
         .get_hosts()
         .iter()
@@ -184,11 +232,140 @@ fn describe(config: &Config) -> String {
 }
 
 /// The server's message for database errors, the error itself otherwise.
-fn why(e: &tokio_postgres::Error) -> String {
+pub(crate) fn why(e: &tokio_postgres::Error) -> String {
     match e.as_db_error() {
         Some(db) => format!("{}: {}", db.severity(), db.message()),
         None => valet_proto::error_chain(e),
     }
+}
+
+/// The session settings both stores connect with, and the database as logs name it:
+/// the URL's own options kept, with the control plane's limits after them.
+///
+/// # Errors
+/// A URL that is not PostgreSQL's.
+pub(crate) fn session_config(url: &str) -> Result<(Config, String), StoreError> {
+    let mut config = Config::from_str(url).map_err(|e| StoreError::Postgres {
+        database: "--database".into(),
+        why: format!("not a PostgreSQL URL: {}", why(&e)),
+    })?;
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(CONNECT_TIMEOUT);
+    }
+    config.application_name("valet control-plane");
+    // Every session writes: with several hosts in the URL, only a primary will do.
+    config.target_session_attrs(tokio_postgres::config::TargetSessionAttrs::ReadWrite);
+    // The URL's own options (`-c search_path=…`, say) stay, with the limits after.
+    let options = match config.get_options() {
+        Some(own) if !own.trim().is_empty() => format!("{own} {SESSION_LIMITS}"),
+        _ => SESSION_LIMITS.to_owned(),
+    };
+    config.options(&options);
+    // Data sent and not acknowledged for this long ends the connection (keepalives
+    // only probe an idle one).
+    config.tcp_user_timeout(Duration::from_secs(10));
+    // A session that waits for a lock with no statement timeout (a standby) is bounded
+    // only by these: a silently dead connection (a dropped NAT entry, a failover
+    // behind a virtual IP) goes unnoticed for about 10 s instead of the OS's 11
+    // minutes.
+    config.keepalives(true);
+    config.keepalives_idle(Duration::from_secs(4));
+    config.keepalives_interval(Duration::from_secs(2));
+    config.keepalives_retries(3);
+    let database = describe(&config);
+    Ok((config, database))
+}
+
+/// A session of its own (not pooled), and the token cancelled when it ends. The
+/// connection is owned by its task: it ends when the client is dropped, or once the
+/// token is cancelled (the replica stepped down), so that the session (and any lock
+/// it holds, should the server still count it held) does not outlive the replica's
+/// serving, also while clones of the store linger.
+///
+/// # Errors
+/// [`StoreError::Unreachable`] when no connection can be made.
+pub(crate) async fn connect_session(
+    config: &Config,
+    database: &str,
+) -> Result<(Client, CancellationToken), StoreError> {
+    let (client, connection) =
+        config
+            .connect(NoTls)
+            .await
+            .map_err(|e| StoreError::Unreachable {
+                database: database.to_owned(),
+                why: why(&e),
+            })?;
+    let lost = CancellationToken::new();
+    {
+        let lost = lost.clone();
+        let database = database.to_owned();
+        let held = lost.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                ended = connection => {
+                    if let Err(e) = ended {
+                        tracing::error!(%database, why = %why(&e), "lost the database connection");
+                    }
+                }
+                () = held.cancelled() => {}
+            }
+            lost.cancel();
+        });
+    }
+    Ok((client, lost))
+}
+
+/// The advisory-lock keys of the schema `client`'s session works in (see
+/// [`lock_keys`]).
+///
+/// # Errors
+/// A `search_path` in the URL that names no schema that exists, or the database's
+/// error.
+pub(crate) async fn schema_keys(
+    client: &Client,
+    config: &Config,
+    database: &str,
+) -> Result<Vec<(i64, i64)>, StoreError> {
+    let chosen = config
+        .get_options()
+        .is_some_and(|o| o.contains("search_path"));
+    let schema: Option<String> = client
+        .query_one("SELECT current_schema()", &[])
+        .await
+        .map_err(|e| store_error(database, &e))?
+        .get(0);
+    if chosen && schema.is_none() {
+        return Err(StoreError::Postgres {
+            database: database.to_owned(),
+            why: "the URL's search_path names no schema that exists: create it first".into(),
+        });
+    }
+    Ok(lock_keys(chosen, schema.as_deref()))
+}
+
+/// The pool of sessions writes and reads go through.
+///
+/// # Errors
+/// When the pool cannot be built.
+pub(crate) fn build_pool(config: Config, database: &str) -> Result<Pool, StoreError> {
+    let manager = Manager::from_config(
+        config,
+        NoTls,
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
+    );
+    Pool::builder(manager)
+        .max_size(POOL_SIZE)
+        .wait_timeout(Some(POOL_WAIT))
+        .create_timeout(Some(CONNECT_TIMEOUT))
+        .runtime(deadpool_postgres::Runtime::Tokio1)
+        .build()
+        .map_err(|e| StoreError::Postgres {
+            database: database.to_owned(),
+            why: e.to_string(),
+        })
 }
 
 impl PostgresStore {
@@ -218,84 +395,15 @@ impl PostgresStore {
     /// An invalid URL, an unreachable database, a failed migration, or a schema newer
     /// than this binary's.
     pub async fn open(url: &str) -> Result<Self, StoreError> {
-        let mut config = Config::from_str(url).map_err(|e| StoreError::Postgres {
-            database: "--database".into(),
-            why: format!("not a PostgreSQL URL: {}", why(&e)),
-        })?;
-        if config.get_connect_timeout().is_none() {
-            config.connect_timeout(CONNECT_TIMEOUT);
-        }
-        config.application_name("valet control-plane");
-        // Every session writes: with several hosts in the URL, only a primary will do.
-        config.target_session_attrs(tokio_postgres::config::TargetSessionAttrs::ReadWrite);
-        // The URL's own options (`-c search_path=…`, say) stay, with the limits after.
-        let options = match config.get_options() {
-            Some(own) if !own.trim().is_empty() => format!("{own} {SESSION_LIMITS}"),
-            _ => SESSION_LIMITS.to_owned(),
-        };
-        config.options(&options);
-        // Data sent and not acknowledged for this long ends the connection (keepalives
-        // only probe an idle one).
-        config.tcp_user_timeout(Duration::from_secs(10));
-        // A standby waits for the lock with no statement timeout: only these bound
-        // how long a silently dead connection (a dropped NAT entry, a failover behind
-        // a virtual IP) goes unnoticed, about 10 s instead of the OS's 11 minutes.
-        config.keepalives(true);
-        config.keepalives_idle(Duration::from_secs(4));
-        config.keepalives_interval(Duration::from_secs(2));
-        config.keepalives_retries(3);
-        let database = describe(&config);
+        let (config, database) = session_config(url)?;
         let err = |e: tokio_postgres::Error| store_error(&database, &e);
-        let (client, connection) =
-            config
-                .connect(NoTls)
-                .await
-                .map_err(|e| StoreError::Unreachable {
-                    database: database.clone(),
-                    why: why(&e),
-                })?;
-        let lost = CancellationToken::new();
-        {
-            let lost = lost.clone();
-            let database = database.clone();
-            // Owned by the connection: it ends when the store's client is dropped, or
-            // once the replica lost the lock (`lost`, from the heartbeat): the
-            // connection is then dropped, so its session (and the lock, should the
-            // server still count it held) does not outlive the replica's serving, also
-            // while clones of the store linger.
-            let held = lost.clone();
-            tokio::spawn(async move {
-                tokio::select! {
-                    ended = connection => {
-                        if let Err(e) = ended {
-                            tracing::error!(%database, why = %why(&e), "lost the database connection");
-                        }
-                    }
-                    () = held.cancelled() => {}
-                }
-                lost.cancel();
-            });
-        }
+        let (client, lost) = connect_session(&config, &database).await?;
         // A schema newer than this binary is refused before waiting as a standby;
         // migrating waits for the active lock, so a new version never changes the
         // schema under an older active replica.
         check_version(&client, &database).await?;
         client.batch_execute(SERVER_KEEPALIVE).await.map_err(err)?;
-        let chosen = config
-            .get_options()
-            .is_some_and(|o| o.contains("search_path"));
-        let schema: Option<String> = client
-            .query_one("SELECT current_schema()", &[])
-            .await
-            .map_err(err)?
-            .get(0);
-        if chosen && schema.is_none() {
-            return Err(StoreError::Postgres {
-                database: database.clone(),
-                why: "the URL's search_path names no schema that exists: create it first".into(),
-            });
-        }
-        let keys = lock_keys(chosen, schema.as_deref());
+        let keys = schema_keys(&client, &config, &database).await?;
         let mut standby = false;
         for (_, active_lock) in &keys {
             let held: bool = client
@@ -391,37 +499,18 @@ impl PostgresStore {
             lost.clone(),
             database.clone(),
         );
-        let manager = Manager::from_config(
-            config,
-            NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
-        let pool = Pool::builder(manager)
-            .max_size(POOL_SIZE)
-            .wait_timeout(Some(POOL_WAIT))
-            .create_timeout(Some(CONNECT_TIMEOUT))
-            .runtime(deadpool_postgres::Runtime::Tokio1)
-            .build()
-            .map_err(|e| StoreError::Postgres {
-                database: database.clone(),
-                why: e.to_string(),
-            })?;
+        let pool = build_pool(config, &database)?;
         Ok(Self {
-            pool,
+            db: Db::new(pool, database, lost),
             epoch,
-            database,
-            lost,
             active: client,
-            pool_failing: std::sync::Arc::default(),
         })
     }
 
     /// Cancelled when the connection holding the active lock is lost: another replica
     /// may take over, so this one must stop.
     pub fn lost(&self) -> CancellationToken {
-        self.lost.clone()
+        self.db.lost.clone()
     }
 
     /// The setting `name` as a pooled session and the lock's session see it, in that
@@ -432,17 +521,18 @@ impl PostgresStore {
     pub async fn settings(&self, name: &str) -> Result<(String, String), StoreError> {
         let ask = "SELECT current_setting($1)";
         let pooled: String = self
+            .db
             .client()
             .await?
             .query_one(ask, &[&name])
             .await
-            .map_err(self.err())?
+            .map_err(self.db.err())?
             .get(0);
         let lock: String = self
             .active
             .query_one(ask, &[&name])
             .await
-            .map_err(self.err())?
+            .map_err(self.db.err())?
             .get(0);
         Ok((pooled, lock))
     }
@@ -452,8 +542,86 @@ impl PostgresStore {
         self.epoch
     }
 
+    /// `batch` in one transaction, fenced by the epoch; `committing` is set once the
+    /// COMMIT is on its way (from then on, a lost connection leaves the outcome
+    /// unknown).
+    async fn write_batch(
+        &self,
+        batch: &Batch,
+        committing: &std::sync::atomic::AtomicBool,
+    ) -> Result<(), StoreError> {
+        self.db.still_active()?;
+        let mut client = self.db.client().await?;
+        let tx = client.transaction().await.map_err(self.db.err())?;
+        // Fenced: only the replica of the current epoch writes. The row lock makes
+        // a takeover wait for this transaction, and this one see a takeover.
+        let epoch: i64 = tx
+            .query_one("SELECT epoch FROM valet_active WHERE id = 1 FOR SHARE", &[])
+            .await
+            .map_err(self.db.err())?
+            .get(0);
+        if epoch != self.epoch {
+            self.db.lost.cancel();
+            return Err(StoreError::Refused(format!(
+                "another control plane took over {} (epoch {epoch}, this one {})",
+                self.db.database, self.epoch
+            )));
+        }
+        for name in &batch.put_atespaces {
+            tx.execute(
+                "INSERT INTO atespaces (name) VALUES ($1) ON CONFLICT DO NOTHING",
+                &[name],
+            )
+            .await
+            .map_err(self.db.err())?;
+        }
+        for row in &batch.put_actors {
+            put_actor(&tx, row).await.map_err(self.db.err())?;
+        }
+        for key in &batch.delete_actors {
+            tx.execute(
+                "DELETE FROM actors WHERE atespace = $1 AND name = $2",
+                &[&key.atespace(), &key.name()],
+            )
+            .await
+            .map_err(self.db.err())?;
+        }
+        for name in &batch.delete_atespaces {
+            tx.execute("DELETE FROM atespaces WHERE name = $1", &[name])
+                .await
+                .map_err(self.db.err())?;
+        }
+        for (table, lease) in crate::store::lease_bounds(batch) {
+            tx.execute(
+                &format!(
+                    "INSERT INTO {table} (id, longest_ms) VALUES (1, $1)
+                     ON CONFLICT (id) DO UPDATE SET longest_ms = excluded.longest_ms"
+                ),
+                &[&crate::store::lease_ms(lease)],
+            )
+            .await
+            .map_err(self.db.err())?;
+        }
+        // The replica may have stepped down meanwhile (an unanswered commit of another
+        // write): the records this batch was built from are no longer trusted.
+        self.db.still_active()?;
+        committing.store(true, std::sync::atomic::Ordering::Release);
+        tx.commit().await.map_err(self.db.err())
+    }
+}
+
+impl Db {
+    pub(crate) fn new(pool: Pool, database: String, lost: CancellationToken) -> Self {
+        Self {
+            pool,
+            database,
+            lost,
+            pool_failing: std::sync::Arc::default(),
+        }
+    }
+
     /// The whole record, unbounded (see [`Store::load`]).
-    async fn load_all(&self) -> Result<Loaded, StoreError> {
+    pub(crate) async fn load_all(&self) -> Result<Loaded, StoreError> {
         let client = self.client().await?;
         let atespaces = client
             .query("SELECT name FROM atespaces ORDER BY name", &[])
@@ -468,22 +636,7 @@ impl PostgresStore {
             .await
             .map_err(self.err())?
         {
-            let status: i32 = r.get(6);
-            let status = ActorStatus::from_wire(status)
-                .ok_or_else(|| StoreError::Corrupt(self.database.clone(), status))?;
-            actors.push(ActorRow {
-                atespace: r.get(0),
-                name: r.get(1),
-                uid: r.get(2),
-                template_namespace: r.get(3),
-                template: r.get(4),
-                pool: r.get(5),
-                status,
-                version: r.get(7),
-                worker: r.get(8),
-                selector: crate::store::decode_selector(r.get(9)),
-                revert_pending: r.get(10),
-            });
+            actors.push(actor_of(&r, &self.database)?);
         }
         let mut bounds = [None, None];
         for (bound, table) in bounds
@@ -505,76 +658,9 @@ impl PostgresStore {
         })
     }
 
-    /// `batch` in one transaction, fenced by the epoch; `committing` is set once the
-    /// COMMIT is on its way (from then on, a lost connection leaves the outcome
-    /// unknown).
-    async fn write_batch(
-        &self,
-        batch: &Batch,
-        committing: &std::sync::atomic::AtomicBool,
-    ) -> Result<(), StoreError> {
-        self.still_active()?;
-        let mut client = self.client().await?;
-        let tx = client.transaction().await.map_err(self.err())?;
-        // Fenced: only the replica of the current epoch writes. The row lock makes
-        // a takeover wait for this transaction, and this one see a takeover.
-        let epoch: i64 = tx
-            .query_one("SELECT epoch FROM valet_active WHERE id = 1 FOR SHARE", &[])
-            .await
-            .map_err(self.err())?
-            .get(0);
-        if epoch != self.epoch {
-            self.lost.cancel();
-            return Err(StoreError::Refused(format!(
-                "another control plane took over {} (epoch {epoch}, this one {})",
-                self.database, self.epoch
-            )));
-        }
-        for name in &batch.put_atespaces {
-            tx.execute(
-                "INSERT INTO atespaces (name) VALUES ($1) ON CONFLICT DO NOTHING",
-                &[name],
-            )
-            .await
-            .map_err(self.err())?;
-        }
-        for row in &batch.put_actors {
-            put_actor(&tx, row).await.map_err(self.err())?;
-        }
-        for key in &batch.delete_actors {
-            tx.execute(
-                "DELETE FROM actors WHERE atespace = $1 AND name = $2",
-                &[&key.atespace(), &key.name()],
-            )
-            .await
-            .map_err(self.err())?;
-        }
-        for name in &batch.delete_atespaces {
-            tx.execute("DELETE FROM atespaces WHERE name = $1", &[name])
-                .await
-                .map_err(self.err())?;
-        }
-        for (table, lease) in crate::store::lease_bounds(batch) {
-            tx.execute(
-                &format!(
-                    "INSERT INTO {table} (id, longest_ms) VALUES (1, $1)
-                     ON CONFLICT (id) DO UPDATE SET longest_ms = excluded.longest_ms"
-                ),
-                &[&crate::store::lease_ms(lease)],
-            )
-            .await
-            .map_err(self.err())?;
-        }
-        // The replica may have stepped down meanwhile (an unanswered commit of another
-        // write): the records this batch was built from are no longer trusted.
-        self.still_active()?;
-        committing.store(true, std::sync::atomic::Ordering::Release);
-        tx.commit().await.map_err(self.err())
-    }
-
     /// Refuses once the replica stepped down (`lost`): from then on nothing it decided
     /// from its records in memory is written.
-    fn still_active(&self) -> Result<(), StoreError> {
+    pub(crate) fn still_active(&self) -> Result<(), StoreError> {
         if self.lost.is_cancelled() {
             return Err(StoreError::Refused(format!(
                 "{}: no longer the active control plane",
@@ -588,7 +674,7 @@ impl PostgresStore {
     /// failed connects (each within [`POOL_FAILING_GAP`] of the one before) and no
     /// success, steps down (`lost`). A pool busy with writes (a wait that timed out)
     /// says nothing about connecting.
-    fn note_pool<T>(&self, got: &Result<T, deadpool_postgres::PoolError>) {
+    pub(crate) fn note_pool<T>(&self, got: &Result<T, deadpool_postgres::PoolError>) {
         use deadpool_postgres::{PoolError, TimeoutType};
         let mut failing = self
             .pool_failing
@@ -616,11 +702,11 @@ impl PostgresStore {
         }
     }
 
-    fn err(&self) -> impl Fn(tokio_postgres::Error) -> StoreError + '_ {
+    pub(crate) fn err(&self) -> impl Fn(tokio_postgres::Error) -> StoreError + '_ {
         |e| store_error(&self.database, &e)
     }
 
-    async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
+    pub(crate) async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
         use deadpool_postgres::PoolError;
         let got = self.pool.get().await;
         self.note_pool(&got);
@@ -636,11 +722,26 @@ impl PostgresStore {
             },
         })
     }
+
+    /// Whether a pooled connection can still be had (an idle one, or a new one), for
+    /// the readiness probe. Never waits for a pool busy with writes: that is no failure.
+    pub(crate) async fn probe_pool(&self) -> Result<(), StoreError> {
+        let pool = self.pool.status();
+        if (pool.available > 0 || pool.size < pool.max_size)
+            && let Ok(got) = tokio::time::timeout(PROBE_POOL_WAIT, self.pool.get()).await
+        {
+            self.note_pool(&got);
+            if let Err(deadpool_postgres::PoolError::Backend(e)) = got {
+                return Err(store_error(&self.database, &e));
+            }
+        }
+        self.still_active()
+    }
 }
 
 /// `e` as a store error: [`StoreError::Lost`] when the connection ended under it,
 /// otherwise the database refusing the statement.
-fn store_error(database: &str, e: &tokio_postgres::Error) -> StoreError {
+pub(crate) fn store_error(database: &str, e: &tokio_postgres::Error) -> StoreError {
     let (database, why) = (database.to_owned(), why(e));
     if connection_failed(e) {
         StoreError::Lost { database, why }
@@ -713,7 +814,7 @@ fn heartbeat(
 }
 
 /// Refuses a schema newer than this binary's (read without a lock).
-async fn check_version(client: &Client, database: &str) -> Result<(), StoreError> {
+pub(crate) async fn check_version(client: &Client, database: &str) -> Result<(), StoreError> {
     let exists: bool = client
         .query_one("SELECT to_regclass('valet_schema') IS NOT NULL", &[])
         .await
@@ -739,7 +840,11 @@ async fn check_version(client: &Client, database: &str) -> Result<(), StoreError
 
 /// Brings the schema to [`SCHEMA_VERSION`], one migration per transaction, under the
 /// migration lock; refuses a newer schema.
-async fn migrate(client: &Client, database: &str, locks: &[i64]) -> Result<(), StoreError> {
+pub(crate) async fn migrate(
+    client: &Client,
+    database: &str,
+    locks: &[i64],
+) -> Result<(), StoreError> {
     let err = |e: tokio_postgres::Error| match store_error(database, &e) {
         StoreError::Postgres { database, why } => StoreError::Postgres {
             database,
@@ -804,17 +909,41 @@ async fn migrate(client: &Client, database: &str, locks: &[i64]) -> Result<(), S
     result.and(unlocked)
 }
 
-const SELECT_ACTOR: &str = "SELECT atespace, name, uid, template_namespace, template, pool, \
-     status, version, worker, selector, revert_pending FROM actors";
+pub(crate) const SELECT_ACTOR: &str = "SELECT atespace, name, uid, template_namespace, template, pool, \
+     status, version, worker, selector, revert_pending, op_replica FROM actors";
+
+/// An actor row as [`SELECT_ACTOR`] reads it.
+///
+/// # Errors
+/// A status this control plane never writes.
+pub(crate) fn actor_of(r: &tokio_postgres::Row, database: &str) -> Result<ActorRow, StoreError> {
+    let status: i32 = r.get(6);
+    let status = ActorStatus::from_wire(status)
+        .ok_or_else(|| StoreError::Corrupt(database.to_owned(), status))?;
+    Ok(ActorRow {
+        atespace: r.get(0),
+        name: r.get(1),
+        uid: r.get(2),
+        template_namespace: r.get(3),
+        template: r.get(4),
+        pool: r.get(5),
+        status,
+        version: r.get(7),
+        worker: r.get(8),
+        selector: crate::store::decode_selector(r.get(9)),
+        revert_pending: r.get(10),
+        op_replica: r.get(11),
+    })
+}
 
 impl Store for PostgresStore {
     fn load(&self) -> StoreFuture<'_, Loaded> {
         Box::pin(async move {
-            tokio::time::timeout(WRITE_WITHIN, self.load_all())
+            tokio::time::timeout(WRITE_WITHIN, self.db.load_all())
                 .await
                 .unwrap_or_else(|_| {
                     Err(StoreError::Lost {
-                        database: self.database.clone(),
+                        database: self.db.database.clone(),
                         why: format!("no answer within {WRITE_WITHIN:?}"),
                     })
                 })
@@ -831,7 +960,7 @@ impl Store for PostgresStore {
                 .await
                 .unwrap_or_else(|_| {
                     Err(StoreError::Lost {
-                        database: self.database.clone(),
+                        database: self.db.database.clone(),
                         why: format!("no answer within {WRITE_WITHIN:?}"),
                     })
                 });
@@ -841,20 +970,20 @@ impl Store for PostgresStore {
             if let Err(StoreError::Lost { why, .. }) = &written
                 && committing.load(std::sync::atomic::Ordering::Acquire)
             {
-                tracing::warn!(database = %self.database, %why, "a commit got no answer: stepping down to load the records again");
-                self.lost.cancel();
+                tracing::warn!(database = %self.db.database, %why, "a commit got no answer: stepping down to load the records again");
+                self.db.lost.cancel();
             }
             written
         })
     }
 
     fn describe(&self) -> String {
-        self.database.clone()
+        self.db.database.clone()
     }
 
     fn ping(&self) -> StoreFuture<'_, ()> {
         Box::pin(async move {
-            self.still_active()?;
+            self.db.still_active()?;
             // On the lock's own connection, never the pool's: a burst of writes that
             // takes every pooled connection must not make the active replica look
             // not ready (a Service would then route to no replica at all).
@@ -865,44 +994,36 @@ impl Store for PostgresStore {
             )
             .await
             .map_err(|_| StoreError::Postgres {
-                database: self.database.clone(),
+                database: self.db.database.clone(),
                 why: "no answer".into(),
             })?
-            .map_err(self.err())?
+            .map_err(self.db.err())?
             .get(0);
             if epoch != self.epoch {
                 return Err(StoreError::Refused(format!(
                     "{}: another control plane took over (epoch {epoch})",
-                    self.database
+                    self.db.database
                 )));
             }
-            // Whether a pooled connection can still be had (an idle one, or a new
-            // one). Never waits for a pool busy with writes: that is no failure.
-            let pool = self.pool.status();
-            if (pool.available > 0 || pool.size < pool.max_size)
-                && let Ok(got) = tokio::time::timeout(PROBE_POOL_WAIT, self.pool.get()).await
-            {
-                self.note_pool(&got);
-                if let Err(deadpool_postgres::PoolError::Backend(e)) = got {
-                    return Err(store_error(&self.database, &e));
-                }
-            }
-            self.still_active()
+            self.db.probe_pool().await
         })
     }
 }
 
-async fn put_actor(c: &impl GenericClient, row: &ActorRow) -> Result<(), tokio_postgres::Error> {
+pub(crate) async fn put_actor(
+    c: &impl GenericClient,
+    row: &ActorRow,
+) -> Result<(), tokio_postgres::Error> {
     let selector = crate::store::encode_selector(&row.selector);
     c.execute(
         "INSERT INTO actors (atespace, name, uid, template_namespace, template, pool, status, \
-         version, worker, selector, revert_pending) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) \
+         version, worker, selector, revert_pending, op_replica) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
          ON CONFLICT (atespace, name) DO UPDATE SET uid = excluded.uid, \
          template_namespace = excluded.template_namespace, template = excluded.template, \
          pool = excluded.pool, status = excluded.status, version = excluded.version, \
          worker = excluded.worker, selector = excluded.selector, \
-         revert_pending = excluded.revert_pending",
+         revert_pending = excluded.revert_pending, op_replica = excluded.op_replica",
         &[
             &row.atespace,
             &row.name,
@@ -915,6 +1036,7 @@ async fn put_actor(c: &impl GenericClient, row: &ActorRow) -> Result<(), tokio_p
             &row.worker,
             &selector,
             &row.revert_pending,
+            &row.op_replica,
         ],
     )
     .await

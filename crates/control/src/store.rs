@@ -37,6 +37,11 @@ pub struct ActorRow {
     pub selector: Vec<(String, String)>,
     /// The next restore must first bring back the last good snapshot (after a revert).
     pub revert_pending: bool,
+    /// The replica whose operation holds it RESUMING or SUSPENDING, when several
+    /// replicas share a PostgreSQL database (its `valet_replicas` id); `None` for every
+    /// other status, and always with one control plane. Written by the store, from the
+    /// status ([`ActorRow::held_by`]).
+    pub op_replica: Option<i64>,
 }
 
 impl ActorRow {
@@ -53,6 +58,13 @@ impl ActorRow {
             version: self.version + 1,
             ..self.clone()
         }
+    }
+
+    /// The replica that holds it when `replica` writes it: that one while it is
+    /// RESUMING or SUSPENDING (its operation is in progress), none otherwise. The one
+    /// rule for [`ActorRow::op_replica`].
+    pub fn held_by(&self, replica: i64) -> Option<i64> {
+        self.status.is_transitional().then_some(replica)
     }
 }
 
@@ -124,6 +136,10 @@ pub enum StoreError {
     Join(String),
     #[error("database write refused: {0}")]
     Refused(String),
+    /// Another replica changed the record since this one read it (several replicas
+    /// on one database): nothing was written.
+    #[error("database write refused: {0} changed since this replica read it")]
+    Conflict(String),
     #[error(
         "database {database}: schema version {found} is newer than this binary's ({supported}); run a newer valet"
     )]
@@ -186,7 +202,9 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
 /// 3. `route_lease_bound`: the longest route lease that may still be held, so that a
 ///    plane restarted with a shorter `--route-lease` waits out the longer one.
 /// 4. `hosting_lease_bound`: the same for the hosting lease workers were told.
-pub const SCHEMA_VERSION: i64 = 4;
+/// 5. PostgreSQL: several replicas active at once (`valet_replicas`, `valet_workers`,
+///    `valet_waiters`, `valet_forwards`, `actors.op_replica`); SQLite: nothing.
+pub const SCHEMA_VERSION: i64 = 5;
 
 /// SQLite's migrations: `SQLITE_MIGRATIONS[v - 1]` brings version `v - 1` to `v`.
 const SQLITE_MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
@@ -222,6 +240,8 @@ const SQLITE_MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
          id INTEGER PRIMARY KEY CHECK (id = 1),
          longest_ms INTEGER NOT NULL CHECK (longest_ms >= 0)
      ) STRICT;",
+    // Replicas active together share PostgreSQL only: nothing changes here.
+    "",
 ];
 
 /// Brings the SQLite database to [`SCHEMA_VERSION`] (`PRAGMA user_version`), each
@@ -569,6 +589,7 @@ fn row_to_actor(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawActor> {
             worker: r.get(8)?,
             selector: decode_selector(&r.get::<_, String>(9)?),
             revert_pending: r.get(10)?,
+            op_replica: None,
         },
         r.get(6)?,
     ))
@@ -607,6 +628,7 @@ mod tests {
             worker: None,
             selector: vec![("workload".into(), "counter".into())],
             revert_pending: false,
+            op_replica: None,
         }
     }
 

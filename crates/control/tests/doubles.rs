@@ -347,6 +347,7 @@ fn running_on(name: &str, worker: &str) -> ActorRow {
         worker: Some(worker.into()),
         selector: Vec::new(),
         revert_pending: false,
+        op_replica: None,
     }
 }
 

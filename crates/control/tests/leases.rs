@@ -489,6 +489,7 @@ async fn after_a_restart_a_worker_that_rejoined_and_was_cut_off_keeps_its_actor(
                 worker: Some("w1".into()),
                 selector: Vec::new(),
                 revert_pending: false,
+                op_replica: None,
             }],
             ..Batch::default()
         })

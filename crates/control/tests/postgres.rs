@@ -23,6 +23,7 @@ fn row(name: &str) -> ActorRow {
         worker: None,
         selector: vec![("workload".into(), "counter".into())],
         revert_pending: false,
+        op_replica: None,
     }
 }
 
@@ -513,6 +514,8 @@ async fn back_to_version_1(url: &str) {
         url,
         "ALTER TABLE actors DROP CONSTRAINT actors_one_per_worker; \
          DROP TABLE route_lease_bound; DROP TABLE hosting_lease_bound; \
+         ALTER TABLE actors DROP COLUMN op_replica; \
+         DROP TABLE valet_replicas, valet_workers, valet_waiters, valet_forwards; \
          UPDATE valet_schema SET version = 1",
     )
     .await;

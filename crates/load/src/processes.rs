@@ -1,6 +1,6 @@
 //! A cluster of real processes for scenarios (`valet load scenario … --cluster`):
 //! PostgreSQL (a given URL, or a throwaway server this module starts), two
-//! `valet control-plane` replicas on it (the first active, the second a standby),
+//! `valet control-plane` replicas on it (all active, with no leader),
 //! `valet worker` processes listing both replicas, and two `valet router` processes
 //! listing both replicas. Every child is killed when the cluster is dropped; their
 //! logs (at `warn`) go to files in a temporary directory, quoted when a part fails to
@@ -36,7 +36,7 @@ pub struct ClusterOpts {
     pub exe: PathBuf,
     /// A PostgreSQL URL (`postgres://…`); a throwaway server when `None`.
     pub database: Option<String>,
-    /// Control-plane replicas (the first active, the others standbys).
+    /// Control-plane replicas (all active).
     pub replicas: usize,
     /// Routers, each listing every replica.
     pub routers: usize,
@@ -233,8 +233,8 @@ impl Processes {
             .map(str::to_owned)
             .to_vec();
             let log = dir.path().join(format!("replica-{}.log", i + 1));
-            // A replica reserves its gRPC port at start (`bound control-plane`), a
-            // standby too, though it listens only once active.
+            // A replica reserves its gRPC port at start (`bound control-plane`), and
+            // listens once it joined the others.
             let (child, seen) = spawn(
                 &opts.exe,
                 &args,
@@ -245,10 +245,8 @@ impl Processes {
             .await
             .map_err(|e| format!("replica {}: {e}", i + 1))?;
             children.push(child);
-            // The first becomes active (its probes ready); the others wait for the
-            // database's lock as standbys, serving only their probes.
-            let want = if i == 0 { Role::Active } else { Role::Standby };
-            wait_role(seen["metrics"], want)
+            // Every replica serves (`--active-replicas all`): its probes say ready.
+            wait_ready(seen["metrics"])
                 .await
                 .map_err(|e| format!("replica {}: {e}{}", i + 1, tail(&log)))?;
             replicas.push(format!("http://{}", seen["bound control-plane"]));
@@ -369,15 +367,8 @@ impl Processes {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Role {
-    Active,
-    Standby,
-}
-
-/// Waits until a replica's `/readyz` shows it `want`: 200 for the active one, 503
-/// "standby" for a standby.
-async fn wait_role(metrics: SocketAddr, want: Role) -> Result<(), String> {
+/// Waits until a replica's `/readyz` says it serves (200).
+async fn wait_ready(metrics: SocketAddr) -> Result<(), String> {
     let client = HttpClient::new(DOMAIN);
     let deadline = Instant::now() + START_WITHIN;
     loop {
@@ -387,29 +378,20 @@ async fn wait_role(metrics: SocketAddr, want: Role) -> Result<(), String> {
         )
         .await
         .unwrap_or_else(|_| (0, "no answer".into()));
-        let now = match status {
-            200 => Some(Role::Active),
-            503 if body.contains("standby") => Some(Role::Standby),
-            _ => None,
-        };
-        if now == Some(want) {
+        if status == 200 {
             return Ok(());
         }
         if Instant::now() >= deadline {
-            // Until it holds the database's lock, a starting replica looks like a
-            // standby: still one after the wait, another control plane has the lock.
-            let hint = if now == Some(Role::Standby) {
-                "; is another control plane active on this database? --database must be one no control plane uses"
+            // Until it joined the others, a starting replica looks like a standby:
+            // still one after the wait, a control plane with `--active-replicas one`
+            // holds the database.
+            let hint = if status == 503 && body.contains("standby") {
+                "; does a control plane with --active-replicas one hold this database? --database must be one no control plane uses"
             } else {
                 ""
             };
-            let role = if want == Role::Active {
-                "active"
-            } else {
-                "a standby"
-            };
             return Err(format!(
-                "not {role} within {START_WITHIN:?} (/readyz: {status} {}){hint}",
+                "not serving within {START_WITHIN:?} (/readyz: {status} {}){hint}",
                 body.trim()
             ));
         }

@@ -203,8 +203,8 @@ pub trait ControlPlane: Send + Sync + 'static {
     fn resume_actor(&self, req: ResumeRequest) -> ResumeFuture<'_>;
 }
 
-/// How long a replica that could not be reached is passed over while another one
-/// may answer.
+/// How long a replica that could not be reached, or answered `Unavailable` itself,
+/// is passed over while another one may answer.
 pub const FAILOVER_HOLD: Duration = Duration::from_secs(1);
 
 /// `ateapi.Control` over gRPC (h2c for `http://` addresses), on one control plane or
@@ -219,7 +219,7 @@ pub struct GrpcControlPlane {
 struct Replica {
     client: ateapi::control_client::ControlClient<CpChannel>,
     channel: CpChannel,
-    /// Passed over until then: its last attempt was `Unavailable`.
+    /// Passed over until then: its last attempt was `Unavailable` (or unreachable).
     down_until: std::sync::Mutex<Option<tokio::time::Instant>>,
 }
 
@@ -253,15 +253,17 @@ impl GrpcControlPlane {
         Self::replicas(&[url.to_owned()], credentials, Some(PING_INTERVAL))
     }
 
-    /// A client of several replicas: attempts go to the replica that last answered;
-    /// one that cannot be reached (a transport failure, or no answer in time) is
-    /// passed over for [`FAILOVER_HOLD`] and the next one is tried; after one that
-    /// answered `Unavailable` itself, the next attempt goes to the next one. A failed attempt
-    /// counts as `Unavailable`, so a parked request's next attempt goes to the next
-    /// replica; one with no answer within `--resume-attempt-timeout` counts as
-    /// `DeadlineExceeded`, which ends the flight (the spec's verdict table), and the
-    /// replica is passed over by the flights after it. (With one active replica and standbys, as
-    /// today, spreading calls would only pay a refused connection on the standbys.)
+    /// A client of several replicas (all serving, `--active-replicas all`): attempts
+    /// are spread over them in turn; one that cannot be reached (a transport failure,
+    /// or no answer in time) or that answered `Unavailable` itself (its database
+    /// write failed, it is stopping) is passed over for [`FAILOVER_HOLD`]. A failed
+    /// attempt counts as `Unavailable`, so a parked request's next attempt goes to
+    /// another replica; one with no answer within `--resume-attempt-timeout` counts
+    /// as `DeadlineExceeded`, which ends the flight (the spec's verdict table), and
+    /// the replica is passed over by the flights after it. (In front of
+    /// `--active-replicas one`, a standby refuses connections and is passed over the
+    /// same way; a Service that routes to the ready replica only spares those
+    /// attempts.)
     ///
     /// # Errors
     /// When a URL is not a valid endpoint.
@@ -302,24 +304,27 @@ impl GrpcControlPlane {
         self.replicas.iter().map(|r| r.channel.clone()).collect()
     }
 
-    /// The replica for the next attempt: the last one that answered, unless it is
-    /// passed over, then the next ones in turn.
-    fn pick(&self) -> (usize, &Replica) {
+    /// The replica for the next attempt: the next one in turn that is not passed
+    /// over (when all are: the next one in turn).
+    fn pick(&self) -> &Replica {
         let n = self.replicas.len();
-        let start = self.next.load(std::sync::atomic::Ordering::Relaxed);
+        let start = if n > 1 {
+            self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        } else {
+            0
+        };
         let now = tokio::time::Instant::now();
-        (0..n)
+        let i = (0..n)
             .map(|i| (start + i) % n)
             .find(|&i| !self.replicas[i].is_down(now))
-            .map_or((start % n, &self.replicas[start % n]), |i| {
-                (i, &self.replicas[i])
-            })
+            .unwrap_or(start % n);
+        &self.replicas[i]
     }
 }
 
 impl ControlPlane for GrpcControlPlane {
     fn resume_actor(&self, req: ResumeRequest) -> ResumeFuture<'_> {
-        let (index, replica) = self.pick();
+        let replica = self.pick();
         let mut client = replica.client.clone();
         Box::pin(async move {
             let mut request = tonic::Request::new(ateapi::ResumeActorRequest {
@@ -359,20 +364,12 @@ impl ControlPlane for GrpcControlPlane {
                     ))
                 }
             };
-            // A replica that could not be reached (or never answered) is passed over
-            // for a while; one that answered `Unavailable` itself (its database write
-            // failed, it is stopping) lives, but the next attempt goes to the next
-            // replica, which may serve.
-            let n = self.replicas.len();
-            if n > 1 {
-                replica.mark(unreachable);
+            // A replica that could not be reached (or never answered), or that
+            // answered `Unavailable` itself (its database write failed, it is
+            // stopping), is passed over for a while: the others may serve.
+            if self.replicas.len() > 1 {
                 let refused = matches!(&result, Err(e) if e.code() == Code::Unavailable);
-                let next = if unreachable || refused {
-                    (index + 1) % n
-                } else {
-                    index
-                };
-                self.next.store(next, std::sync::atomic::Ordering::Relaxed);
+                replica.mark(unreachable || refused);
             }
             result
         })

@@ -699,6 +699,13 @@ pub(crate) enum OnOff {
     Off,
 }
 
+/// How many control-plane replicas on one PostgreSQL serve at once (`--active-replicas`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum ActiveReplicas {
+    All,
+    One,
+}
+
 #[derive(Debug, Clone, Args)]
 pub(crate) struct ControlPlaneArgs {
     /// gRPC address of ateapi.Control; port 0 picks one.
@@ -711,10 +718,9 @@ pub(crate) struct ControlPlaneArgs {
     pub(crate) data_dir: PathBuf,
 
     /// PostgreSQL instead of the embedded database: postgres://USER[:PASSWORD]@HOST[:PORT]/DB
-    /// (docs/scale-out.md). One control plane is active on a database at a time; one
-    /// started while another is active waits as a standby, not listening, and takes
-    /// over when that one's connection ends. Needs --route-lease 0, which it sets
-    /// unless --route-lease is given.
+    /// (docs/scale-out.md). Every control plane started on it serves (see
+    /// --active-replicas). Needs --route-lease 0, which it sets unless --route-lease is
+    /// given.
     #[arg(
         long,
         env = "VALET_DATABASE",
@@ -722,6 +728,19 @@ pub(crate) struct ControlPlaneArgs {
         hide_env_values = true
     )]
     pub(crate) database: Option<String>,
+
+    /// With --database: `all`, every replica on the database serves at once, with no
+    /// leader (a replica silent for 5 s is declared dead, and the others take over its
+    /// workers and what it left half-way); `one`, one serves and the others wait as
+    /// standbys, not listening, taking over when its connection ends. The two kinds
+    /// never serve one database together: one of the other kind waits.
+    #[arg(
+        long,
+        env = "VALET_ACTIVE_REPLICAS",
+        default_value = "all",
+        value_name = "ALL|ONE"
+    )]
+    pub(crate) active_replicas: ActiveReplicas,
 
     /// Honour ResumeActor's wait_for_capacity (first-come hand-off of freed workers);
     /// off answers at once, like a server without the extension.

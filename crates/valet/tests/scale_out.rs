@@ -37,11 +37,13 @@ fn replica_args<'a>(
     ]
 }
 
-/// Two replicas on `url`, both on `127.0.0.1:0`: the first active (listening), the
-/// second a standby (its gRPC port bound, its probes saying `standby`).
+/// Two replicas on `url` with `--active-replicas one`, both on `127.0.0.1:0`: the
+/// first active (listening), the second a standby (its gRPC port bound, its probes
+/// saying `standby`).
 async fn active_and_standby(url: &str, data: &str, logged: bool) -> (Proc, Proc) {
     let start = |part: &'static str| {
-        let args = replica_args("127.0.0.1:0", "127.0.0.1:0", url, data);
+        let mut args = replica_args("127.0.0.1:0", "127.0.0.1:0", url, data);
+        args.extend(["--active-replicas", "one"]);
         async move {
             if logged {
                 Proc::start_logged(part, &args).await
@@ -123,6 +125,165 @@ async fn taken_over(standby: &Proc) {
 
 fn host(name: &str) -> String {
     format!("{name}.demo.{}", common::DOMAIN)
+}
+
+/// Two replicas on `url` serving together (`--active-replicas all`, the default),
+/// both on `127.0.0.1:0`, each ready.
+async fn both_serving(url: &str, data: &str) -> (Proc, Proc) {
+    let args = replica_args("127.0.0.1:0", "127.0.0.1:0", url, data);
+    let a = Proc::start_logged("control-plane", &args).await;
+    let b = Proc::start_logged("control-plane", &args).await;
+    for r in [&a, &b] {
+        taken_over(r).await;
+    }
+    (a, b)
+}
+
+/// Worker ids (`w<n>`) whose first replica of two is the first listed (the worker
+/// picks it by its id's FNV-1a hash, as `valet worker` does).
+fn ids_attaching_first(n: usize) -> Vec<String> {
+    let fnv = |id: &str| {
+        id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        })
+    };
+    (0..)
+        .map(|i| format!("w{i}"))
+        .filter(|id| fnv(id) % 2 == 0)
+        .take(n)
+        .collect()
+}
+
+/// Two replicas serve together; one is SIGKILLed while requests wait for capacity
+/// (parked in the router, their attempts waiting on both replicas) and while both
+/// workers are attached to it. The workers re-attach to the other replica keeping
+/// their actors RUNNING (with their memory), the parked requests are served through
+/// the other replica within their budget once it frees workers, the dead replica is
+/// declared so, and nothing acknowledged is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_replica_s_parked_requests_are_served_through_the_other() {
+    let pg = TempPostgres::start_async().await;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("unused");
+    let data = data.to_str().unwrap();
+    let url = pg.url();
+    let (doomed, survivor) = both_serving(&url, data).await;
+    let replicas = format!("http://{},http://{}", doomed.addr, survivor.addr);
+    let ids = ids_attaching_first(2);
+    let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+    let _workers = workers(&replicas, &dir.path().join("snapshots"), &ids).await;
+    let on_doomed = common::client(doomed.addr);
+    common::workers_and_demo(&on_doomed, 2, &["p1", "p2", "p3", "p4"].map(String::from)).await;
+    let router = router(&replicas, "30s").await;
+    let get = |name: &'static str| {
+        let addr = router.addrs["router"];
+        async move { http_get(addr, "/", &[("Host", &host(name))]).await }
+    };
+    for (name, count) in [("p1", 1), ("p1", 2), ("p2", 1)] {
+        let (status, body) = get(name).await;
+        assert_eq!(status, 200, "{body}");
+        assert!(body.contains(&format!("memory count: {count}")), "{body}");
+    }
+    // Both workers are the doomed replica's.
+    let c = common::client(survivor.addr);
+    let workers_of = |replica: &'static str| {
+        let url = url.clone();
+        async move {
+            let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                .await
+                .unwrap();
+            let task = tokio::spawn(conn);
+            let n: i64 = client
+                .query_one(
+                    &format!("SELECT count(*) FROM valet_workers WHERE replica {replica}"),
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            drop(client);
+            let _ = task.await;
+            n
+        }
+    };
+    assert_eq!(
+        workers_of("= 1").await,
+        2,
+        "both attached to the first replica"
+    );
+
+    // p3 and p4 park: the pool is full.
+    let parked: Vec<_> = ["p3", "p4"]
+        .into_iter()
+        .map(|n| tokio::spawn(get(n)))
+        .collect();
+    eventually("two requests parked", WITHIN, || async {
+        let n = router.metric("atenet_router_parking_active", &[]).await;
+        (n == 2.0).then_some(())
+    })
+    .await;
+    doomed.kill().await;
+
+    // The workers attach to the survivor, keeping their actors.
+    eventually(
+        "both workers re-attached to the other replica",
+        WITHIN,
+        || async { (workers_of("= 2").await == 2).then_some(()) },
+    )
+    .await;
+    let (status, body) = get("p1").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("memory count: 3"), "p1 kept running: {body}");
+    // Capacity frees on the survivor: each freed worker goes to a parked request.
+    for name in ["demo/p1", "demo/p2"] {
+        eventually("the suspend goes through", WITHIN, || async {
+            common::suspend(&c, name).await.ok()
+        })
+        .await;
+    }
+    for r in parked {
+        let (status, body) = r.await.unwrap();
+        assert_eq!(status, 200, "served through the other replica: {body}");
+    }
+    eventually("the killed replica is declared dead", WITHIN, || async {
+        survivor
+            .logs()
+            .contains("declared a silent replica dead")
+            .then_some(())
+    })
+    .await;
+    // Nothing acknowledged was lost.
+    let actors = c
+        .clone()
+        .list_actors(ateapi::ListActorsRequest {
+            atespace: "demo".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .actors;
+    let states: Vec<(String, i32)> = actors
+        .iter()
+        .map(|a| (a.actor_id.clone(), a.status))
+        .collect();
+    let (running, suspended) = (
+        ateapi::actor::Status::Running as i32,
+        ateapi::actor::Status::Suspended as i32,
+    );
+    assert_eq!(
+        states,
+        [
+            ("p1".into(), suspended),
+            ("p2".into(), suspended),
+            ("p3".into(), running),
+            ("p4".into(), running),
+        ]
+    );
+    assert_eq!(
+        http_get(survivor.addrs["metrics"], "/readyz", &[]).await.0,
+        200
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -500,6 +500,15 @@ async fn changed_token(
     }
 }
 
+/// The replica (of `n`) a worker with `id` attaches to first: its id's FNV-1a hash,
+/// stable across restarts and platforms.
+fn first_replica(id: &str, n: usize) -> usize {
+    let hash = id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    usize::try_from(hash % n.max(1) as u64).unwrap_or(0)
+}
+
 impl Agent {
     async fn run(
         self,
@@ -509,8 +518,10 @@ impl Agent {
     ) {
         let mut backoff = Duration::from_millis(100);
         // Which replica to attach to next: after an attachment fails or ends, the next
-        // one, at once; after every one was tried, wait (backing off) first.
-        let mut next = 0;
+        // one, at once; after every one was tried, wait (backing off) first. The first
+        // is chosen by the worker's id, so that a pool's workers spread over replicas
+        // that all serve.
+        let mut next = first_replica(&self.id, endpoints.len());
         loop {
             let endpoint = &endpoints[next % endpoints.len()];
             let attached = tokio::select! {
@@ -539,7 +550,7 @@ impl Agent {
                 return;
             }
             next += 1;
-            if next % endpoints.len() != 0 {
+            if !next.is_multiple_of(endpoints.len()) {
                 continue;
             }
             // Jittered (half to the whole backoff): workers that lost one control
@@ -975,6 +986,20 @@ fn take_snapshot(dir: &Path, full: bool, memory: u64) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A pool's workers spread over the replicas they list (each starts with the one
+    /// its id picks), and one replica is always the first.
+    #[test]
+    fn workers_spread_over_replicas() {
+        let mut counts = [0usize; 2];
+        for i in 0..20 {
+            counts[first_replica(&format!("w{i:02}"), 2)] += 1;
+        }
+        assert!(counts.iter().all(|&c| c >= 5), "{counts:?}");
+        assert_eq!(first_replica("w01", 1), 0);
+        assert_eq!(first_replica("anything", 0), 0);
+        assert_eq!(first_replica("w01", 3), first_replica("w01", 3), "stable");
+    }
 
     /// The app on a loopback port, hosting `demo/p1`; stopped when the token is.
     async fn app_serving() -> (SocketAddr, CancellationToken) {

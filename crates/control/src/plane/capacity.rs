@@ -8,6 +8,10 @@
 //!
 //! Rule: a [`Reservation`] is never dropped while the state lock is held (its drop
 //! takes the lock).
+//!
+//! With several replicas on one database the queue is theirs (`valet_waiters`, see
+//! [`super::replicas`]): a ticket's entry here mirrors its row there, and a worker
+//! that frees is offered to the oldest waiter of any replica.
 
 use std::sync::atomic::Ordering;
 
@@ -16,12 +20,27 @@ use tokio::sync::oneshot;
 use super::{Plane, Slot, State};
 use crate::model::ActorKey;
 
+/// What a waiting resume is handed.
+#[derive(Debug)]
+pub(crate) enum Handed {
+    /// A worker of this replica, reserved for its activation.
+    Worker(Reservation),
+    /// Its actor's resume goes on elsewhere (several replicas): another replica
+    /// claimed it on one of its workers, or it waits in the queue there already
+    /// (`queued`). The record tells the outcome.
+    Elsewhere { queued: bool },
+    /// It could not be queued (the database refused): this is the answer.
+    Failed(tonic::Status),
+}
+
 /// A queue entry: a resume waiting for a worker of its pool.
 #[derive(Debug)]
 pub(crate) struct Waiter {
     id: u64,
     actor: ActorKey,
-    tx: oneshot::Sender<Reservation>,
+    /// Its row in the queue the replicas share, once written.
+    seq: Option<i64>,
+    tx: oneshot::Sender<Handed>,
 }
 
 impl Waiter {
@@ -34,6 +53,27 @@ impl Waiter {
     pub(crate) fn actor(&self) -> &ActorKey {
         &self.actor
     }
+
+    /// Its row in the queue the replicas share, once written.
+    pub(crate) fn seq(&self) -> Option<i64> {
+        self.seq
+    }
+
+    /// Its row was written.
+    pub(crate) fn set_seq(&mut self, seq: i64) {
+        self.seq = Some(seq);
+    }
+
+    /// Tells it from the other entries here.
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Tells its resume what it got. One that left drops it: a reservation then
+    /// passes its worker on.
+    pub(crate) fn hand(self, handed: Handed) {
+        let _ = self.tx.send(handed);
+    }
 }
 
 /// A resume's place in its pool's queue; it leaves the queue when dropped.
@@ -42,12 +82,12 @@ pub(crate) struct Ticket {
     plane: Plane,
     pool: String,
     id: u64,
-    rx: Option<oneshot::Receiver<Reservation>>,
+    rx: Option<oneshot::Receiver<Handed>>,
 }
 
 impl Ticket {
-    /// Resolves when a worker is handed to this ticket. Cancel-safe.
-    pub(crate) async fn handed(&mut self) -> Option<Reservation> {
+    /// Resolves when something is handed to this ticket. Cancel-safe.
+    pub(crate) async fn handed(&mut self) -> Option<Handed> {
         match self.rx.as_mut() {
             Some(rx) => rx.await.ok(),
             None => None,
@@ -57,13 +97,18 @@ impl Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        {
+        let seq = {
             let mut st = self.plane.lock();
-            if let Some(q) = st.queues.get_mut(&self.pool)
-                && let Some(pos) = q.iter().position(|w| w.id == self.id)
-            {
-                q.remove(pos);
+            match st.queues.get_mut(&self.pool) {
+                Some(q) if let Some(pos) = q.iter().position(|w| w.id == self.id) => {
+                    q.remove(pos).and_then(|w| w.seq)
+                }
+                _ => None,
             }
+        };
+        // Its row goes too (one still being written goes once it is: see `enqueue`).
+        if let Some(seq) = seq {
+            self.plane.dequeue(seq);
         }
         // Outside the lock: a worker handed to this ticket and never taken is passed on
         // by its reservation's drop.
@@ -135,6 +180,7 @@ impl State {
             .queues
             .get(pool)
             .is_some_and(|q| q.iter().any(Waiter::is_live))
+            || self.cluster.queued_in(pool)
         {
             return None;
         }
@@ -159,7 +205,10 @@ impl Plane {
         }
     }
 
-    /// Queues `actor` for the next worker of `pool` to free.
+    /// Queues `actor` for the next worker of `pool` to free. With several replicas it
+    /// is queued in the database too, behind every replica's older waiters: the
+    /// ticket is handed [`Handed::Elsewhere`] when the actor waits on another
+    /// replica already, and [`Handed::Failed`] when the database refuses.
     pub(crate) fn enqueue(&self, st: &mut State, pool: &str, actor: &ActorKey) -> Ticket {
         let id = st.id();
         let (tx, rx) = oneshot::channel();
@@ -169,9 +218,14 @@ impl Plane {
             .push_back(Waiter {
                 id,
                 actor: actor.clone(),
+                seq: None,
                 tx,
             });
         self.inner.stats.queued.fetch_add(1, Ordering::Relaxed);
+        // Written by one task, in the order of arrival here (`seq` follows it).
+        if let Some(queue) = &self.inner.queue_writes {
+            let _ = queue.send((pool.to_owned(), actor.clone(), id));
+        }
         Ticket {
             plane: self.clone(),
             pool: pool.to_owned(),
@@ -184,6 +238,10 @@ impl Plane {
     /// stays free. Call only after the change that freed it is durable, and never with
     /// the state lock held.
     pub(crate) fn hand_off(&self, worker: &str) {
+        if self.cluster().is_some() {
+            self.offer(worker);
+            return;
+        }
         loop {
             let (waiter, reservation) = {
                 let mut st = self.lock();
@@ -201,13 +259,14 @@ impl Plane {
                 let reservation = self.reserve(&mut st, worker, &waiter.actor);
                 (waiter, reservation)
             };
-            match waiter.tx.send(reservation) {
+            match waiter.tx.send(Handed::Worker(reservation)) {
                 Ok(()) => {
                     self.inner.stats.handoffs.fetch_add(1, Ordering::Relaxed);
                     self.metrics().handoff();
                     return;
                 }
-                Err(mut unused) => {
+                Err(Handed::Elsewhere { .. } | Handed::Failed(_)) => return,
+                Err(Handed::Worker(mut unused)) => {
                     // That waiter left: take the worker back and try the next one.
                     unused.settled = true;
                     let mut st = self.lock();
@@ -222,6 +281,22 @@ impl Plane {
                 }
             }
         }
+    }
+}
+
+impl Plane {
+    /// Takes this replica's waiter `seq` out of the queue the replicas share, in the
+    /// background (its resume no longer waits).
+    pub(crate) fn dequeue(&self, seq: i64) {
+        let Some(store) = self.cluster().cloned() else {
+            return;
+        };
+        self.lock().cluster.waiting.remove(&seq);
+        self.inner.tasks.spawn(async move {
+            if let Err(e) = store.dequeue(seq).await {
+                tracing::warn!(seq, error = %e, "could not take a waiter out of the shared queue; the next hand-off passes it over");
+            }
+        });
     }
 }
 
@@ -257,6 +332,7 @@ mod tests {
         st.queues.entry("p".into()).or_default().push_back(Waiter {
             id: 1,
             actor: ActorKey::new("demo", "a").unwrap(),
+            seq: None,
             tx,
         });
         assert_eq!(st.free_worker("p"), None, "the waiter comes first");

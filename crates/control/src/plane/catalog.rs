@@ -117,6 +117,7 @@ impl Plane {
             worker: None,
             selector,
             revert_pending: false,
+            op_replica: None,
         };
         let plane = self.clone();
         self.detached(async move {

@@ -12,7 +12,8 @@ use tonic::Status;
 use valet_proto::ateapi;
 use valet_proto::worker::{self as wk, worker_command::Command};
 
-use super::capacity::{Reservation, Ticket};
+use super::capacity::{Handed, Reservation, Ticket};
+use super::replicas::Observed;
 
 /// Whether a stop's [`Plane::checkpoint_all`] waits for a SUSPENDED actor held by
 /// `op`: one about to run (a resume handed a worker, writing its claim), yes; one still
@@ -214,6 +215,18 @@ impl Plane {
                             if self.is_shutting_down() {
                                 return Err(shutting_down());
                             }
+                            // Another replica's operation holds it (several replicas).
+                            if st.held_elsewhere(row) {
+                                return Err(aborted());
+                            }
+                            // A call that may not wait queues briefly all the same when
+                            // only another replica has a free worker: that one hands it
+                            // over.
+                            let mine = mine.or_else(|| {
+                                (st.free_worker(&row.pool).is_none()
+                                    && st.free_elsewhere(&row.pool))
+                                .then(|| Instant::now() + super::replicas::HAND_OVER_WAIT)
+                            });
                             let tx = Arc::new(watch::Sender::new(None));
                             let rx = tx.subscribe();
                             let capacity = Arc::new(watch::Sender::new(CapacityWait {
@@ -302,66 +315,90 @@ impl Plane {
         } else {
             row
         };
-        let start = {
-            let mut st = self.lock();
-            // Copied out: a borrow held into the arm would deadlock its `send_modify`.
-            let until = capacity.borrow().until;
-            match st.free_worker(&row.pool) {
-                Some(w) => Start::Reserved(self.reserve(&mut st, &w, key)),
-                None => match until {
-                    Some(_) => {
-                        capacity.send_modify(|c| c.queued = true);
-                        Start::Queued(self.enqueue(&mut st, &row.pool, key))
-                    }
-                    None => {
-                        st.refused
-                            .insert(key.clone(), (row.pool.clone(), Instant::now()));
-                        drop(st);
-                        self.wake_policies();
-                        return Ok(Err(no_room()));
-                    }
-                },
-            }
-        };
-        if matches!(start, Start::Queued(..)) {
-            self.wake_policies();
-        }
-        let reservation = match start {
-            Start::Reserved(r) => r,
-            Start::Queued(mut ticket) => {
-                // Until the latest deadline of the callers that wait (a caller that
-                // joins later may extend it).
-                let mut until = capacity.subscribe();
-                let handed = loop {
-                    let Some(deadline) = until.borrow_and_update().until else {
-                        break None;
-                    };
-                    tokio::select! {
-                        r = ticket.handed() => break r,
-                        () = tokio::time::sleep_until(deadline) => {
-                            if capacity.borrow().until.is_none_or(|u| u <= deadline) {
-                                break None;
-                            }
+        // Again when the actor's resume on another replica ended while its callers
+        // here still wait (several replicas).
+        let mut op = op;
+        let reservation = loop {
+            let start = {
+                let mut st = self.lock();
+                // Copied out: a borrow held into the arm would deadlock its `send_modify`.
+                let until = capacity.borrow().until;
+                match st.free_worker(&row.pool) {
+                    Some(w) => Start::Reserved(self.reserve(&mut st, &w, key)),
+                    None => match until {
+                        Some(_) => {
+                            capacity.send_modify(|c| c.queued = true);
+                            Start::Queued(self.enqueue(&mut st, &row.pool, key))
                         }
-                        _ = until.changed() => {}
-                        () = tx.closed() => return Err(NoOutcome::CallersLeft),
-                        () = self.inner.shutdown.cancelled() => return Ok(Err(shutting_down())),
-                    }
-                };
-                capacity.send_modify(|c| c.queued = false);
-                match handed {
-                    Some(r) => r,
-                    None => return Ok(Err(no_room())),
+                        None => {
+                            st.refused
+                                .insert(key.clone(), (row.pool.clone(), Instant::now()));
+                            drop(st);
+                            self.wake_policies();
+                            return Ok(Err(no_room()));
+                        }
+                    },
                 }
+            };
+            if matches!(start, Start::Queued(..)) {
+                self.wake_policies();
+            }
+            let mut ticket = match start {
+                Start::Reserved(r) => break r,
+                Start::Queued(ticket) => ticket,
+            };
+            // Until the latest deadline of the callers that wait (a caller that
+            // joins later may extend it).
+            let mut until = capacity.subscribe();
+            let handed = loop {
+                let Some(deadline) = until.borrow_and_update().until else {
+                    break None;
+                };
+                tokio::select! {
+                    r = ticket.handed() => break r,
+                    () = tokio::time::sleep_until(deadline) => {
+                        if capacity.borrow().until.is_none_or(|u| u <= deadline) {
+                            break None;
+                        }
+                    }
+                    _ = until.changed() => {}
+                    () = tx.closed() => return Err(NoOutcome::CallersLeft),
+                    () = self.inner.shutdown.cancelled() => return Ok(Err(shutting_down())),
+                }
+            };
+            capacity.send_modify(|c| c.queued = false);
+            match handed {
+                Some(Handed::Worker(r)) => break r,
+                Some(Handed::Failed(e)) => return Ok(Err(e)),
+                Some(Handed::Elsewhere { queued }) => {
+                    drop(ticket);
+                    // The operation is another replica's (it restores the actor, or
+                    // queued it first): the lock goes, so that this replica's
+                    // hand-offs may claim the actor for that replica's waiter.
+                    let kind = self.lock().busy(key).cloned();
+                    drop(op);
+                    match self.observe(key, queued, capacity, tx).await {
+                        Observed::Done(outcome) => return Ok(*outcome),
+                        Observed::Again => {
+                            let mut st = self.lock();
+                            let (Some(kind), None) = (kind, st.busy(key)) else {
+                                return Ok(Err(aborted()));
+                            };
+                            op = Op::take(self, &mut st, OpTarget::Actor(key.clone()), kind);
+                            continue;
+                        }
+                    }
+                }
+                None => return Ok(Err(no_room())),
             }
         };
         op.stop_joining();
-        self.inner.stats.activations.fetch_add(1, Ordering::Relaxed);
         let claimed = row.moved(ActorStatus::Resuming, Some(reservation.worker().to_owned()));
         if let Err(e) = self.step(&op, Batch::put([claimed.clone()])).await {
             // The reservation passes the worker on as it drops.
             return Ok(Err(e));
         }
+        self.inner.stats.activations.fetch_add(1, Ordering::Relaxed);
         reservation.claimed();
         self.lock().refused.remove(key);
         let started = Instant::now();
@@ -372,7 +409,12 @@ impl Plane {
 
     /// Restores `key` on its worker for operation `op`: not if the worker attached
     /// again, without the actor, since `op` claimed it (see `WorkerRec::not_kept`).
-    async fn restore(&self, key: &ActorKey, row: &ActorRow, op: u64) -> Result<(), LinkError> {
+    pub(super) async fn restore(
+        &self,
+        key: &ActorKey,
+        row: &ActorRow,
+        op: u64,
+    ) -> Result<(), LinkError> {
         let worker = row.worker.clone().unwrap_or_default();
         let Some(link) = self
             .lock()
@@ -395,7 +437,7 @@ impl Plane {
         link.call(cmd, self.config().restore_timeout).await
     }
 
-    async fn after_restore(
+    pub(super) async fn after_restore(
         &self,
         op: Op,
         key: &ActorKey,
@@ -453,7 +495,7 @@ impl Plane {
     }
 
     /// Tells `worker` to drop `key`, if it is attached (no answer awaited).
-    fn evict(&self, worker: &str, key: &ActorKey, row: &ActorRow) {
+    pub(super) fn evict(&self, worker: &str, key: &ActorKey, row: &ActorRow) {
         if let Some(w) = self.lock().workers.get(worker) {
             w.link.notify(Command::Evict(wk::Evict {
                 actor: Some(slot_of(key, row)),
@@ -478,7 +520,11 @@ impl Plane {
             let taken = {
                 let mut st = self.lock();
                 match st.actors.get(&key) {
-                    Some(r) if r.status.is_transitional() && st.busy(&key).is_none() => {
+                    Some(r)
+                        if r.status.is_transitional()
+                            && st.busy(&key).is_none()
+                            && !st.held_elsewhere(r) =>
+                    {
                         let row = r.clone();
                         let op = Op::take(
                             self,
@@ -522,14 +568,42 @@ impl Plane {
     }
 
     /// `SuspendActor`: RUNNING → SUSPENDING → checkpoint → SUSPENDED, freeing the worker
-    /// (a capacity event). A suspended actor is left as it is.
+    /// (a capacity event). A suspended actor is left as it is. With several replicas,
+    /// an actor whose worker is attached to another one is suspended there (the
+    /// request is forwarded, and its answer awaited).
     pub async fn suspend_actor(&self, key: ActorKey) -> Result<ateapi::Actor, Status> {
+        let elsewhere = {
+            let st = self.lock();
+            st.actors
+                .get(&key)
+                .filter(|r| r.status == ActorStatus::Running && st.busy(&key).is_none())
+                .and_then(|r| r.worker.clone())
+        }
+        .and_then(|w| self.replica_of(&w));
+        match elsewhere {
+            Some(replica) => self.forward_suspend(replica, &key).await,
+            None => self.suspend_here(key).await,
+        }
+    }
+
+    /// [`Self::suspend_actor`] on this replica: a suspend forwarded here. An actor whose
+    /// worker is attached to another replica by now is `Aborted` (the caller asks
+    /// again, and is forwarded there).
+    pub(super) async fn suspend_here(&self, key: ActorKey) -> Result<ateapi::Actor, Status> {
         let plane = self.clone();
         self.detached(async move {
             let started = Instant::now();
             let (op, row) = {
                 let mut st = plane.lock();
                 let row = st.actors.get(&key).ok_or_else(|| not_found(&key))?.clone();
+                if st.held_elsewhere(&row)
+                    || row
+                        .worker
+                        .as_ref()
+                        .is_some_and(|w| st.cluster.attached_elsewhere(w))
+                {
+                    return Err(aborted());
+                }
                 // A no-op, also while a resume waits in its pool's queue for it; not
                 // while one was handed a worker (about to run) or another operation
                 // holds it: `Aborted` below, as for any busy actor.

@@ -40,6 +40,26 @@ pub(crate) struct Departure {
     pub(crate) reserved: Option<ActorKey>,
 }
 
+impl Departure {
+    /// A worker this replica never saw attached that may still serve its actor until
+    /// `fenced_by` (it was attached to a replica that died).
+    pub(crate) fn unseen(
+        id: u64,
+        app: SocketAddr,
+        fenced_by: tokio::time::Instant,
+        incarnation: u64,
+    ) -> Self {
+        Self {
+            id,
+            app,
+            fenced_by,
+            incarnation,
+            hosting: true,
+            reserved: None,
+        }
+    }
+}
+
 /// Whether nothing listens on `app` any more (its process is gone): the connection is
 /// refused within a second.
 async fn refuses(app: SocketAddr) -> bool {
@@ -54,6 +74,45 @@ async fn refuses(app: SocketAddr) -> bool {
 }
 
 impl Plane {
+    /// A worker attached (or re-attached) over its stream: [`Self::worker_joined`],
+    /// with several replicas after recording its attachment, refused when another
+    /// process holds its id on another live replica.
+    pub(crate) async fn worker_attached(
+        &self,
+        join: &wk::Join,
+        link: Arc<WorkerLink>,
+    ) -> Result<bool, Status> {
+        if self.is_shutting_down() {
+            return Err(super::shutting_down());
+        }
+        if let Some(store) = self.cluster().cloned()
+            && !join.worker_id.is_empty()
+            && join.worker_id.len() <= 128
+        {
+            let row = crate::cluster::WorkerRow {
+                id: join.worker_id.clone(),
+                pool: join.pool.clone(),
+                app_address: join.app_address.clone(),
+                replica: store.replica(),
+                incarnation: i64::from_ne_bytes(join.incarnation.to_ne_bytes()),
+                leaving: join.draining,
+            };
+            match store.attach_worker(&row).await {
+                Ok(true) => {
+                    self.lock().cluster.workers.remove(&join.worker_id);
+                }
+                Ok(false) => {
+                    return Err(Status::already_exists(format!(
+                        "worker id {} is attached by another live process on another control-plane replica; give each worker its own --worker-id",
+                        model::shown(&join.worker_id)
+                    )));
+                }
+                Err(e) => return Err(super::db_error(&e)),
+            }
+        }
+        self.worker_joined(join, link)
+    }
+
     /// A worker attached (or re-attached). Returns whether it keeps the actor it
     /// reported; one it may not keep is evicted.
     pub(crate) fn worker_joined(
@@ -323,6 +382,14 @@ impl Plane {
             }
             tracing::info!(worker, pool = %rec.pool, "worker draining: checkpointing its actor, giving it no new one");
         }
+        if let Some(store) = self.cluster().cloned() {
+            let worker = worker.to_owned();
+            self.inner.tasks.spawn(async move {
+                if let Err(e) = store.worker_leaving(&worker).await {
+                    tracing::warn!(worker, error = %e, "could not record that the worker drains");
+                }
+            });
+        }
         self.spawn_drain(worker, Arc::clone(link));
     }
 
@@ -350,7 +417,7 @@ impl Plane {
                 match st.workers.get(worker) {
                     Some(w) if Arc::ptr_eq(&w.link, link) => match &w.slot {
                         Slot::Hosting(k) | Slot::Reserved(k) => Some(k.clone()),
-                        Slot::Free | Slot::Leaving => None,
+                        Slot::Free | Slot::Leaving | Slot::Offered => None,
                     },
                     _ => return,
                 }
@@ -429,6 +496,17 @@ impl Plane {
                 return;
             }
             let rec = st.workers.remove(worker).expect("checked above");
+            if let Some(store) = self.cluster().cloned() {
+                let (worker, incarnation) = (
+                    worker.to_owned(),
+                    i64::from_ne_bytes(rec.incarnation.to_ne_bytes()),
+                );
+                self.inner.tasks.spawn(async move {
+                    if let Err(e) = store.detach_worker(&worker, incarnation).await {
+                        tracing::warn!(worker, error = %e, "could not record that the worker left");
+                    }
+                });
+            }
             let now = tokio::time::Instant::now();
             st.departed.retain(|_, d| d.fenced_by >= now);
             let departure = Departure {
@@ -524,6 +602,11 @@ impl Plane {
     /// fenced its actor (see [`Self::until_fenced`]). `None` while it is attached.
     fn unattached(&self, worker: &str) -> Option<(Option<SocketAddr>, tokio::time::Instant)> {
         let st = self.lock();
+        // Attached to another replica: that one decides what it hosts (its attach
+        // evicted what the records do not place on it).
+        if st.cluster.attached_elsewhere(worker) {
+            return None;
+        }
         match (st.workers.get(worker), st.departed.get(worker)) {
             (Some(w), _) if !w.link.is_closed() => None,
             // Its stream just ended (the plane has not heard of it yet).
@@ -578,18 +661,18 @@ impl Plane {
         attached && hosting(self)
     }
 
-    /// Whether `worker` is attached, its stream open.
+    /// Whether `worker` is attached, its stream open (or attached to another live
+    /// replica).
     fn attached(&self, worker: &str) -> bool {
-        self.lock()
-            .workers
-            .get(worker)
-            .is_some_and(|w| !w.link.is_closed())
+        let st = self.lock();
+        st.workers.get(worker).is_some_and(|w| !w.link.is_closed())
+            || st.cluster.attached_elsewhere(worker)
     }
 
     /// Releases `key`, whose worker left, once the worker must have fenced it (see
     /// [`Self::worker_left`]), unless the worker came back meanwhile: attached now, or
     /// attached and left again (that later departure's release decides then).
-    fn spawn_orphan_release(&self, worker: String, key: ActorKey, departure: Departure) {
+    pub(super) fn spawn_orphan_release(&self, worker: String, key: ActorKey, departure: Departure) {
         let plane = self.clone();
         self.inner.tasks.spawn(async move {
             if !plane.until_fenced(&worker).await {
@@ -598,7 +681,8 @@ impl Plane {
             // Not if the worker came back (the plane decided what it hosts then), or
             // left again (that departure's release decides).
             let gone = |st: &State| {
-                let back = st.workers.contains_key(&worker);
+                let back =
+                    st.workers.contains_key(&worker) || st.cluster.attached_elsewhere(&worker);
                 let superseded = st
                     .departed
                     .get(&worker)
@@ -698,7 +782,9 @@ impl Plane {
                         r.status == ActorStatus::Running
                             && st.busy(k).is_none()
                             && !r.worker.as_ref().is_some_and(|w| {
-                                st.workers.contains_key(w) || st.departed.contains_key(w)
+                                st.workers.contains_key(w)
+                                    || st.departed.contains_key(w)
+                                    || st.cluster.attached_elsewhere(w)
                             })
                     })
                     .map(|(_, r)| r.clone())
@@ -739,30 +825,45 @@ impl Plane {
     /// `ListWorkers`.
     pub fn list_workers(&self) -> Vec<ateapi::Worker> {
         let st = self.lock();
-        st.workers
+        let local = st.workers.iter().map(|(id, w)| {
+            let actor = match &w.slot {
+                Slot::Hosting(k) | Slot::Reserved(k) => st.actors.get(k).map(|r| (k, r)),
+                Slot::Free | Slot::Leaving | Slot::Offered => None,
+            };
+            (id, &w.pool, w.app_addr.to_string(), actor)
+        });
+        // Those attached to other replicas, with the actor the records place there.
+        let remote = st
+            .cluster
+            .workers
             .iter()
+            .filter(|(_, w)| st.cluster.live.contains(&w.replica))
             .map(|(id, w)| {
-                let actor = match &w.slot {
-                    Slot::Hosting(k) | Slot::Reserved(k) => st.actors.get(k).map(|r| (k, r)),
-                    Slot::Free | Slot::Leaving => None,
-                };
-                ateapi::Worker {
-                    worker_namespace: NAMESPACE.into(),
-                    worker_pool: w.pool.clone(),
-                    worker_pod: id.clone(),
-                    actor_namespace: actor
-                        .map(|(_, r)| r.template_namespace.clone())
-                        .unwrap_or_default(),
-                    actor_template: actor.map(|(_, r)| r.template.clone()).unwrap_or_default(),
-                    actor_id: actor.map(|(k, _)| k.name().to_owned()).unwrap_or_default(),
-                    ip: w.app_addr.to_string(),
-                    version: actor.map(|(_, r)| r.version).unwrap_or_default(),
-                    worker_pod_uid: id.clone(),
-                    node_name: "localhost".into(),
-                    actor_atespace: actor
-                        .map(|(k, _)| k.atespace().to_owned())
-                        .unwrap_or_default(),
-                }
+                let actor = st
+                    .actors
+                    .iter()
+                    .find(|(_, r)| r.worker.as_deref() == Some(id.as_str()));
+                (id, &w.pool, w.app_address.clone(), actor)
+            });
+        let mut all: Vec<_> = local.chain(remote).collect();
+        all.sort_by(|a, b| a.0.cmp(b.0));
+        all.into_iter()
+            .map(|(id, pool, ip, actor)| ateapi::Worker {
+                worker_namespace: NAMESPACE.into(),
+                worker_pool: pool.clone(),
+                worker_pod: id.clone(),
+                actor_namespace: actor
+                    .map(|(_, r)| r.template_namespace.clone())
+                    .unwrap_or_default(),
+                actor_template: actor.map(|(_, r)| r.template.clone()).unwrap_or_default(),
+                actor_id: actor.map(|(k, _)| k.name().to_owned()).unwrap_or_default(),
+                ip,
+                version: actor.map(|(_, r)| r.version).unwrap_or_default(),
+                worker_pod_uid: id.clone(),
+                node_name: "localhost".into(),
+                actor_atespace: actor
+                    .map(|(k, _)| k.atespace().to_owned())
+                    .unwrap_or_default(),
             })
             .collect()
     }

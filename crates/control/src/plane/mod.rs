@@ -25,6 +25,7 @@ mod lifecycle;
 mod membership;
 mod op;
 mod policy;
+mod replicas;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::future::Future;
@@ -150,6 +151,9 @@ pub(crate) enum Slot {
     Hosting(ActorKey),
     /// Nothing, and nothing ever again: the worker is draining (it is stopping).
     Leaving,
+    /// Nothing yet: being offered to the capacity queue the replicas share (several
+    /// replicas on one database), whose oldest waiter gets it, or it is free again.
+    Offered,
 }
 
 impl Slot {
@@ -213,6 +217,8 @@ pub(crate) struct State {
     /// re-attach that reports one keeps it (the checkpoint then goes over the new
     /// stream) instead of evicting it with everything it did since its last snapshot.
     pub(crate) awaiting_worker: std::collections::HashSet<ActorKey>,
+    /// Several replicas on one database: what this one knows of the others.
+    pub(crate) cluster: replicas::Known,
 }
 
 impl State {
@@ -229,10 +235,20 @@ impl State {
     /// half its hosting lease may have fenced the actor already (it fences at the whole
     /// lease, counted from a renewal it sent no later), so nothing is routed there.
     pub(crate) fn serving(&self, row: &ActorRow, hosting_lease: Duration) -> bool {
-        row.worker
-            .as_ref()
-            .and_then(|w| self.workers.get(w))
-            .is_some_and(|w| w.last_renewal.elapsed() < hosting_lease / 2)
+        let Some(worker) = row.worker.as_ref() else {
+            return false;
+        };
+        match self.workers.get(worker) {
+            Some(w) => w.last_renewal.elapsed() < hosting_lease / 2,
+            // Attached to another live replica, which renews its hosting.
+            None => self.cluster.attached_elsewhere(worker),
+        }
+    }
+
+    /// Whether another live replica's operation holds `row` (several replicas).
+    pub(crate) fn held_elsewhere(&self, row: &ActorRow) -> bool {
+        row.op_replica
+            .is_some_and(|r| Some(r) != self.cluster.me && self.cluster.live.contains(&r))
     }
 
     pub(crate) fn busy(&self, key: &ActorKey) -> Option<&OpKind> {
@@ -243,17 +259,18 @@ impl State {
 
     /// The actor as the wire shows it: its worker's address only while RUNNING.
     pub(crate) fn to_proto(&self, row: &ActorRow) -> ateapi::Actor {
-        let worker = row
-            .worker
-            .as_ref()
-            .and_then(|id| self.workers.get(id).map(|w| (id, w)));
+        let worker = row.worker.as_ref().and_then(|id| {
+            self.workers
+                .get(id)
+                .map(|w| w.app_addr)
+                .or_else(|| self.cluster.remote_address(id))
+                .map(|addr| (id, addr))
+        });
         let running = row.status == ActorStatus::Running;
         let (pod, ip, port) = match worker {
-            Some((id, w)) if running => (
-                id.clone(),
-                w.app_addr.ip().to_string(),
-                u32::from(w.app_addr.port()),
-            ),
+            Some((id, addr)) if running => {
+                (id.clone(), addr.ip().to_string(), u32::from(addr.port()))
+            }
             Some((id, _)) => (id.clone(), String::new(), 0),
             None => (row.worker.clone().unwrap_or_default(), String::new(), 0),
         };
@@ -294,6 +311,7 @@ impl State {
     /// worker slots follow actor rows.
     fn apply(&mut self, batch: &Batch) -> Vec<String> {
         let mut freed = Vec::new();
+        self.cluster.written(batch);
         for name in &batch.put_atespaces {
             self.atespaces.insert(name.clone());
         }
@@ -360,6 +378,10 @@ pub(crate) struct Inner {
     chores: TaskTracker,
     /// The readers of workers' attach streams: they end with the streams.
     links: TaskTracker,
+    /// Following the other replicas (several replicas on one database): ends once
+    /// `unfollow` is cancelled, after the operations in progress at a shutdown.
+    followers: TaskTracker,
+    unfollow: CancellationToken,
     /// Cancelled when the plane shuts down.
     shutdown: CancellationToken,
     /// Wakes the policies (idle suspension, eviction) when their inputs change.
@@ -374,6 +396,11 @@ pub(crate) struct Inner {
     /// actor the records place on it (it fences at its hosting lease, counted from a
     /// renewal before the start).
     workers_unknown_until: tokio::time::Instant,
+    /// Several replicas on one database: the store they share.
+    cluster: Option<Arc<crate::cluster::ClusterStore>>,
+    /// Several replicas: this replica's waiters to write into the queue they share,
+    /// in order.
+    queue_writes: Option<tokio::sync::mpsc::UnboundedSender<replicas::QueueWrite>>,
 }
 
 /// A failed write changed nothing: `Unavailable`, so that a router parks the request
@@ -400,7 +427,45 @@ impl Plane {
     /// # Errors
     /// When the store cannot be read or written.
     pub async fn open(store: Arc<dyn Store>, config: PlaneConfig) -> Result<Self, StoreError> {
+        Self::open_with(store, config, None).await
+    }
+
+    /// [`Self::open`] for one of several replicas active at once on one PostgreSQL
+    /// database (docs/scale-out.md): the others' workers, waiters and changes are
+    /// followed from the store's announcements, actors RESUMING or SUSPENDING under
+    /// another live replica's operation are left to it, and what a replica that dies
+    /// leaves is recovered as after a restart.
+    ///
+    /// # Errors
+    /// When the store cannot be read or written.
+    pub async fn open_cluster(
+        store: Arc<crate::cluster::ClusterStore>,
+        config: PlaneConfig,
+    ) -> Result<Self, StoreError> {
+        Self::open_with(Arc::clone(&store) as Arc<dyn Store>, config, Some(store)).await
+    }
+
+    async fn open_with(
+        store: Arc<dyn Store>,
+        config: PlaneConfig,
+        cluster: Option<Arc<crate::cluster::ClusterStore>>,
+    ) -> Result<Self, StoreError> {
+        // The others first: an actor another live replica holds is not half-way.
+        let (known, events) = match &cluster {
+            Some(c) => {
+                let events = c.events();
+                (replicas::Known::read(c).await?, events)
+            }
+            None => (replicas::Known::default(), None),
+        };
         let loaded = store.load().await?;
+        let (queue_writes, writes) = match events {
+            Some(_) => {
+                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                (Some(tx), Some(rx))
+            }
+            None => (None, None),
+        };
         let mut templates: HashMap<String, Template> = config
             .templates
             .iter()
@@ -442,11 +507,12 @@ impl Plane {
         };
         let mut state = State {
             atespaces: loaded.atespaces.into_iter().collect(),
+            cluster: known,
             ..State::default()
         };
         let mut half_way = 0;
         for row in loaded.actors {
-            if row.status.is_transitional() {
+            if row.status.is_transitional() && !state.held_elsewhere(&row) {
                 // Settled by the settler, like any operation left half-way: its worker
                 // may still host the actor (a checkpoint given up, a restore that went
                 // on), so it may run elsewhere only once that worker fenced it.
@@ -472,11 +538,15 @@ impl Plane {
                 tasks: TaskTracker::new(),
                 chores: TaskTracker::new(),
                 links: TaskTracker::new(),
+                followers: TaskTracker::new(),
+                unfollow: CancellationToken::new(),
                 shutdown: CancellationToken::new(),
                 policy: tokio::sync::Notify::new(),
                 unsettled: tokio::sync::Notify::new(),
                 leases_unknown_until,
                 workers_unknown_until,
+                cluster,
+                queue_writes,
             }),
         };
         let awaiting: Vec<ActorKey> = plane
@@ -498,6 +568,9 @@ impl Plane {
             plane.inner.unsettled.notify_one();
         }
         plane.spawn_policies();
+        if let (Some(events), Some(writes)) = (events, writes) {
+            plane.spawn_cluster(events, writes);
+        }
         Ok(plane)
     }
 
@@ -614,12 +687,18 @@ impl Plane {
     /// Writes `batch` until it lands (0.5 s doubling to 5 s between tries), for a
     /// record that must not stay as it is (the caller holds the operation locks, so
     /// resumes of its actors answer `Aborted` and are retried); `None` once the plane
-    /// stops first (the next start settles the record).
+    /// stops first (the next start settles the record), or once another replica
+    /// changed the record (it is that one's to settle).
     pub(crate) async fn write_until_landed(&self, batch: Batch) -> Option<Vec<String>> {
         let mut backoff = Duration::from_millis(500);
         loop {
             match self.write_and_apply(batch.clone()).await {
                 Ok(freed) => return Some(freed),
+                // Another replica changed the record meanwhile: it is that one's now.
+                Err(e) if e.code() == tonic::Code::Aborted => {
+                    tracing::info!(error = %e.message(), "the record changed on another replica; leaving it to that one");
+                    return None;
+                }
                 Err(_) => tokio::select! {
                     () = tokio::time::sleep(backoff) => {}
                     () = self.inner.shutdown.cancelled() => return None,
@@ -630,9 +709,20 @@ impl Plane {
     }
 
     async fn write_and_apply(&self, batch: Batch) -> Result<Vec<String>, Status> {
-        if let Err(e) = self.inner.store.write(batch.clone()).await {
-            self.inner.unsettled.notify_one();
-            return Err(db_error(&e));
+        match self.inner.store.write(batch.clone()).await {
+            Ok(()) => {}
+            // Another replica changed the record: nothing was written, and nothing is
+            // half-way. The records in memory are read again.
+            Err(StoreError::Conflict(what)) => {
+                self.refresh(&batch);
+                return Err(Status::aborted(format!(
+                    "{what} changed on another control-plane replica; try again"
+                )));
+            }
+            Err(e) => {
+                self.inner.unsettled.notify_one();
+                return Err(db_error(&e));
+            }
         }
         let mut st = self.lock();
         // A deleted actor's count goes with it, under the same lock as its record
@@ -808,6 +898,14 @@ impl Plane {
         }
         self.detach_workers();
         self.close_watches();
+        self.unfollow().await;
+    }
+
+    /// Stops following the other replicas, once nothing in progress needs it.
+    async fn unfollow(&self) {
+        self.inner.unfollow.cancel();
+        self.inner.followers.close();
+        self.inner.followers.wait().await;
     }
 
     /// The store was lost (another replica may be active already): every attached
@@ -833,6 +931,7 @@ impl Plane {
         self.inner.chores.wait().await;
         self.inner.tasks.close();
         self.inner.tasks.wait().await;
+        self.unfollow().await;
     }
 }
 

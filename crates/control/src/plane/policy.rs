@@ -244,6 +244,21 @@ impl Plane {
                 return;
             };
             let pool = row.pool.clone();
+            // Several replicas: an eviction serves one waiter, claimed in the queue
+            // they share, so that two replicas never evict for the same one (a
+            // router that polls instead of waiting is this replica's own demand).
+            let claimed = match (why, plane.cluster()) {
+                (Why::Evict, Some(store)) => match store.claim_eviction(&pool).await {
+                    Ok(Some(seq)) => Some((std::sync::Arc::clone(store), seq)),
+                    Ok(None) if plane.lock().refused_demand(&pool) > 0 => None,
+                    Ok(None) => return,
+                    Err(e) => {
+                        tracing::warn!(actor = %key, error = %e, "could not claim a waiter to evict for");
+                        return;
+                    }
+                },
+                _ => None,
+            };
             match why {
                 Why::Evict => tracing::info!(actor = %key, %pool, ?idle_for, "evicting the least recently active actor for a waiting one"),
                 Why::Idle => tracing::info!(actor = %key, %pool, ?idle_for, "suspending an idle actor"),
@@ -263,6 +278,14 @@ impl Plane {
                     tracing::warn!(actor = %key, error = %e.message(), "policy checkpoint failed");
                 }
             }
+            if let Some((store, seq)) = claimed {
+                if let Err(e) = store.release_eviction(seq).await {
+                    tracing::debug!(seq, error = %e, "could not release an eviction's claim");
+                }
+                if let Some(w) = plane.lock().cluster.waiting.get_mut(&seq) {
+                    w.evicting = None;
+                }
+            }
             plane.wake_policies();
         });
     }
@@ -272,6 +295,9 @@ impl super::State {
     /// How many more actors of `pool` to evict now: the distinct actors waiting for it
     /// (queued, or refused lately), less its free workers and the workers being freed.
     fn eviction_demand(&self, pool: &str) -> usize {
+        if self.cluster.me.is_some() {
+            return self.shared_eviction_demand(pool);
+        }
         let mut waiting: BTreeSet<&ActorKey> = self
             .queues
             .get(pool)
@@ -280,14 +306,7 @@ impl super::State {
             .filter(|w| w.is_live())
             .map(|w| w.actor())
             .collect();
-        for (key, (p, _)) in &self.refused {
-            let idle_again = self.actors.get(key).is_some_and(|r| {
-                matches!(r.status, ActorStatus::Suspended) && self.busy(key).is_none()
-            });
-            if p == pool && idle_again {
-                waiting.insert(key);
-            }
-        }
+        waiting.extend(self.refused_in(pool));
         let free = self
             .workers
             .values()
@@ -309,6 +328,65 @@ impl super::State {
                             .and_then(|w| self.workers.get(w))
                             .is_some_and(|w| !w.leaving)
                 }))
+            })
+            .count();
+        waiting.len().saturating_sub(free + freeing)
+    }
+
+    /// Actors of `pool` refused `ResourceExhausted` lately and still suspended.
+    fn refused_in<'a>(&'a self, pool: &'a str) -> impl Iterator<Item = &'a ActorKey> + 'a {
+        self.refused.iter().filter_map(move |(key, (p, _))| {
+            let idle_again = self.actors.get(key).is_some_and(|r| {
+                matches!(r.status, ActorStatus::Suspended) && self.busy(key).is_none()
+            });
+            (p == pool && idle_again).then_some(key)
+        })
+    }
+
+    /// How many actors refused lately this replica evicts for (several replicas).
+    pub(super) fn refused_demand(&self, pool: &str) -> usize {
+        self.refused_in(pool).count()
+    }
+
+    /// [`Self::eviction_demand`] with several replicas: the waiters of every replica
+    /// that no eviction serves yet (each eviction claims one), and this replica's
+    /// refused actors, less its free workers and the workers its other checkpoints
+    /// free.
+    fn shared_eviction_demand(&self, pool: &str) -> usize {
+        let mut waiting: BTreeSet<&ActorKey> = self
+            .cluster
+            .waiting
+            .values()
+            .filter(|w| w.pool == pool && w.evicting.is_none())
+            .map(|w| &w.actor)
+            .collect();
+        // Queued here, its row not written yet.
+        waiting.extend(
+            self.queues
+                .get(pool)
+                .into_iter()
+                .flatten()
+                .filter(|w| w.is_live() && w.seq().is_none())
+                .map(|w| w.actor()),
+        );
+        waiting.extend(self.refused_in(pool));
+        let free = self
+            .workers
+            .values()
+            .filter(|w| w.pool == pool && matches!(w.slot, Slot::Free | Slot::Offered))
+            .count();
+        let freeing = self
+            .ops
+            .iter()
+            .filter(|(target, (_, kind))| {
+                matches!(kind, OpKind::Busy("idle-suspending" | "suspending"))
+                    && matches!(target, OpTarget::Actor(k) if self.actors.get(k).is_some_and(|r| {
+                        r.pool == pool
+                            && r.worker
+                                .as_ref()
+                                .and_then(|w| self.workers.get(w))
+                                .is_some_and(|w| !w.leaving)
+                    }))
             })
             .count();
         waiting.len().saturating_sub(free + freeing)

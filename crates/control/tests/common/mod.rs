@@ -17,6 +17,16 @@ use valet_worker::{Worker, WorkerConfig};
 
 pub const WAIT: Duration = Duration::from_secs(10);
 
+/// Logs to the test's output with `VALET_TEST_LOG=<filter>` (`info`, `valet_control=debug`).
+pub fn log_if_asked() {
+    if let Ok(filter) = std::env::var("VALET_TEST_LOG") {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_test_writer()
+            .try_init();
+    }
+}
+
 pub struct System {
     pub plane: Plane,
     pub addr: SocketAddr,
@@ -40,21 +50,82 @@ pub async fn system(workers: usize, config: PlaneConfig) -> System {
 }
 
 pub async fn system_with(workers: usize, config: PlaneConfig, restore_delay: Duration) -> System {
+    log_if_asked();
     let dir = tempfile::tempdir().unwrap();
-    let (store, postgres): (std::sync::Arc<dyn valet_control::Store>, _) =
-        match std::env::var("VALET_TEST_STORE").as_deref() {
-            Ok("postgres") => {
-                let pg = valet_control::tempdb::TempPostgres::start_async().await;
-                let store = valet_control::PostgresStore::open(&pg.url()).await.unwrap();
-                (std::sync::Arc::new(store), Some(pg))
-            }
-            Ok("sqlite") | Err(_) => (
-                std::sync::Arc::new(SqliteStore::open(&dir.path().join("data")).unwrap()),
-                None,
-            ),
-            Ok(other) => panic!("VALET_TEST_STORE={other}: sqlite or postgres"),
-        };
-    let plane = Plane::open(store, config).await.unwrap();
+    // On PostgreSQL, as one of the replicas that serve together (`valet
+    // control-plane --database`'s default): a cluster of one.
+    let (plane, postgres) = match std::env::var("VALET_TEST_STORE").as_deref() {
+        Ok("postgres") => {
+            let pg = valet_control::tempdb::TempPostgres::start_async().await;
+            let store = valet_control::ClusterStore::join(&pg.url()).await.unwrap();
+            let plane = Plane::open_cluster(std::sync::Arc::new(store), config)
+                .await
+                .unwrap();
+            (plane, Some(pg))
+        }
+        Ok("sqlite") | Err(_) => {
+            let store = SqliteStore::open(&dir.path().join("data")).unwrap();
+            let plane = Plane::open(std::sync::Arc::new(store), config)
+                .await
+                .unwrap();
+            (plane, None)
+        }
+        Ok(other) => panic!("VALET_TEST_STORE={other}: sqlite or postgres"),
+    };
+    let Served {
+        plane,
+        addr,
+        client,
+        stop,
+        server,
+    } = serve(plane).await;
+    let mut sys = System {
+        plane,
+        addr,
+        client,
+        workers: Vec::new(),
+        dir,
+        postgres,
+        stop,
+        server,
+    };
+    for _ in 0..workers {
+        sys.add_worker("counter", restore_delay).await;
+    }
+    let n = sys.workers.len();
+    assert!(
+        sys.plane
+            .wait_until(WAIT, |p| p.pool("counter") == (n, n))
+            .await,
+        "{n} workers attach"
+    );
+    sys
+}
+
+/// A plane serving `ateapi.Control` (and its workers' service) on 127.0.0.1:0.
+pub struct Served {
+    pub plane: Plane,
+    pub addr: SocketAddr,
+    pub client: ControlClient<Channel>,
+    stop: CancellationToken,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl Served {
+    /// Stops serving (the plane's shutdown: its workers are told to detach).
+    pub async fn stop(self) {
+        self.stop.cancel();
+        let _ = self.server.await;
+    }
+
+    /// Its gRPC URL.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+/// Serves `plane` on 127.0.0.1:0 (10 s shutdown timeout, no TLS).
+pub async fn serve(plane: Plane) -> Served {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let stop = CancellationToken::new();
@@ -79,43 +150,98 @@ pub async fn system_with(workers: usize, config: PlaneConfig, restore_delay: Dur
             .unwrap()
             .connect_lazy(),
     );
-    let mut sys = System {
+    Served {
         plane,
         addr,
         client,
-        workers: Vec::new(),
-        dir,
-        postgres,
         stop,
         server,
-    };
-    for _ in 0..workers {
-        sys.add_worker("counter", restore_delay).await;
     }
-    let n = sys.workers.len();
-    assert!(
-        sys.plane
-            .wait_until(WAIT, |p| p.pool("counter") == (n, n))
-            .await,
-        "{n} workers attach"
-    );
-    sys
+}
+
+/// A worker of `pool` attached to `control_plane` (a URL, or a comma-separated list).
+pub async fn worker_on(
+    control_plane: &str,
+    pool: &str,
+    snapshots: &std::path::Path,
+    restore_delay: Duration,
+    id: Option<&str>,
+) -> Worker {
+    Worker::spawn(WorkerConfig {
+        credentials: Default::default(),
+        control_plane: control_plane.to_owned(),
+        pool: pool.to_owned(),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        snapshot_dir: snapshots.to_owned(),
+        restore_delay,
+        worker_id: id.map(str::to_owned),
+        advertise: None,
+    })
+    .await
+    .unwrap()
+}
+
+/// `ResumeActor` of `actor` (`atespace/name`) on `c`, waiting for capacity up to `wait`.
+pub async fn resume_on(
+    c: &ControlClient<Channel>,
+    actor: &str,
+    wait: Option<Duration>,
+) -> Result<(ateapi::Actor, bool), tonic::Status> {
+    let r = c
+        .clone()
+        .resume_actor(ateapi::ResumeActorRequest {
+            actor_ref: Some(aref(actor)),
+            boot: false,
+            wait_for_capacity: wait.map(|d| d.try_into().unwrap()),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    Ok((r.actor.unwrap(), r.resumed))
+}
+
+/// `SuspendActor` of `actor` on `c`.
+pub async fn suspend_on(
+    c: &ControlClient<Channel>,
+    actor: &str,
+) -> Result<ateapi::Actor, tonic::Status> {
+    let r = c
+        .clone()
+        .suspend_actor(ateapi::SuspendActorRequest {
+            actor_ref: Some(aref(actor)),
+        })
+        .await?;
+    Ok(r.into_inner().actor.unwrap())
+}
+
+/// `CreateActor` of `actor` from `template` on `c`.
+pub async fn create_on(
+    c: &ControlClient<Channel>,
+    actor: &str,
+    template: &str,
+) -> Result<ateapi::Actor, tonic::Status> {
+    let r = c
+        .clone()
+        .create_actor(ateapi::CreateActorRequest {
+            actor_ref: Some(aref(actor)),
+            actor_template_namespace: "default".into(),
+            actor_template_name: template.into(),
+            worker_selector: None,
+        })
+        .await?;
+    Ok(r.into_inner().actor.unwrap())
 }
 
 impl System {
     pub async fn add_worker(&mut self, pool: &str, restore_delay: Duration) {
-        let w = Worker::spawn(WorkerConfig {
-            credentials: Default::default(),
-            control_plane: format!("http://{}", self.addr),
-            pool: pool.to_owned(),
-            listen: "127.0.0.1:0".parse().unwrap(),
-            snapshot_dir: self.dir.path().join("snapshots"),
+        let w = worker_on(
+            &format!("http://{}", self.addr),
+            pool,
+            &self.dir.path().join("snapshots"),
             restore_delay,
-            worker_id: None,
-            advertise: None,
-        })
-        .await
-        .unwrap();
+            None,
+        )
+        .await;
         self.workers.push(w);
     }
 
@@ -136,17 +262,7 @@ impl System {
         actor: &str,
         template: &str,
     ) -> Result<ateapi::Actor, tonic::Status> {
-        let r = self
-            .client
-            .clone()
-            .create_actor(ateapi::CreateActorRequest {
-                actor_ref: Some(aref(actor)),
-                actor_template_namespace: "default".into(),
-                actor_template_name: template.into(),
-                worker_selector: None,
-            })
-            .await?;
-        Ok(r.into_inner().actor.unwrap())
+        create_on(&self.client, actor, template).await
     }
 
     pub async fn resume(&self, actor: &str) -> Result<(ateapi::Actor, bool), tonic::Status> {
@@ -158,29 +274,11 @@ impl System {
         actor: &str,
         wait: Option<Duration>,
     ) -> Result<(ateapi::Actor, bool), tonic::Status> {
-        let r = self
-            .client
-            .clone()
-            .resume_actor(ateapi::ResumeActorRequest {
-                actor_ref: Some(aref(actor)),
-                boot: false,
-                wait_for_capacity: wait.map(|d| d.try_into().unwrap()),
-                ..Default::default()
-            })
-            .await?
-            .into_inner();
-        Ok((r.actor.unwrap(), r.resumed))
+        resume_on(&self.client, actor, wait).await
     }
 
     pub async fn suspend(&self, actor: &str) -> Result<ateapi::Actor, tonic::Status> {
-        let r = self
-            .client
-            .clone()
-            .suspend_actor(ateapi::SuspendActorRequest {
-                actor_ref: Some(aref(actor)),
-            })
-            .await?;
-        Ok(r.into_inner().actor.unwrap())
+        suspend_on(&self.client, actor).await
     }
 
     pub async fn get(&self, actor: &str) -> Result<ateapi::Actor, tonic::Status> {

@@ -6,10 +6,10 @@ use std::sync::Arc;
 use tokio::net::{TcpListener, TcpSocket};
 use tokio_util::sync::CancellationToken;
 use valet_control::store::StoreError;
-use valet_control::{Plane, PlaneConfig, PostgresStore, SqliteStore, Store};
+use valet_control::{ClusterStore, Plane, PlaneConfig, PostgresStore, SqliteStore, Store};
 
 use crate::EXIT_CONFIG;
-use crate::cli::{ControlPlaneArgs, OnOff};
+use crate::cli::{ActiveReplicas, ControlPlaneArgs, OnOff};
 
 /// The gRPC listener's backlog.
 const LISTEN_BACKLOG: u32 = 1024;
@@ -198,33 +198,62 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
                 break ExitCode::FAILURE;
             }
         };
-        // Losing the database's active lock: another replica may take over, so stop
-        // serving (and wait as a standby again).
-        let (store, lost): (Arc<dyn Store>, CancellationToken) = match &args.database {
-            None => match sqlite
-                .take()
-                .map_or_else(|| SqliteStore::open(&args.data_dir), Ok)
-            {
-                Ok(s) => (Arc::new(s), CancellationToken::new()),
-                Err(e) => {
-                    say_err!("valet control-plane: {e}");
-                    break ExitCode::FAILURE;
+        // Losing the database's active lock (one active replica), or this replica's
+        // heartbeat (all active): another replica may take over, so stop serving (and
+        // wait as a standby, or join again, as a new replica).
+        let (store, lost, cluster): (Arc<dyn Store>, CancellationToken, Option<Arc<ClusterStore>>) =
+            match (&args.database, args.active_replicas) {
+                (None, _) => match sqlite
+                    .take()
+                    .map_or_else(|| SqliteStore::open(&args.data_dir), Ok)
+                {
+                    Ok(s) => (Arc::new(s), CancellationToken::new(), None),
+                    Err(e) => {
+                        say_err!("valet control-plane: {e}");
+                        break ExitCode::FAILURE;
+                    }
+                },
+                (Some(url), ActiveReplicas::One) => {
+                    match open_replica(url, &mut history, &stopping, async |u| {
+                        PostgresStore::open(u).await
+                    })
+                    .await
+                    {
+                        Ok(Some(s)) => {
+                            let lost = s.lost();
+                            (Arc::new(s), lost, None)
+                        }
+                        Ok(None) => break ExitCode::SUCCESS,
+                        Err(e) => {
+                            say_err!("valet control-plane: {e}");
+                            break ExitCode::FAILURE;
+                        }
+                    }
                 }
-            },
-            Some(url) => match open_replica(url, &mut history, &stopping).await {
-                Ok(Some(s)) => {
-                    let lost = s.lost();
-                    (Arc::new(s), lost)
+                (Some(url), ActiveReplicas::All) => {
+                    match open_replica(url, &mut history, &stopping, async |u| {
+                        ClusterStore::join(u).await
+                    })
+                    .await
+                    {
+                        Ok(Some(s)) => {
+                            let s = Arc::new(s);
+                            (Arc::clone(&s) as Arc<dyn Store>, s.lost(), Some(s))
+                        }
+                        Ok(None) => break ExitCode::SUCCESS,
+                        Err(e) => {
+                            say_err!("valet control-plane: {e}");
+                            break ExitCode::FAILURE;
+                        }
+                    }
                 }
-                Ok(None) => break ExitCode::SUCCESS,
-                Err(e) => {
-                    say_err!("valet control-plane: {e}");
-                    break ExitCode::FAILURE;
-                }
-            },
-        };
+            };
         let database = store.describe();
-        let plane = match Plane::open(store, config.clone()).await {
+        let opened = match &cluster {
+            Some(c) => Plane::open_cluster(Arc::clone(c), config.clone()).await,
+            None => Plane::open(store, config.clone()).await,
+        };
+        let plane = match opened {
             Ok(p) => p,
             // The database went away again while the records loaded: wait as a
             // standby again (with the same port).
@@ -297,6 +326,18 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         .await;
         step_down.abort();
         slot.set(None);
+        if let Some(c) = &cluster {
+            if lost.is_cancelled() && !stopping.is_cancelled() {
+                tracing::warn!(
+                    %database,
+                    "this replica may have been declared dead (its heartbeat or a commit failed): stopped serving; joining again as a new replica"
+                );
+                continue;
+            }
+            // Its waiters and workers' attachments go now: the others take over at
+            // once instead of after its heartbeats stop.
+            c.leave().await;
+        }
         if lost.is_cancelled() && !stopping.is_cancelled() {
             tracing::warn!(
                 %database,
@@ -378,17 +419,19 @@ impl History {
     }
 }
 
-/// Opens the PostgreSQL store as the active replica, waiting as a standby until it
-/// is; `None` when SIGTERM ends the wait. Failures [`History::waits_out`] are waited
-/// out, trying again every few seconds; the others are returned.
-async fn open_replica(
+/// Opens a PostgreSQL store with `open` (as the active replica, waiting as a
+/// standby until it is; or joining the replicas); `None` when SIGTERM ends the wait.
+/// Failures [`History::waits_out`] are waited out, trying again every few seconds;
+/// the others are returned.
+async fn open_replica<S>(
     url: &str,
     history: &mut History,
     stopping: &CancellationToken,
-) -> Result<Option<PostgresStore>, StoreError> {
+    open: impl AsyncFn(&str) -> Result<S, StoreError>,
+) -> Result<Option<S>, StoreError> {
     loop {
         let opened = tokio::select! {
-            opened = PostgresStore::open(url) => opened,
+            opened = open(url) => opened,
             () = stopping.cancelled() => return Ok(None),
         };
         match opened {

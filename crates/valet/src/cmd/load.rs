@@ -215,7 +215,7 @@ async fn system(target: &TargetArgs, opts: &SystemOpts) -> Result<System, String
         let sys = System::cluster(&cluster).await?;
         if let Some(p) = sys.processes() {
             say!(
-                "cluster: {} workers; replicas {} (the first active, the second a standby) on {}; routers {}\n",
+                "cluster: {} workers; replicas {} (all active) on {}; routers {}\n",
                 opts.workers,
                 p.replicas.join(" "),
                 p.database,

@@ -1,0 +1,1124 @@
+//! Several replicas active at once on one PostgreSQL database (docs/scale-out.md):
+//! what this one knows of the others and follows from their announcements, the
+//! capacity queue they share, suspends forwarded to the replica a worker is attached
+//! to, and what a replica that dies leaves behind.
+//!
+//! Who writes what: a RUNNING actor's record is written by the replica its worker is
+//! attached to (a suspend decided elsewhere is forwarded there); a RESUMING or
+//! SUSPENDING one by the replica whose operation holds it (`op_replica`); a SUSPENDED
+//! or CRASHED one by any, compare-and-set on its version. A worker is placed only by
+//! the replica it is attached to: a resume that finds none free here queues, and the
+//! replica whose worker frees hands it to the oldest waiter, restoring the waiter's
+//! actor itself when the waiter is on another replica. The replica waiting answers
+//! its callers from the record once it is RUNNING there.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::time::Instant;
+use tonic::Status;
+use valet_proto::ateapi;
+
+use super::capacity::Handed;
+use super::membership::Departure;
+use super::op::CapacityWait;
+use super::{Op, OpKind, OpTarget, Outcome, Plane, Slot, crashed, not_found, shutting_down};
+use crate::cluster::{Answer, ClusterStore, Event, HandOff, WaiterRow, WorkerRow};
+use crate::model::{ActorKey, ActorStatus};
+use crate::store::{ActorRow, Batch, StoreError};
+
+/// How long a resume that may not wait queues all the same when another replica
+/// seems to have a free worker: time for that replica to hand it over.
+pub(crate) const HAND_OVER_WAIT: Duration = Duration::from_secs(1);
+/// How long a resume that found its actor queued on another replica waits for that
+/// queue entry's announcement.
+const ANNOUNCED_WITHIN: Duration = Duration::from_secs(2);
+/// How long past the worker's own restore timeout a forwarded suspend, or a resume
+/// answered from another replica's restore, waits.
+const MARGIN: Duration = Duration::from_secs(5);
+
+/// What this replica knows of the others (empty with one control plane).
+#[derive(Debug, Default)]
+pub(crate) struct Known {
+    /// This replica's id; `None` with one control plane.
+    pub(crate) me: Option<i64>,
+    /// Replicas not declared dead, this one included.
+    pub(crate) live: BTreeSet<i64>,
+    /// Workers attached to other replicas, by id.
+    pub(crate) workers: BTreeMap<String, WorkerRow>,
+    /// Every replica's capacity waiters, by `seq`: a pool's oldest is its first.
+    pub(crate) waiting: BTreeMap<i64, WaiterRow>,
+    /// This replica's forwarded suspends waiting for their answer.
+    pub(crate) forwards: HashMap<i64, oneshot::Sender<Answer>>,
+    /// Suspends forwarded to this replica being carried out.
+    pub(crate) executing: HashSet<i64>,
+    /// While records are read again: what this replica wrote meanwhile, which the
+    /// read may predate (never forgotten because of it).
+    pub(crate) reading: Option<Touched>,
+}
+
+/// Records written here while a read of the record was under way.
+#[derive(Debug, Default)]
+pub(crate) struct Touched {
+    actors: HashSet<ActorKey>,
+    atespaces: HashSet<String>,
+}
+
+impl Known {
+    /// The others as recorded now, for a replica that starts.
+    pub(super) async fn read(store: &ClusterStore) -> Result<Self, StoreError> {
+        let view = store.view().await?;
+        let me = store.replica();
+        let waiting = view.waiting_by_seq();
+        Ok(Self {
+            me: Some(me),
+            live: view.live.into_iter().chain([me]).collect(),
+            workers: view
+                .workers
+                .into_iter()
+                .filter(|w| w.replica != me)
+                .map(|w| (w.id.clone(), w))
+                .collect(),
+            waiting,
+            ..Self::default()
+        })
+    }
+
+    /// Whether `worker` is attached to another live replica.
+    pub(crate) fn attached_elsewhere(&self, worker: &str) -> bool {
+        self.workers
+            .get(worker)
+            .is_some_and(|w| self.live.contains(&w.replica))
+    }
+
+    /// The app address of `worker`, attached to another replica.
+    pub(crate) fn remote_address(&self, worker: &str) -> Option<SocketAddr> {
+        self.workers.get(worker)?.app_address.parse().ok()
+    }
+
+    /// Notes a write of this replica (for a read of the record under way).
+    pub(crate) fn written(&mut self, batch: &Batch) {
+        if let Some(t) = &mut self.reading {
+            t.actors.extend(batch.put_actors.iter().map(ActorRow::key));
+            t.actors.extend(batch.delete_actors.iter().cloned());
+            t.atespaces.extend(batch.put_atespaces.iter().cloned());
+            t.atespaces.extend(batch.delete_atespaces.iter().cloned());
+        }
+    }
+
+    /// Whether any replica's resume waits for a worker of `pool`.
+    pub(crate) fn queued_in(&self, pool: &str) -> bool {
+        self.waiting.values().any(|w| w.pool == pool)
+    }
+
+    /// Whether a resume of `actor` waits in a queue (on any replica).
+    pub(crate) fn queued(&self, actor: &ActorKey) -> bool {
+        self.waiting.values().any(|w| w.actor == *actor)
+    }
+}
+
+impl super::State {
+    /// Whether a worker of `pool` seems free on another live replica (not leaving, and
+    /// no actor recorded on it): a hint that the queue hands one over soon.
+    pub(crate) fn free_elsewhere(&self, pool: &str) -> bool {
+        let candidates: Vec<&str> = self
+            .cluster
+            .workers
+            .values()
+            .filter(|w| w.pool == pool && !w.leaving && self.cluster.live.contains(&w.replica))
+            .map(|w| w.id.as_str())
+            .collect();
+        if candidates.is_empty() {
+            return false;
+        }
+        let taken: HashSet<&str> = self
+            .actors
+            .values()
+            .filter_map(|r| r.worker.as_deref())
+            .collect();
+        candidates.iter().any(|w| !taken.contains(w))
+    }
+}
+
+impl crate::cluster::View {
+    fn waiting_by_seq(&self) -> BTreeMap<i64, WaiterRow> {
+        self.waiters.iter().map(|w| (w.seq, w.clone())).collect()
+    }
+}
+
+/// How watching another replica's resume ended.
+pub(super) enum Observed {
+    /// With this outcome.
+    Done(Box<Outcome>),
+    /// The actor is suspended and queued nowhere, and its callers still wait: queue
+    /// it again.
+    Again,
+}
+
+/// Watching ended with `outcome`.
+fn done(outcome: Outcome) -> Observed {
+    Observed::Done(Box::new(outcome))
+}
+
+/// A forwarded suspend's answer, as sent.
+fn encode(result: &Result<ateapi::Actor, Status>) -> Answer {
+    use prost::Message as _;
+    match result {
+        Ok(actor) => (0, String::new(), Some(actor.encode_to_vec())),
+        Err(e) => (e.code() as i32, e.message().to_owned(), None),
+    }
+}
+
+/// A forwarded suspend's answer, as received.
+fn decode((code, message, actor): Answer) -> Result<ateapi::Actor, Status> {
+    use prost::Message as _;
+    if code == 0 {
+        return actor
+            .and_then(|b| ateapi::Actor::decode(b.as_slice()).ok())
+            .ok_or_else(|| Status::internal("a forwarded suspend's answer has no actor"));
+    }
+    Err(Status::new(tonic::Code::from(code), message))
+}
+
+/// A waiter of this replica to write into the queue the replicas share: its pool, its
+/// actor, and its entry's id here.
+pub(crate) type QueueWrite = (String, ActorKey, u64);
+
+impl Plane {
+    /// The store the replicas share, with several replicas on one database.
+    pub(super) fn cluster(&self) -> Option<&Arc<ClusterStore>> {
+        self.inner.cluster.as_ref()
+    }
+
+    /// Follows the other replicas' announcements, and declares silent ones dead,
+    /// until the plane stops.
+    pub(super) fn spawn_cluster(
+        &self,
+        events: mpsc::Receiver<Event>,
+        writes: mpsc::UnboundedReceiver<QueueWrite>,
+    ) {
+        let plane = self.clone();
+        self.inner
+            .followers
+            .spawn(async move { plane.follow(events).await });
+        let plane = self.clone();
+        self.inner
+            .followers
+            .spawn(async move { plane.write_queue(writes).await });
+        let plane = self.clone();
+        self.inner
+            .followers
+            .spawn(async move { plane.watch_replicas().await });
+    }
+
+    async fn follow(&self, mut events: mpsc::Receiver<Event>) {
+        let Some(store) = self.cluster().cloned() else {
+            return;
+        };
+        let mut backoff = Duration::from_millis(500);
+        loop {
+            let first = tokio::select! {
+                e = events.recv() => e,
+                () = self.inner.unfollow.cancelled() => return,
+            };
+            let Some(first) = first else { return };
+            let mut batch = vec![first];
+            while batch.len() < 1024
+                && let Ok(e) = events.try_recv()
+            {
+                batch.push(e);
+            }
+            let resync = store.take_overflow() || batch.contains(&Event::Resync);
+            let done = if resync {
+                self.resync(&store).await
+            } else {
+                self.apply_events(&store, batch).await
+            };
+            if let Err(e) = done {
+                // Read everything again once the database answers: what was missed
+                // comes with it.
+                tracing::warn!(error = %e, retry_in = ?backoff, "could not follow the other replicas' changes; reading everything again");
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    () = self.inner.unfollow.cancelled() => return,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                while self.resync(&store).await.is_err() {
+                    tokio::select! {
+                        () = tokio::time::sleep(backoff) => {}
+                        () = self.inner.unfollow.cancelled() => return,
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+            backoff = Duration::from_millis(500);
+        }
+    }
+
+    /// Applies a batch of announcements: the records they name are read again first,
+    /// then the rest in order, so that a waiter told its actor was claimed elsewhere
+    /// finds the claim in memory (the claim's announcement comes first).
+    async fn apply_events(
+        &self,
+        store: &Arc<ClusterStore>,
+        batch: Vec<Event>,
+    ) -> Result<(), StoreError> {
+        let me = store.replica();
+        let mut actors = BTreeSet::new();
+        let mut atespaces = false;
+        let mut workers = BTreeSet::new();
+        let mut rest = Vec::new();
+        for event in batch {
+            match event {
+                Event::Resync => {}
+                Event::Actor(k) => {
+                    actors.insert(k);
+                }
+                Event::Atespaces => atespaces = true,
+                Event::Worker(id) => {
+                    workers.insert(id);
+                }
+                other => rest.push(other),
+            }
+        }
+        if !actors.is_empty() || atespaces {
+            self.lock().cluster.reading = Some(Touched::default());
+            let read = async {
+                let keys: Vec<ActorKey> = actors.into_iter().collect();
+                let rows = if keys.is_empty() {
+                    Vec::new()
+                } else {
+                    store.actors(&keys).await?
+                };
+                let names = if atespaces {
+                    Some(store.atespaces().await?)
+                } else {
+                    None
+                };
+                Ok::<_, StoreError>((rows, names))
+            };
+            match read.await {
+                Ok((rows, names)) => self.apply_read(rows, names, false),
+                Err(e) => {
+                    self.lock().cluster.reading = None;
+                    return Err(e);
+                }
+            }
+        }
+        for id in workers {
+            let row = store.worker(&id).await?;
+            self.apply_worker(&id, row);
+        }
+        for event in rest {
+            match event {
+                Event::Waiter(row) => self.waiter_added(row),
+                Event::WaiterGone {
+                    seq,
+                    actor,
+                    pool,
+                    handed_by,
+                } => self.waiter_gone(seq, &actor, &pool, handed_by),
+                Event::Evicting { seq, by } => {
+                    if let Some(w) = self.lock().cluster.waiting.get_mut(&seq) {
+                        w.evicting = by;
+                    }
+                    self.wake_policies();
+                }
+                Event::Replica { id, dead: false } => {
+                    self.lock().cluster.live.insert(id);
+                }
+                Event::Replica { id, dead: true } => self.replica_died(id),
+                Event::Forward { target, .. } if target == me => self.spawn_forwarded(),
+                Event::Answered { id, origin } if origin == me => self.spawn_answer(id),
+                Event::Forward { .. }
+                | Event::Answered { .. }
+                | Event::Resync
+                | Event::Actor(_)
+                | Event::Atespaces
+                | Event::Worker(_) => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies records read again: rows newer than memory's replace them, and those
+    /// read as gone (`complete`: every row was read) are forgotten unless this
+    /// replica wrote them since the read began.
+    fn apply_read(
+        &self,
+        rows: Vec<(ActorKey, Option<ActorRow>)>,
+        atespaces: Option<Vec<String>>,
+        complete: bool,
+    ) {
+        let (freed, evict) = {
+            let mut st = self.lock();
+            let touched = st.cluster.reading.take().unwrap_or_default();
+            let mut freed = Vec::new();
+            let mut evict = Vec::new();
+            let mut seen = HashSet::new();
+            for (key, row) in rows {
+                seen.insert(key.clone());
+                let cached = st.actors.get(&key);
+                match row {
+                    Some(row) if cached.is_none_or(|c| c.version < row.version) => {
+                        // A worker of this replica that the record no longer places
+                        // the actor on must not go on hosting it.
+                        if let Some(w) = cached.and_then(|c| c.worker.clone())
+                            && row.worker.as_ref() != Some(&w)
+                            && st.workers.contains_key(&w)
+                        {
+                            evict.push((w, key.clone(), row.clone()));
+                        }
+                        freed.extend(st.apply(&Batch::put([row])));
+                    }
+                    None if cached.is_some() && !touched.actors.contains(&key) => {
+                        freed.extend(st.apply(&Batch {
+                            delete_actors: vec![key],
+                            ..Batch::default()
+                        }));
+                    }
+                    _ => {}
+                }
+            }
+            if complete {
+                let gone: Vec<ActorKey> = st
+                    .actors
+                    .keys()
+                    .filter(|k| !seen.contains(*k) && !touched.actors.contains(*k))
+                    .cloned()
+                    .collect();
+                if !gone.is_empty() {
+                    freed.extend(st.apply(&Batch {
+                        delete_actors: gone,
+                        ..Batch::default()
+                    }));
+                }
+            }
+            if let Some(names) = atespaces {
+                let kept: Vec<String> = st
+                    .atespaces
+                    .iter()
+                    .filter(|a| touched.atespaces.contains(*a))
+                    .cloned()
+                    .collect();
+                st.atespaces = names.into_iter().chain(kept).collect();
+            }
+            (freed, evict)
+        };
+        for (worker, key, row) in evict {
+            tracing::warn!(actor = %key, worker, "another replica moved the actor off this replica's worker; evicting it there");
+            self.evict(&worker, &key, &row);
+        }
+        self.hand_off_all(freed);
+    }
+
+    /// A worker's attachment as recorded now (`None`: it is attached nowhere).
+    fn apply_worker(&self, id: &str, row: Option<WorkerRow>) {
+        let me = self.lock().cluster.me;
+        let moved = {
+            let mut st = self.lock();
+            match row {
+                Some(r) if Some(r.replica) == me => {
+                    st.cluster.workers.remove(id);
+                    None
+                }
+                Some(r) => {
+                    let pool = r.pool.clone();
+                    st.cluster.workers.insert(id.to_owned(), r);
+                    // It attached to another replica while this one still counted it
+                    // attached here: its old stream is stale. Its actor went with it,
+                    // so it leaves here without a departure.
+                    let moved = st.workers.remove(id).map(|rec| rec.link);
+                    if moved.is_some() {
+                        tracing::info!(worker = id, %pool, "worker attached to another replica");
+                    }
+                    moved
+                }
+                None => {
+                    st.cluster.workers.remove(id);
+                    None
+                }
+            }
+        };
+        if let Some(link) = moved {
+            link.end(Status::aborted(
+                "the worker attached to another control-plane replica",
+            ));
+        }
+        self.wake_policies();
+    }
+
+    /// A resume queued (on any replica): a free worker here goes to the oldest waiter.
+    fn waiter_added(&self, row: WaiterRow) {
+        let pool = row.pool.clone();
+        self.lock().cluster.waiting.insert(row.seq, row);
+        self.offer_free(&pool);
+        self.wake_policies();
+    }
+
+    /// Offers every free worker of `pool` attached here to the queue.
+    pub(super) fn offer_free(&self, pool: &str) {
+        let free: Vec<String> = self
+            .lock()
+            .workers
+            .iter()
+            .filter(|(_, w)| w.pool == pool && w.slot == Slot::Free)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for w in free {
+            self.hand_off(&w);
+        }
+    }
+
+    /// A waiter left the queue. One of this replica's that another replica handed a
+    /// worker to (its actor is restored there), or that left without one, is told so:
+    /// its resume answers from the record. (Found by its actor: the announcement may
+    /// come before the waiter here learned its row's `seq`.)
+    fn waiter_gone(&self, seq: i64, actor: &ActorKey, pool: &str, handed_by: Option<i64>) {
+        let waiter = {
+            let mut st = self.lock();
+            st.cluster.waiting.remove(&seq);
+            if handed_by.is_some() && handed_by == st.cluster.me {
+                None
+            } else {
+                st.queues
+                    .get_mut(pool)
+                    .and_then(|q| Self::take_waiter(q, seq, actor))
+            }
+        };
+        if let Some(w) = waiter {
+            w.hand(Handed::Elsewhere { queued: false });
+        }
+    }
+
+    /// The waiter here whose row is `seq` (of `actor`), out of its queue: the one with
+    /// that `seq`, or the actor's one that does not know its row yet.
+    pub(super) fn take_waiter(
+        q: &mut std::collections::VecDeque<super::capacity::Waiter>,
+        seq: i64,
+        actor: &ActorKey,
+    ) -> Option<super::capacity::Waiter> {
+        let i = q
+            .iter()
+            .position(|w| w.actor() == actor && w.seq().is_none_or(|s| s == seq))?;
+        q.remove(i)
+    }
+
+    /// Replica `id` was declared dead: its workers re-attach elsewhere (until they
+    /// do, an actor on one may run elsewhere only once its hosting lease passed);
+    /// what its operations held is settled as an operation left half-way; its
+    /// RUNNING actors are released unless their worker re-attaches in time.
+    fn replica_died(&self, id: i64) {
+        let lease = self.config().hosting_lease;
+        let orphans = {
+            let mut st = self.lock();
+            if !st.cluster.live.remove(&id) {
+                return;
+            }
+            st.cluster.waiting.retain(|_, w| w.replica != id);
+            let workers: Vec<WorkerRow> = st
+                .cluster
+                .workers
+                .values()
+                .filter(|w| w.replica == id)
+                .cloned()
+                .collect();
+            let mut orphans = Vec::new();
+            for w in workers {
+                st.cluster.workers.remove(&w.id);
+                let Ok(app) = w.app_address.parse() else {
+                    continue;
+                };
+                let departure = Departure::unseen(
+                    st.id(),
+                    app,
+                    Instant::now() + lease,
+                    u64::try_from(w.incarnation).unwrap_or(0),
+                );
+                st.departed.insert(w.id.clone(), departure.clone());
+                let running: Vec<ActorKey> = st
+                    .actors
+                    .values()
+                    .filter(|r| {
+                        r.worker.as_deref() == Some(w.id.as_str())
+                            && r.status == ActorStatus::Running
+                    })
+                    .map(ActorRow::key)
+                    .collect();
+                for key in running {
+                    orphans.push((w.id.clone(), key, departure.clone()));
+                }
+            }
+            orphans
+        };
+        tracing::warn!(
+            replica = id,
+            actors_on_its_workers = orphans.len(),
+            "a replica was declared dead; its workers attach elsewhere, what it left half-way is settled"
+        );
+        self.inner.unsettled.notify_one();
+        for (worker, key, departure) in orphans {
+            self.spawn_orphan_release(worker, key, departure);
+        }
+        self.wake_policies();
+    }
+
+    /// Declares replicas silent for [`crate::cluster::DEAD_AFTER`] dead, every
+    /// heartbeat, until the plane stops.
+    async fn watch_replicas(&self) {
+        let Some(store) = self.cluster().cloned() else {
+            return;
+        };
+        let mut tick = tokio::time::interval(crate::postgres::HEARTBEAT);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                () = self.inner.unfollow.cancelled() => return,
+            }
+            let Ok(silent) = store.silent().await else {
+                continue;
+            };
+            for id in silent {
+                match store.declare_dead(id, false).await {
+                    Ok(true) => tracing::warn!(
+                        replica = id,
+                        after = ?crate::cluster::DEAD_AFTER,
+                        "declared a silent replica dead"
+                    ),
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::warn!(replica = id, error = %e, "could not declare a silent replica dead")
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reads everything again (after a reconnect, or having fallen behind) and makes
+    /// memory agree with it.
+    async fn resync(&self, store: &Arc<ClusterStore>) -> Result<(), StoreError> {
+        self.lock().cluster.reading = Some(Touched::default());
+        let read = async {
+            let loaded = crate::store::Store::load(&**store).await?;
+            let view = store.view().await?;
+            Ok::<_, StoreError>((loaded, view))
+        };
+        let (loaded, view) = match read.await {
+            Ok(r) => r,
+            Err(e) => {
+                self.lock().cluster.reading = None;
+                return Err(e);
+            }
+        };
+        let rows = loaded
+            .actors
+            .into_iter()
+            .map(|r| (r.key(), Some(r)))
+            .collect();
+        self.apply_read(rows, Some(loaded.atespaces), true);
+        let me = store.replica();
+        let (died, pools, moved) = {
+            let mut st = self.lock();
+            let live: BTreeSet<i64> = view.live.iter().copied().chain([me]).collect();
+            let died: Vec<i64> = st.cluster.live.difference(&live).copied().collect();
+            st.cluster.live.extend(live);
+            st.cluster.waiting = view.waiting_by_seq();
+            // Waiters of this replica whose rows went while it did not listen.
+            let mut vanished = Vec::new();
+            for q in st.queues.values_mut() {
+                let mut i = 0;
+                while i < q.len() {
+                    if q[i]
+                        .seq()
+                        .is_some_and(|seq| !view.waiters.iter().any(|w| w.seq == seq))
+                    {
+                        vanished.extend(q.remove(i));
+                    } else {
+                        i += 1;
+                    }
+                }
+            }
+            let pools: BTreeSet<String> = st
+                .cluster
+                .waiting
+                .values()
+                .map(|w| w.pool.clone())
+                .collect();
+            (died, pools, vanished)
+        };
+        for w in moved {
+            w.hand(Handed::Elsewhere { queued: false });
+        }
+        for w in &view.workers {
+            self.apply_worker(&w.id, Some(w.clone()));
+        }
+        {
+            let mut st = self.lock();
+            let attached: HashSet<&str> = view.workers.iter().map(|w| w.id.as_str()).collect();
+            st.cluster
+                .workers
+                .retain(|id, _| attached.contains(id.as_str()));
+        }
+        for id in died {
+            // Not yet dead here: marked live above so that the death is handled.
+            self.replica_died(id);
+        }
+        for pool in pools {
+            self.offer_free(&pool);
+        }
+        self.spawn_forwarded();
+        let waiting: Vec<i64> = self.lock().cluster.forwards.keys().copied().collect();
+        for id in waiting {
+            self.spawn_answer(id);
+        }
+        Ok(())
+    }
+
+    /// Writes this replica's waiters into the queue the replicas share, in their order
+    /// of arrival (those that arrived together in one transaction), until the plane
+    /// stops. A waiter whose actor is queued on another replica already is handed
+    /// [`Handed::Elsewhere`]; one whose resume left meanwhile has its row taken out.
+    async fn write_queue(&self, mut writes: mpsc::UnboundedReceiver<QueueWrite>) {
+        let Some(store) = self.cluster().cloned() else {
+            return;
+        };
+        loop {
+            let first = tokio::select! {
+                w = writes.recv() => w,
+                () = self.inner.unfollow.cancelled() => return,
+            };
+            let Some(first) = first else { return };
+            let mut batch = vec![first];
+            while batch.len() < 256
+                && let Ok(w) = writes.try_recv()
+            {
+                batch.push(w);
+            }
+            let rows: Vec<(ActorKey, String)> = batch
+                .iter()
+                .map(|(pool, actor, _)| (actor.clone(), pool.clone()))
+                .collect();
+            let written = store.enqueue(&rows).await;
+            let mut pools = BTreeSet::new();
+            for (i, (pool, _, id)) in batch.iter().enumerate() {
+                let written = match &written {
+                    Ok(seqs) => Ok(seqs[i]),
+                    Err(e) => Err(super::db_error(e)),
+                };
+                let mut st = self.lock();
+                let pos = st
+                    .queues
+                    .get(pool)
+                    .and_then(|q| q.iter().position(|w| w.id() == *id));
+                match (written, pos) {
+                    // (The replicas' list of waiters follows the announcements, which
+                    // come in the order of the writes: one that went already is not
+                    // put back.)
+                    (Ok(Some(seq)), Some(i)) => {
+                        if let Some(w) = st.queues.get_mut(pool).and_then(|q| q.get_mut(i)) {
+                            w.set_seq(seq);
+                        }
+                        pools.insert(pool.clone());
+                    }
+                    // Its resume left while the row was written: the row goes too.
+                    (Ok(Some(seq)), None) => {
+                        drop(st);
+                        self.dequeue(seq);
+                    }
+                    (Ok(None), Some(i)) => {
+                        let w = st.queues.get_mut(pool).and_then(|q| q.remove(i));
+                        drop(st);
+                        if let Some(w) = w {
+                            w.hand(Handed::Elsewhere { queued: true });
+                        }
+                    }
+                    (Err(e), Some(i)) => {
+                        let w = st.queues.get_mut(pool).and_then(|q| q.remove(i));
+                        drop(st);
+                        if let Some(w) = w {
+                            w.hand(Handed::Failed(e));
+                        }
+                    }
+                    (_, None) => {}
+                }
+            }
+            for pool in pools {
+                // A worker free here goes to the oldest waiter, maybe one of these.
+                self.offer_free(&pool);
+            }
+            self.wake_policies();
+        }
+    }
+
+    /// Carries out the suspends forwarded to this replica not answered yet.
+    fn spawn_forwarded(&self) {
+        let Some(store) = self.cluster().cloned() else {
+            return;
+        };
+        let plane = self.clone();
+        self.inner.tasks.spawn(async move {
+            let pending = match store.forwarded_to_me().await {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not read the suspends forwarded to this replica");
+                    return;
+                }
+            };
+            for (id, key) in pending {
+                if !plane.lock().cluster.executing.insert(id) {
+                    continue;
+                }
+                let (plane, store) = (plane.clone(), Arc::clone(&store));
+                plane.inner.tasks.clone().spawn(async move {
+                    let result = plane.suspend_here(key).await;
+                    if let Err(e) = store.answer(id, encode(&result)).await {
+                        tracing::warn!(error = %e, "could not answer a forwarded suspend");
+                    }
+                    plane.lock().cluster.executing.remove(&id);
+                });
+            }
+        });
+    }
+
+    /// Takes the answer of this replica's forwarded suspend `id` and hands it to the
+    /// call waiting for it.
+    fn spawn_answer(&self, id: i64) {
+        let Some(store) = self.cluster().cloned() else {
+            return;
+        };
+        let plane = self.clone();
+        self.inner.tasks.spawn(async move {
+            if let Ok(Some(answer)) = store.take_answer(id).await
+                && let Some(tx) = plane.lock().cluster.forwards.remove(&id)
+            {
+                let _ = tx.send(answer);
+            }
+        });
+    }
+
+    /// Suspends `key`, RUNNING on a worker attached to replica `replica`, there: the
+    /// request goes to that replica and its answer is awaited, up to
+    /// `--checkpoint-timeout` and a margin (past it, `Unavailable`).
+    pub(super) async fn forward_suspend(
+        &self,
+        replica: i64,
+        key: &ActorKey,
+    ) -> Result<ateapi::Actor, Status> {
+        let Some(store) = self.cluster().cloned() else {
+            return Err(Status::internal("forwarding needs several replicas"));
+        };
+        let id = store
+            .forward_suspend(replica, key)
+            .await
+            .map_err(|e| super::db_error(&e))?;
+        let (tx, rx) = oneshot::channel();
+        self.lock().cluster.forwards.insert(id, tx);
+        // Its answer may have come before the wait was registered.
+        self.spawn_answer(id);
+        let within = self.config().checkpoint_timeout + MARGIN;
+        let answer = tokio::select! {
+            a = rx => a.ok(),
+            () = tokio::time::sleep(within) => None,
+            () = self.inner.shutdown.cancelled() => None,
+        };
+        self.lock().cluster.forwards.remove(&id);
+        match answer {
+            Some(a) => decode(a),
+            None => {
+                let _ = store.withdraw(id).await;
+                Err(Status::unavailable(format!(
+                    "the replica actor {key}'s worker is attached to did not answer the suspend; try again"
+                )))
+            }
+        }
+    }
+
+    /// Offers free `worker` (attached here) to the queue the replicas share: the
+    /// oldest waiter of its pool gets it; a waiter here as a reservation, one on
+    /// another replica by this replica claiming its actor on the worker and restoring
+    /// it. Nobody waiting: it is free again (and offered again if a waiter came
+    /// meanwhile).
+    pub(super) fn offer(&self, worker: &str) {
+        let Some(store) = self.cluster().cloned() else {
+            return;
+        };
+        let pool = {
+            let mut st = self.lock();
+            let queued = |st: &super::State, pool: &str| {
+                st.cluster.queued_in(pool)
+                    || st
+                        .queues
+                        .get(pool)
+                        .is_some_and(|q| q.iter().any(|w| w.is_live()))
+            };
+            let Some(w) = st.workers.get(worker) else {
+                return;
+            };
+            if w.slot != Slot::Free || w.link.is_closed() || !queued(&st, &w.pool) {
+                return;
+            }
+            let pool = w.pool.clone();
+            if let Some(w) = st.workers.get_mut(worker) {
+                w.slot = Slot::Offered;
+            }
+            pool
+        };
+        let plane = self.clone();
+        let worker = worker.to_owned();
+        self.inner.tasks.spawn(async move {
+            plane.offer_to_queue(&store, &worker, &pool).await;
+        });
+    }
+
+    async fn offer_to_queue(&self, store: &ClusterStore, worker: &str, pool: &str) {
+        loop {
+            let plane = self.clone();
+            let take = move |key: &ActorKey| {
+                let mut st = plane.lock();
+                let ready =
+                    st.actors.get(key).is_some_and(|r| {
+                        r.status == ActorStatus::Suspended && !st.held_elsewhere(r)
+                    }) && st.busy(key).is_none();
+                ready.then(|| {
+                    Op::take(
+                        &plane,
+                        &mut st,
+                        OpTarget::Actor(key.clone()),
+                        OpKind::Busy("restoring for a waiter"),
+                    )
+                })
+            };
+            let handed = store.hand_off(pool, worker, take).await;
+            /// What to do once the state lock is released.
+            enum Then {
+                Done,
+                Again,
+                Hand(super::capacity::Waiter, super::capacity::Reservation),
+                Restore(Box<(WaiterRow, ActorRow, Op)>),
+            }
+            let then = {
+                let mut st = self.lock();
+                let offered = st
+                    .workers
+                    .get(worker)
+                    .is_some_and(|w| w.slot == Slot::Offered);
+                match handed {
+                    Ok(HandOff::Nobody) if !offered => Then::Done,
+                    Ok(HandOff::Nobody) => {
+                        // A waiter that came meanwhile is offered it again.
+                        if st.cluster.queued_in(pool) {
+                            Then::Again
+                        } else {
+                            if let Some(w) = st.workers.get_mut(worker) {
+                                w.vacate();
+                            }
+                            Then::Done
+                        }
+                    }
+                    Ok(HandOff::Local(waiter)) => {
+                        let local = st
+                            .queues
+                            .get_mut(pool)
+                            .and_then(|q| Self::take_waiter(q, waiter.seq, &waiter.actor));
+                        match local {
+                            // It left meanwhile: the next one.
+                            None => Then::Again,
+                            Some(local) => {
+                                if let Some(w) = st.workers.get_mut(worker) {
+                                    w.slot = Slot::Free;
+                                }
+                                let reservation = self.reserve(&mut st, worker, &waiter.actor);
+                                Then::Hand(local, reservation)
+                            }
+                        }
+                    }
+                    Ok(HandOff::Claimed(waiter, row, op)) => {
+                        let freed = st.apply(&Batch::put([(*row).clone()]));
+                        debug_assert!(freed.is_empty());
+                        Then::Restore(Box::new((waiter, *row, op)))
+                    }
+                    Err(e) => {
+                        tracing::warn!(worker, %pool, error = %e, "could not hand a free worker to the queue; it stays free");
+                        if offered && let Some(w) = st.workers.get_mut(worker) {
+                            w.vacate();
+                        }
+                        Then::Done
+                    }
+                }
+            };
+            match then {
+                Then::Done => return,
+                Then::Again => {}
+                Then::Hand(local, reservation) => {
+                    self.handed_off();
+                    // A waiter that left just now drops the reservation unused, which
+                    // passes the worker on.
+                    local.hand(Handed::Worker(reservation));
+                    return;
+                }
+                Then::Restore(claimed) => {
+                    let (waiter, row, op) = *claimed;
+                    self.handed_off();
+                    self.inner
+                        .stats
+                        .activations
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tracing::info!(actor = %waiter.actor, worker, waiter_replica = waiter.replica, "restoring an actor for a waiter on another replica");
+                    let (tx, _) = watch::channel(None);
+                    let started = Instant::now();
+                    let result = self.restore(&waiter.actor, &row, op.id()).await;
+                    self.metrics().operation("restore", started.elapsed());
+                    let _ = self
+                        .after_restore(op, &waiter.actor, row, result, &tx)
+                        .await;
+                    return;
+                }
+            }
+        }
+    }
+
+    fn handed_off(&self) {
+        self.inner
+            .stats
+            .handoffs
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.metrics().handoff();
+    }
+
+    /// For a resume whose actor another replica restores (it handed one of its
+    /// workers to this replica's waiter), or that waits in a queue on another replica:
+    /// the outcome once the record shows it, waiting while the actor is RESUMING
+    /// there (up to `--restore-timeout` and a margin) or queued there (while the
+    /// callers wait: `capacity` says it is queued, so those past their own deadline
+    /// leave).
+    pub(super) async fn observe(
+        &self,
+        key: &ActorKey,
+        queued_elsewhere: bool,
+        capacity: &watch::Sender<CapacityWait>,
+        tx: &watch::Sender<Option<Outcome>>,
+    ) -> Observed {
+        let lease = self.config().hosting_lease;
+        let bound = Instant::now() + self.config().restore_timeout + MARGIN;
+        // Queued on another replica: until its announcement is followed here, the
+        // actor looks suspended and queued nowhere.
+        let mut announced_by = queued_elsewhere.then(|| Instant::now() + ANNOUNCED_WITHIN);
+        let mut changes = self.inner.changed.subscribe();
+        loop {
+            changes.mark_unchanged();
+            let (verdict, queued) = {
+                let st = self.lock();
+                match st.actors.get(key) {
+                    None => (Some(done(Err(not_found(key)))), false),
+                    Some(r) => match r.status {
+                        ActorStatus::Running if st.serving(r, lease) => {
+                            (Some(done(Ok((st.to_proto(r), true)))), false)
+                        }
+                        ActorStatus::Crashed => (Some(done(Err(crashed()))), false),
+                        ActorStatus::Suspended if st.cluster.queued(key) => {
+                            announced_by = None;
+                            (None, true)
+                        }
+                        ActorStatus::Suspended
+                            if announced_by.is_some_and(|t| Instant::now() < t) =>
+                        {
+                            (None, false)
+                        }
+                        ActorStatus::Suspended => {
+                            let waits = capacity.borrow().until.is_some_and(|u| u > Instant::now());
+                            let v = if waits {
+                                Observed::Again
+                            } else {
+                                done(Err(Status::unavailable(format!(
+                                    "the resume of actor {key} on another control-plane replica ended without it; try again"
+                                ))))
+                            };
+                            (Some(v), false)
+                        }
+                        _ => (None, false),
+                    },
+                }
+            };
+            capacity.send_if_modified(|c| std::mem::replace(&mut c.queued, queued) != queued);
+            if let Some(v) = verdict {
+                capacity.send_if_modified(|c| std::mem::take(&mut c.queued));
+                return v;
+            }
+            let until = if queued {
+                capacity.borrow().until.map_or(bound, |u| u.max(bound))
+            } else {
+                announced_by.map_or(bound, |t| t.min(bound))
+            };
+            tokio::select! {
+                r = changes.changed() => {
+                    if r.is_err() {
+                        return done(Err(shutting_down()));
+                    }
+                }
+                () = tokio::time::sleep_until(until) => {
+                    if announced_by.is_some_and(|t| t <= until) {
+                        // Not announced after all: look again (it is gone, or here).
+                        announced_by = None;
+                        continue;
+                    }
+                    capacity.send_if_modified(|c| std::mem::take(&mut c.queued));
+                    return done(Err(if queued {
+                        super::no_room()
+                    } else {
+                        Status::unavailable(format!(
+                            "the resume of actor {key} on another control-plane replica did not finish in time; try again"
+                        ))
+                    }));
+                }
+                () = tx.closed() => return done(Err(shutting_down())),
+                () = self.inner.shutdown.cancelled() => return done(Err(shutting_down())),
+            }
+        }
+    }
+
+    /// Reads the records `batch` wrote again (another replica changed one of them).
+    pub(super) fn refresh(&self, batch: &Batch) {
+        let Some(store) = self.cluster().cloned() else {
+            return;
+        };
+        let keys: Vec<ActorKey> = batch
+            .put_actors
+            .iter()
+            .map(ActorRow::key)
+            .chain(batch.delete_actors.iter().cloned())
+            .collect();
+        let atespaces = !batch.put_atespaces.is_empty() || !batch.delete_atespaces.is_empty();
+        let plane = self.clone();
+        self.inner.tasks.spawn(async move {
+            plane.lock().cluster.reading = Some(Touched::default());
+            let rows = if keys.is_empty() {
+                Ok(Vec::new())
+            } else {
+                store.actors(&keys).await
+            };
+            let names = if atespaces {
+                store.atespaces().await.map(Some)
+            } else {
+                Ok(None)
+            };
+            match (rows, names) {
+                (Ok(rows), Ok(names)) => plane.apply_read(rows, names, false),
+                _ => plane.lock().cluster.reading = None,
+            }
+        });
+    }
+
+    /// The replica `worker` is attached to, when it is another live one.
+    pub(super) fn replica_of(&self, worker: &str) -> Option<i64> {
+        let st = self.lock();
+        st.cluster
+            .workers
+            .get(worker)
+            .map(|w| w.replica)
+            .filter(|r| st.cluster.live.contains(r))
+    }
+}
