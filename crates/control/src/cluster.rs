@@ -32,19 +32,28 @@ use tokio_util::sync::CancellationToken;
 
 use crate::model::{ActorKey, ActorStatus};
 use crate::postgres::{
-    Db, HEARTBEAT, HEARTBEAT_TIMEOUT, SELECT_ACTOR, SERVER_KEEPALIVE, TAKE_OVER_WITHIN,
-    WRITE_WITHIN, actor_of, build_pool, check_version, connect_session, migrate, schema_keys,
-    session_config, store_error, why,
+    ACTOR_COLUMNS, Db, HEARTBEAT, HEARTBEAT_TIMEOUT, SELECT_ACTOR, SERVER_KEEPALIVE,
+    TAKE_OVER_WITHIN, WRITE_WITHIN, actor_of, build_pool, check_version, connect_session, migrate,
+    schema_keys, session_config, store_error, why,
 };
 use crate::store::{ActorRow, Batch, Loaded, Store, StoreError, StoreFuture};
 
 /// A replica whose heartbeat is older than this (by the database's clock) is dead.
 pub const DEAD_AFTER: Duration = Duration::from_secs(5);
+/// How long a replica may go without a session listening for the others'
+/// announcements before it stops serving.
+pub const DEAF_MAX: Duration = Duration::from_secs(10);
 /// The channel every replica listens on.
 const CHANNEL: &str = "valet";
 /// How many announcements may wait for the plane; past it the plane reads everything
 /// again instead.
 const EVENTS: usize = 4096;
+/// The fence every write of a replica starts with. The replica's row only `FOR KEY
+/// SHARE`: its heartbeat (an update of another column) never waits for its own writes,
+/// while declaring it dead (`FOR UPDATE`) does. The epoch row `FOR SHARE`, as a replica
+/// with `--active-replicas one` taking over waits for writes too.
+const FENCE: &str = "SELECT a.epoch, r.dead FROM valet_active a, valet_replicas r \
+     WHERE a.id = 1 AND r.id = $1 FOR SHARE OF a FOR KEY SHARE OF r";
 /// The longest a waiter, forward or worker line may be: announcements carry names
 /// only (DNS labels, worker ids of at most 128 characters), far below PostgreSQL's
 /// 8000-byte payload limit.
@@ -56,8 +65,13 @@ pub(crate) enum Event {
     /// The listening session (re)connected: announcements may have been missed, so
     /// the plane reads everything again.
     Resync,
-    /// An actor was written or deleted.
-    Actor(ActorKey),
+    /// An actor was written (`record`: its uid and version now) or deleted, by
+    /// replica `by`.
+    Actor {
+        key: ActorKey,
+        by: i64,
+        record: Option<(String, i64)>,
+    },
     /// Atespaces were created or deleted.
     Atespaces,
     /// A worker attached, left, or changed (its row may be gone).
@@ -102,6 +116,9 @@ pub(crate) struct WorkerRow {
     pub(crate) replica: i64,
     pub(crate) incarnation: i64,
     pub(crate) leaving: bool,
+    /// Grows with every attachment of any worker: the later of two rows of one worker
+    /// is the current one.
+    pub(crate) attach: i64,
 }
 
 /// Everything besides actors and atespaces, read again after a reconnect.
@@ -116,14 +133,24 @@ pub(crate) struct View {
 /// What a hand-off of a free worker came to.
 #[derive(Debug)]
 pub(crate) enum HandOff<T> {
-    /// Nobody waits in the pool.
-    Nobody,
+    /// Nobody this replica can serve waits in the pool: these are the `seq`s of the
+    /// pool's waiters now (busy here, or being handed a worker by another replica).
+    Nobody(Vec<i64>),
+    /// The worker is not attached here any more, or it drains: it gets nobody.
+    NotHere,
     /// The oldest waiter waits on this replica: its row is gone, the worker is its.
     Local(WaiterRow),
     /// The oldest waiter waits on another replica: its actor is claimed on the
     /// worker (RESUMING, held by this replica) with `taken`, for this replica to
     /// restore.
     Claimed(WaiterRow, Box<ActorRow>, T),
+}
+
+/// A change of this replica's waiters in the queue the replicas share.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum QueueOp {
+    Insert { actor: ActorKey, pool: String },
+    Delete { seq: i64 },
 }
 
 /// A forwarded suspend's answer: the gRPC code, its message, and the actor (encoded)
@@ -164,7 +191,9 @@ fn payload(event: &Event) -> String {
     use serde_json::json;
     let v = match event {
         Event::Resync => json!({"e": "resync"}),
-        Event::Actor(k) => json!({"e": "actor", "a": k.atespace(), "n": k.name()}),
+        Event::Actor { key, by, record } => json!({"e": "actor", "a": key.atespace(),
+            "n": key.name(), "by": by, "uid": record.as_ref().map(|r| &r.0),
+            "v": record.as_ref().map(|r| r.1)}),
         Event::Atespaces => json!({"e": "atespaces"}),
         Event::Worker(id) => json!({"e": "worker", "id": id}),
         Event::Waiter(w) => json!({"e": "wait", "seq": w.seq, "a": w.actor.atespace(),
@@ -193,7 +222,14 @@ fn parse(text: &str) -> Option<Event> {
     let key = || ActorKey::new(s("a")?, s("n")?).ok();
     Some(match s("e")? {
         "resync" => Event::Resync,
-        "actor" => Event::Actor(key()?),
+        "actor" => Event::Actor {
+            key: key()?,
+            by: i("by")?,
+            record: match (s("uid"), i("v")) {
+                (Some(uid), Some(v)) => Some((uid.to_owned(), v)),
+                _ => None,
+            },
+        },
         "atespaces" => Event::Atespaces,
         "worker" => Event::Worker(s("id")?.to_owned()),
         "wait" => Event::Waiter(WaiterRow {
@@ -229,6 +265,15 @@ fn parse(text: &str) -> Option<Event> {
     })
 }
 
+/// The announcement of `row` as `by` wrote it.
+fn written(row: &ActorRow, by: i64) -> Event {
+    Event::Actor {
+        key: row.key(),
+        by,
+        record: Some((row.uid.clone(), row.version)),
+    }
+}
+
 /// Announces `event` in the transaction of `c` (sent only if it commits).
 async fn announce(
     c: &impl deadpool_postgres::GenericClient,
@@ -236,9 +281,8 @@ async fn announce(
 ) -> Result<(), tokio_postgres::Error> {
     let text = payload(event);
     debug_assert!(text.len() <= PAYLOAD_MAX, "announcements carry names only");
-    c.execute("SELECT pg_notify($1, $2)", &[&CHANNEL, &text])
-        .await
-        .map(drop)
+    let notify = c.prepare_cached("SELECT pg_notify($1, $2)").await?;
+    c.execute(&notify, &[&CHANNEL, &text]).await.map(drop)
 }
 
 fn waiter_of(r: &tokio_postgres::Row) -> Option<WaiterRow> {
@@ -259,13 +303,15 @@ fn worker_of(r: &tokio_postgres::Row) -> WorkerRow {
         replica: r.get("replica"),
         incarnation: r.get("incarnation"),
         leaving: r.get("leaving"),
+        attach: r.get("attach"),
     }
 }
 
+const WAITER_COLUMNS: &str = "seq, atespace, name, pool, replica, evicting";
 const SELECT_WAITER: &str =
     "SELECT seq, atespace, name, pool, replica, evicting FROM valet_waiters";
 const SELECT_WORKER: &str =
-    "SELECT id, pool, app_address, replica, incarnation, leaving FROM valet_workers";
+    "SELECT id, pool, app_address, replica, incarnation, leaving, attach FROM valet_workers";
 
 impl ClusterStore {
     /// Connects to `url` (refusing a schema newer than this binary's at once), takes
@@ -431,12 +477,9 @@ impl ClusterStore {
             self.db().still_active()?;
             let mut client = self.db().client().await?;
             let tx = client.transaction().await.map_err(self.db().err())?;
+            let fence = tx.prepare_cached(FENCE).await.map_err(self.db().err())?;
             let row = tx
-                .query_opt(
-                    "SELECT a.epoch, r.dead FROM valet_active a, valet_replicas r \
-                     WHERE a.id = 1 AND r.id = $1 FOR SHARE",
-                    &[&self.inner.me],
-                )
+                .query_opt(&fence, &[&self.inner.me])
                 .await
                 .map_err(self.db().err())?;
             let refused = match row {
@@ -509,16 +552,15 @@ impl ClusterStore {
         let database = self.db().database.clone();
         let found = self
             .read(async |c| {
-                let rows = c
-                    .query(
-                        &format!(
-                            "{SELECT_ACTOR} WHERE (atespace, name) IN \
-                             (SELECT * FROM unnest($1::text[], $2::text[]))"
-                        ),
-                        &[&atespaces, &names],
-                    )
+                let err = |e: tokio_postgres::Error| store_error(&database, &e);
+                let read = c
+                    .prepare_cached(&format!(
+                        "{SELECT_ACTOR} WHERE (atespace, name) IN \
+                         (SELECT * FROM unnest($1::text[], $2::text[]))"
+                    ))
                     .await
-                    .map_err(|e| store_error(&database, &e))?;
+                    .map_err(err)?;
+                let rows = c.query(&read, &[&atespaces, &names]).await.map_err(err)?;
                 rows.iter()
                     .map(|r| actor_of(r, &database))
                     .collect::<Result<Vec<_>, _>>()
@@ -586,22 +628,34 @@ impl ClusterStore {
     pub(crate) async fn worker(&self, id: &str) -> Result<Option<WorkerRow>, StoreError> {
         let database = self.db().database.clone();
         self.read(async |c| {
-            Ok(
-                c.query_opt(&format!("{SELECT_WORKER} WHERE id = $1"), &[&id])
-                    .await
-                    .map_err(|e| store_error(&database, &e))?
-                    .map(|r| worker_of(&r)),
-            )
+            let err = |e: tokio_postgres::Error| store_error(&database, &e);
+            let read = c
+                .prepare_cached(&format!("{SELECT_WORKER} WHERE id = $1"))
+                .await
+                .map_err(err)?;
+            Ok(c.query_opt(&read, &[&id])
+                .await
+                .map_err(err)?
+                .map(|r| worker_of(&r)))
         })
         .await
     }
 
-    /// Records that worker `id` is attached here. `false` when another process
-    /// (another incarnation) holds that id on a live replica: two processes would
-    /// take turns hosting its actor. A Join naming no incarnation (0) never replaces
-    /// one that named its own; the same process moving here from another replica
-    /// does.
-    pub(crate) async fn attach_worker(&self, w: &WorkerRow) -> Result<bool, StoreError> {
+    /// Records that worker `w` is attached here: `None` when another process (another
+    /// incarnation) holds that id on a live replica (two processes would take turns
+    /// hosting its actor). A Join naming no incarnation (0) never replaces one that
+    /// named its own; the same process moving here from another replica does.
+    ///
+    /// `keep`: the actor it reports hosting and the version of its RUNNING record on
+    /// it that this replica read; in the same transaction that record goes one
+    /// version on, still RUNNING there, so that a release another replica built from
+    /// the older version fails. Attached: its `attach` number, and the kept record
+    /// (`None`: the record changed, and the actor is not to be kept).
+    pub(crate) async fn attach_worker(
+        &self,
+        w: &WorkerRow,
+        keep: Option<&(ActorKey, i64)>,
+    ) -> Result<Option<(i64, Option<ActorRow>)>, StoreError> {
         let w = w.clone();
         self.fenced(async |tx| {
                 let taken = tx
@@ -610,23 +664,53 @@ impl ClusterStore {
                          VALUES ($1, $2, $3, $4, $5, $6) \
                          ON CONFLICT (id) DO UPDATE SET pool = excluded.pool, \
                          app_address = excluded.app_address, replica = excluded.replica, \
-                         incarnation = excluded.incarnation, leaving = excluded.leaving \
+                         incarnation = excluded.incarnation, leaving = excluded.leaving, \
+                         attach = nextval('valet_attach_seq') \
                          WHERE valet_workers.replica = excluded.replica \
                             OR valet_workers.incarnation = 0 \
                             OR valet_workers.incarnation = excluded.incarnation \
                             OR NOT EXISTS (SELECT 1 FROM valet_replicas r \
                                            WHERE r.id = valet_workers.replica AND NOT r.dead) \
-                         RETURNING id",
+                         RETURNING attach",
                         &[&w.id, &w.pool, &w.app_address, &self.inner.me, &w.incarnation, &w.leaving],
                     )
                     .await
                     .map_err(self.db().err())?;
-                if taken.is_some() {
-                    announce(tx, &Event::Worker(w.id.clone()))
+                let Some(attach) = taken.map(|r| r.get::<_, i64>(0)) else {
+                    return Ok(None);
+                };
+                announce(tx, &Event::Worker(w.id.clone()))
+                    .await
+                    .map_err(self.db().err())?;
+                let Some((actor, version)) = keep else {
+                    return Ok(Some((attach, None)));
+                };
+                let kept = tx
+                    .query_opt(
+                        &format!(
+                            "UPDATE actors SET version = version + 1 \
+                             WHERE atespace = $1 AND name = $2 AND version = $3 \
+                             AND status = $4 AND worker = $5 RETURNING {}",
+                            ACTOR_COLUMNS
+                        ),
+                        &[
+                            &actor.atespace(),
+                            &actor.name(),
+                            version,
+                            &ActorStatus::Running.wire(),
+                            &w.id,
+                        ],
+                    )
+                    .await
+                    .map_err(self.db().err())?
+                    .map(|r| actor_of(&r, &self.db().database))
+                    .transpose()?;
+                if let Some(row) = &kept {
+                    announce(tx, &written(row, self.inner.me))
                         .await
                         .map_err(self.db().err())?;
                 }
-                Ok(taken.is_some())
+                Ok(Some((attach, kept)))
             })
         .await
     }
@@ -648,20 +732,19 @@ impl ClusterStore {
         .await
     }
 
-    /// Forgets worker `id`'s attachment here (that incarnation's), if it is still this
-    /// replica's.
-    pub(crate) async fn detach_worker(&self, id: &str, incarnation: i64) -> Result<(), StoreError> {
-        let id = id.to_owned();
+    /// Forgets worker `id`'s attachment number `attach` here, if it is still the
+    /// current one (a later attachment, here or elsewhere, stays).
+    pub(crate) async fn detach_worker(&self, id: &str, attach: i64) -> Result<(), StoreError> {
         self.fenced(async |tx| {
             let gone = tx
                 .execute(
-                    "DELETE FROM valet_workers WHERE id = $1 AND replica = $2 AND incarnation = $3",
-                    &[&id, &self.inner.me, &incarnation],
+                    "DELETE FROM valet_workers WHERE id = $1 AND replica = $2 AND attach = $3",
+                    &[&id, &self.inner.me, &attach],
                 )
                 .await
                 .map_err(self.db().err())?;
             if gone > 0 {
-                announce(tx, &Event::Worker(id.clone()))
+                announce(tx, &Event::Worker(id.to_owned()))
                     .await
                     .map_err(self.db().err())?;
             }
@@ -670,70 +753,64 @@ impl ClusterStore {
         .await
     }
 
-    /// Queues each `(actor, pool)`, in this order, in one transaction: the `seq` of
-    /// each, or `None` for an actor queued already (on this replica or another).
-    pub(crate) async fn enqueue(
-        &self,
-        waiters: &[(ActorKey, String)],
-    ) -> Result<Vec<Option<i64>>, StoreError> {
+    /// Writes this replica's queue changes, in this order, in one transaction: an
+    /// insert's result is the waiter's `seq`, or `None` for an actor queued already
+    /// (on this replica or another); a delete's, whether the row was still there (if
+    /// not, a hand-off took it).
+    pub(crate) async fn queue(&self, ops: &[QueueOp]) -> Result<Vec<Option<i64>>, StoreError> {
         self.fenced(async |tx| {
-            let mut seqs = Vec::with_capacity(waiters.len());
-            for (actor, pool) in waiters {
-                let seq: Option<i64> = tx
-                    .query_opt(
-                        "INSERT INTO valet_waiters (atespace, name, pool, replica) \
-                         VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING RETURNING seq",
-                        &[&actor.atespace(), &actor.name(), pool, &self.inner.me],
-                    )
-                    .await
-                    .map_err(self.db().err())?
-                    .map(|r| r.get(0));
-                if let Some(seq) = seq {
-                    let row = WaiterRow {
-                        seq,
-                        actor: actor.clone(),
-                        pool: pool.clone(),
-                        replica: self.inner.me,
-                        evicting: None,
-                    };
-                    announce(tx, &Event::Waiter(row))
-                        .await
-                        .map_err(self.db().err())?;
+            let err = self.db().err();
+            let mut done = Vec::with_capacity(ops.len());
+            for op in ops {
+                match op {
+                    QueueOp::Insert { actor, pool } => {
+                        let seq: Option<i64> = tx
+                            .query_opt(
+                                "INSERT INTO valet_waiters (atespace, name, pool, replica) \
+                                 VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING RETURNING seq",
+                                &[&actor.atespace(), &actor.name(), pool, &self.inner.me],
+                            )
+                            .await
+                            .map_err(&err)?
+                            .map(|r| r.get(0));
+                        if let Some(seq) = seq {
+                            let row = WaiterRow {
+                                seq,
+                                actor: actor.clone(),
+                                pool: pool.clone(),
+                                replica: self.inner.me,
+                                evicting: None,
+                            };
+                            announce(tx, &Event::Waiter(row)).await.map_err(&err)?;
+                        }
+                        done.push(seq);
+                    }
+                    QueueOp::Delete { seq } => {
+                        let gone = tx
+                            .query_opt(
+                                &format!(
+                                    "DELETE FROM valet_waiters WHERE seq = $1 AND replica = $2 \
+                                     RETURNING {WAITER_COLUMNS}"
+                                ),
+                                &[seq, &self.inner.me],
+                            )
+                            .await
+                            .map_err(&err)?
+                            .and_then(|r| waiter_of(&r));
+                        if let Some(w) = &gone {
+                            let event = Event::WaiterGone {
+                                seq: *seq,
+                                actor: w.actor.clone(),
+                                pool: w.pool.clone(),
+                                handed_by: None,
+                            };
+                            announce(tx, &event).await.map_err(&err)?;
+                        }
+                        done.push(gone.map(|w| w.seq));
+                    }
                 }
-                seqs.push(seq);
             }
-            Ok(seqs)
-        })
-        .await
-    }
-
-    /// Takes this replica's waiter `seq` out of the queue; whether it was still there
-    /// (if not, a hand-off took it).
-    pub(crate) async fn dequeue(&self, seq: i64) -> Result<bool, StoreError> {
-        self.fenced(async |tx| {
-            let gone = tx
-                .query_opt(
-                    "DELETE FROM valet_waiters WHERE seq = $1 AND replica = $2 \
-                         RETURNING seq, atespace, name, pool, replica, evicting",
-                    &[&seq, &self.inner.me],
-                )
-                .await
-                .map_err(self.db().err())?
-                .and_then(|r| waiter_of(&r));
-            if let Some(w) = &gone {
-                announce(
-                    tx,
-                    &Event::WaiterGone {
-                        seq,
-                        actor: w.actor.clone(),
-                        pool: w.pool.clone(),
-                        handed_by: None,
-                    },
-                )
-                .await
-                .map_err(self.db().err())?;
-            }
-            Ok(gone.is_some())
+            Ok(done)
         })
         .await
     }
@@ -755,6 +832,20 @@ impl ClusterStore {
         self.fenced(async |tx| {
             let me = self.inner.me;
             let err = self.db().err();
+            // The worker is still this replica's and not draining: otherwise nobody
+            // gets it here.
+            let ours = tx
+                .query_opt(
+                    "SELECT 1 FROM valet_workers WHERE id = $1 AND replica = $2 \
+                     AND NOT leaving FOR SHARE",
+                    &[&worker, &me],
+                )
+                .await
+                .map_err(&err)?
+                .is_some();
+            if !ours {
+                return Ok(HandOff::NotHere);
+            }
             // Waiters whose actor is busy here: left in the queue, the next one tried.
             let mut passed: Vec<i64> = Vec::new();
             loop {
@@ -769,7 +860,14 @@ impl ClusterStore {
                     .await
                     .map_err(&err)?
                 else {
-                    return Ok(HandOff::Nobody);
+                    let present = tx
+                        .query("SELECT seq FROM valet_waiters WHERE pool = $1", &[&pool])
+                        .await
+                        .map_err(&err)?
+                        .iter()
+                        .map(|r| r.get(0))
+                        .collect();
+                    return Ok(HandOff::Nobody(present));
                 };
                 let Some(waiter) = waiter_of(&waiter) else {
                     continue;
@@ -802,9 +900,7 @@ impl ClusterStore {
                              WHERE atespace = $1 AND name = $2 AND status = $6 \
                              AND op_replica IS NULL \
                              RETURNING {}",
-                            SELECT_ACTOR
-                                .trim_start_matches("SELECT ")
-                                .trim_end_matches(" FROM actors")
+                            ACTOR_COLUMNS
                         ),
                         &[
                             &waiter.actor.atespace(),
@@ -821,10 +917,8 @@ impl ClusterStore {
                     .transpose()?;
                 // The actor's change is announced first: a replica reads it again before it
                 // tells its waiter, which then finds it claimed.
-                if claimed.is_some() {
-                    announce(tx, &Event::Actor(waiter.actor.clone()))
-                        .await
-                        .map_err(&err)?;
+                if let Some(row) = &claimed {
+                    announce(tx, &written(row, me)).await.map_err(&err)?;
                 }
                 let gone = Event::WaiterGone {
                     seq: waiter.seq,
@@ -1255,14 +1349,25 @@ async fn write_batch(
     for row in &batch.put_actors {
         let selector = crate::store::encode_selector(&row.selector);
         let held = row.held_by(me);
+        // A worker is placed only by the replica it is attached to: a restore's claim
+        // or its end on a worker that left (or attached elsewhere) meanwhile is refused.
+        if let Some(worker) = &row.worker
+            && matches!(row.status, ActorStatus::Resuming | ActorStatus::Running)
+            && !attached_here(tx, worker, me).await.map_err(&err)?
+        {
+            return Err(conflict(format!(
+                "actor {} (its worker {worker} is not attached to this replica)",
+                row.key()
+            )));
+        }
         let n = if row.version == 1 {
             tx.execute(
-                "INSERT INTO actors (atespace, name, uid, template_namespace, template, pool, status, \
+                &tx.prepare_cached("INSERT INTO actors (atespace, name, uid, template_namespace, template, pool, status, \
                  version, worker, selector, revert_pending, op_replica) \
                  SELECT $1::text, $2::text, $3::text, $4::text, $5::text, $6::text, $7::integer, \
                  $8::bigint, $9::text, $10::text, $11::boolean, $12::bigint \
                  WHERE EXISTS (SELECT 1 FROM atespaces WHERE name = $1) \
-                 ON CONFLICT (atespace, name) DO NOTHING",
+                 ON CONFLICT (atespace, name) DO NOTHING").await.map_err(&err)?,
                 &[
                     &row.atespace,
                     &row.name,
@@ -1282,10 +1387,10 @@ async fn write_batch(
             .map_err(&err)?
         } else {
             tx.execute(
-                "UPDATE actors SET uid = $3, template_namespace = $4, template = $5, pool = $6, \
+                &tx.prepare_cached("UPDATE actors SET uid = $3, template_namespace = $4, template = $5, pool = $6, \
                  status = $7, version = $8, worker = $9, selector = $10, revert_pending = $11, \
                  op_replica = $12 \
-                 WHERE atespace = $1 AND name = $2 AND version = $8::bigint - 1",
+                 WHERE atespace = $1 AND name = $2 AND version = $8::bigint - 1 AND uid = $3").await.map_err(&err)?,
                 &[
                     &row.atespace,
                     &row.name,
@@ -1307,7 +1412,7 @@ async fn write_batch(
         if n == 0 {
             return Err(conflict(format!("actor {}", row.key())));
         }
-        announce(tx, &Event::Actor(row.key())).await.map_err(&err)?;
+        announce(tx, &written(row, me)).await.map_err(&err)?;
     }
     for key in &batch.delete_actors {
         let n = tx
@@ -1328,9 +1433,12 @@ async fn write_batch(
         if n == 0 {
             return Err(conflict(format!("actor {key}")));
         }
-        announce(tx, &Event::Actor(key.clone()))
-            .await
-            .map_err(&err)?;
+        let deleted = Event::Actor {
+            key: key.clone(),
+            by: me,
+            record: None,
+        };
+        announce(tx, &deleted).await.map_err(&err)?;
     }
     for name in &batch.delete_atespaces {
         let n = tx
@@ -1361,6 +1469,19 @@ async fn write_batch(
         .map_err(&err)?;
     }
     Ok(())
+}
+
+/// Whether `worker` is attached to replica `me` (locking its row `FOR SHARE` until the
+/// transaction ends: an attachment elsewhere waits for it).
+async fn attached_here(
+    tx: &deadpool_postgres::Transaction<'_>,
+    worker: &str,
+    me: i64,
+) -> Result<bool, tokio_postgres::Error> {
+    let attached = tx
+        .prepare_cached("SELECT 1 FROM valet_workers WHERE id = $1 AND replica = $2 FOR SHARE")
+        .await?;
+    Ok(tx.query_opt(&attached, &[&worker, &me]).await?.is_some())
 }
 
 /// Renews replica `me`'s heartbeat every [`HEARTBEAT`] on its own session; when that
@@ -1409,19 +1530,31 @@ fn listen(
 ) {
     tokio::spawn(async move {
         let mut backoff = Duration::from_millis(500);
+        // Since when no session listens (set once one was lost).
+        let mut deaf_since: Option<tokio::time::Instant> = None;
         loop {
+            let heard = std::sync::atomic::AtomicBool::new(false);
             let ended = tokio::select! {
-                ended = listen_once(&config, &tx, &overflowed) => ended,
+                ended = listen_once(&config, &tx, &overflowed, &heard) => ended,
                 () = lost.cancelled() => return,
             };
             if tx.is_closed() {
                 return;
             }
-            match ended {
-                Ok(()) => backoff = Duration::from_millis(500),
-                Err(e) => {
-                    tracing::warn!(%database, error = %e, retry_in = ?backoff, "lost the session announcements come on; connecting again");
-                }
+            if heard.load(std::sync::atomic::Ordering::Acquire) {
+                deaf_since = None;
+                backoff = Duration::from_millis(500);
+            }
+            let deaf = *deaf_since.get_or_insert_with(tokio::time::Instant::now);
+            // A replica that cannot follow the others decides from a record it no
+            // longer knows: it stops serving (and joins again once it can listen).
+            if deaf.elapsed() >= DEAF_MAX {
+                tracing::error!(%database, after = ?DEAF_MAX, "no session to hear the other replicas on: stopping serving");
+                lost.cancel();
+                return;
+            }
+            if let Err(e) = ended {
+                tracing::warn!(%database, error = %e, retry_in = ?backoff, "lost the session announcements come on; connecting again");
             }
             tokio::select! {
                 () = tokio::time::sleep(backoff) => {}
@@ -1437,6 +1570,7 @@ async fn listen_once(
     config: &Config,
     tx: &mpsc::Sender<Event>,
     overflowed: &std::sync::atomic::AtomicBool,
+    listening: &std::sync::atomic::AtomicBool,
 ) -> Result<(), tokio_postgres::Error> {
     let (client, mut connection) = config.connect(NoTls).await?;
     let (heard_tx, mut heard) = mpsc::unbounded_channel::<String>();
@@ -1456,6 +1590,7 @@ async fn listen_once(
     };
     let forward = async {
         client.batch_execute(&format!("LISTEN {CHANNEL}")).await?;
+        listening.store(true, std::sync::atomic::Ordering::Release);
         let _ = tx.send(Event::Resync).await;
         while let Some(text) = heard.recv().await {
             let Some(event) = parse(&text) else { continue };
@@ -1486,7 +1621,16 @@ mod tests {
         let key = ActorKey::new("demo", "p1").unwrap();
         let events = [
             Event::Resync,
-            Event::Actor(key.clone()),
+            Event::Actor {
+                key: key.clone(),
+                by: 2,
+                record: Some(("00ff".into(), 7)),
+            },
+            Event::Actor {
+                key: key.clone(),
+                by: 3,
+                record: None,
+            },
             Event::Atespaces,
             Event::Worker("w 1".into()),
             Event::Waiter(WaiterRow {

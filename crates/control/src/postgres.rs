@@ -139,7 +139,9 @@ const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
     // Several replicas active at once (docs/scale-out.md). A replica's id is its
     // fencing token; `op_replica` names the replica whose operation holds a RESUMING
     // or SUSPENDING actor; a worker's row names the replica it is attached to; a
-    // waiter's `seq` orders its pool's queue across replicas.
+    // waiter's `seq` orders its pool's queue across replicas; a worker's `attach`
+    // grows with each attachment, so that a late read or delete of an earlier one
+    // is told from the current one.
     "ALTER TABLE actors ADD COLUMN op_replica BIGINT;
      CREATE TABLE valet_replicas (
          id BIGSERIAL PRIMARY KEY,
@@ -148,13 +150,15 @@ const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
          heartbeat_at TIMESTAMPTZ NOT NULL DEFAULT now(),
          dead BOOLEAN NOT NULL DEFAULT FALSE
      );
+     CREATE SEQUENCE valet_attach_seq;
      CREATE TABLE valet_workers (
          id TEXT PRIMARY KEY,
          pool TEXT NOT NULL,
          app_address TEXT NOT NULL,
          replica BIGINT NOT NULL,
          incarnation BIGINT NOT NULL,
-         leaving BOOLEAN NOT NULL DEFAULT FALSE
+         leaving BOOLEAN NOT NULL DEFAULT FALSE,
+         attach BIGINT NOT NULL DEFAULT nextval('valet_attach_seq')
      );
      CREATE TABLE valet_waiters (
          seq BIGSERIAL PRIMARY KEY,
@@ -909,8 +913,17 @@ pub(crate) async fn migrate(
     result.and(unlocked)
 }
 
-pub(crate) const SELECT_ACTOR: &str = "SELECT atespace, name, uid, template_namespace, template, pool, \
-     status, version, worker, selector, revert_pending, op_replica FROM actors";
+/// The columns of an actor row, in [`actor_of`]'s order.
+macro_rules! actor_columns {
+    () => {
+        "atespace, name, uid, template_namespace, template, pool, status, version, worker, \
+         selector, revert_pending, op_replica"
+    };
+}
+
+/// An actor row's columns, for `RETURNING`.
+pub(crate) const ACTOR_COLUMNS: &str = actor_columns!();
+pub(crate) const SELECT_ACTOR: &str = concat!("SELECT ", actor_columns!(), " FROM actors");
 
 /// An actor row as [`SELECT_ACTOR`] reads it.
 ///

@@ -516,6 +516,7 @@ async fn back_to_version_1(url: &str) {
          DROP TABLE route_lease_bound; DROP TABLE hosting_lease_bound; \
          ALTER TABLE actors DROP COLUMN op_replica; \
          DROP TABLE valet_replicas, valet_workers, valet_waiters, valet_forwards; \
+         DROP SEQUENCE valet_attach_seq; \
          UPDATE valet_schema SET version = 1",
     )
     .await;

@@ -461,3 +461,148 @@ async fn a_silent_replica_is_declared_dead_after_its_writes_in_progress() {
     b.served.stop().await;
     a.served.stop().await;
 }
+
+/// An actor deleted and created again (its versions counting from 1 anew) in one go,
+/// as another replica's one announcement tells it: it is the new one here too.
+/// Before, the replica kept the old record (a version not newer), and a write of it
+/// would have replaced the new actor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_actor_created_again_is_the_new_one_on_every_replica() {
+    let (pg, a, b) = two_replicas(PlaneConfig::default()).await;
+    demo(&a, ["p1".to_owned()]).await;
+    assert!(
+        b.plane
+            .wait_until(WAIT, |p| p.get_actor(&key("demo/p1")).is_ok())
+            .await
+    );
+    let (client, conn) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let conn = tokio::spawn(conn);
+    client
+        .batch_execute(
+            "BEGIN; \
+             DELETE FROM actors WHERE atespace = 'demo' AND name = 'p1'; \
+             INSERT INTO actors (atespace, name, uid, template_namespace, template, pool, \
+             status, version, worker, selector, revert_pending) VALUES ('demo', 'p1', \
+             'again', 'default', 'echo', 'echo', 4, 1, NULL, '', false); \
+             SELECT pg_notify('valet', '{\"e\": \"actor\", \"a\": \"demo\", \"n\": \"p1\", \"by\": 999}'); \
+             COMMIT",
+        )
+        .await
+        .unwrap();
+    assert!(
+        b.plane
+            .wait_until(WAIT, |p| p
+                .get_actor(&key("demo/p1"))
+                .is_ok_and(
+                    |r| r.actor_template_name == "echo" && r.ateom_pod_uid == "again"
+                ))
+            .await,
+        "B has the new actor"
+    );
+    drop(client);
+    let _ = conn.await;
+    b.served.stop().await;
+    a.served.stop().await;
+}
+
+/// A worker whose Join is refused records no attachment: before, its row was written
+/// first and stayed, so the other replicas counted a worker that was never there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_join_records_no_attachment() {
+    use valet_proto::worker as wk;
+    let (pg, a, b) = two_replicas(PlaneConfig::default()).await;
+    let mut workers = valet_proto::worker::workers_client::WorkersClient::connect(a.url())
+        .await
+        .unwrap();
+    let join = wk::WorkerEvent {
+        event: Some(wk::worker_event::Event::Join(wk::Join {
+            worker_id: "bad".into(),
+            pool: "counter".into(),
+            app_address: "not an address".into(),
+            ..Default::default()
+        })),
+    };
+    let refused = workers
+        .attach(tokio_stream::iter([join]))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    assert_eq!(
+        sql_count(&pg.url(), "SELECT count(*) FROM valet_workers").await,
+        0
+    );
+    assert!(b.plane.list_workers().is_empty());
+    b.served.stop().await;
+    a.served.stop().await;
+}
+
+/// Waiters arriving on both replicas in turn, with workers freeing on both in turn, are
+/// served in their order of arrival across the replicas; one that leaves before its
+/// turn (its caller gone) is passed over, and the worker goes to the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_on_both_replicas_are_served_in_arrival_order() {
+    let (pg, a, b) = two_replicas(PlaneConfig::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut workers = workers_on(&a, 2, dir.path()).await;
+    workers.extend(workers_on(&b, 2, dir.path()).await);
+    lists_workers(&a, 4).await;
+    lists_workers(&b, 4).await;
+    let names = (1..=4)
+        .map(|i| format!("r{i}"))
+        .chain((1..=5).map(|i| format!("x{i}")));
+    demo(&a, names).await;
+    assert!(
+        b.plane
+            .wait_until(WAIT, |p| p.status_of("demo", "x5").is_some())
+            .await
+    );
+    // r1, r2 on A's workers; r3, r4 on B's.
+    for (i, on) in [(1, &a), (2, &a), (3, &b), (4, &b)] {
+        resume_on(&on.client, &format!("demo/r{i}"), None)
+            .await
+            .unwrap();
+    }
+    let url = pg.url();
+    let queued = "SELECT count(*) FROM valet_waiters";
+    let mut waiting = Vec::new();
+    for (i, on) in [(1, &b), (2, &a), (3, &b), (4, &a), (5, &b)] {
+        let c = on.client.clone();
+        waiting.push(tokio::spawn(async move {
+            resume_on(&c, &format!("demo/x{i}"), Some(Duration::from_secs(60))).await
+        }));
+        let deadline = Instant::now() + WAIT;
+        while sql_count(&url, queued).await < i {
+            assert!(Instant::now() < deadline, "x{i} queued");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    // x3's caller leaves.
+    waiting[2].abort();
+    let deadline = Instant::now() + WAIT;
+    while sql_count(&url, queued).await != 4 {
+        assert!(Instant::now() < deadline, "x3 left the queue");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Workers free on B, A, B, A: x1, x2, x4, x5 in that order.
+    let order = [(3, &b, 0), (1, &a, 1), (4, &b, 3), (2, &a, 4)];
+    for (r, on, x) in order {
+        let freed = addr_of(&on.plane.get_actor(&key(&format!("demo/r{r}"))).unwrap());
+        suspend_on(&on.client, &format!("demo/r{r}")).await.unwrap();
+        let served = tokio::time::timeout(WAIT, &mut waiting[x])
+            .await
+            .unwrap_or_else(|_| panic!("x{} served", x + 1))
+            .unwrap()
+            .unwrap_or_else(|e| panic!("x{} served: {e:?}", x + 1));
+        assert_eq!(addr_of(&served.0), freed, "x{} on the worker freed", x + 1);
+        for (i, later) in waiting.iter().enumerate().skip(x + 1) {
+            assert!(i == 2 || !later.is_finished(), "x{} still waits", i + 1);
+        }
+    }
+    for w in workers {
+        w.shutdown().await;
+    }
+    b.served.stop().await;
+    a.served.stop().await;
+}

@@ -244,6 +244,7 @@ async fn a_killed_replica_s_parked_requests_are_served_through_the_other() {
     for r in parked {
         let (status, body) = r.await.unwrap();
         assert_eq!(status, 200, "served through the other replica: {body}");
+        assert!(body.contains("memory count: 1"), "{body}");
     }
     eventually("the killed replica is declared dead", WITHIN, || async {
         survivor
@@ -544,6 +545,55 @@ async fn both_replicas_ride_out_a_database_restart() {
     }
 }
 
+/// The database restarts under two replicas serving together: neither process ends.
+/// While it is down both stop serving (`/readyz` 503: their heartbeats fail); once it
+/// is back both serve again (each joined again as a new replica), with every
+/// acknowledged record; SIGTERM then stops both with 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_serving_replicas_ride_out_a_database_restart() {
+    let pg = TempPostgres::start_async().await;
+    let url = pg.url();
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let (mut a, mut b) = both_serving(&url, data.to_str().unwrap()).await;
+    let c = common::client(a.addr);
+    c.clone()
+        .create_atespace(ateapi::CreateAtespaceRequest {
+            name: "demo".into(),
+        })
+        .await
+        .unwrap();
+    common::create(&c, "demo/p1").await.unwrap();
+
+    pg.stop().await;
+    let ready = |p: &Proc| {
+        let metrics = p.addrs["metrics"];
+        async move { common::try_http_get(metrics, "/readyz", &[]).await }
+    };
+    for p in [&a, &b] {
+        eventually("the replica stops serving", WITHIN, || async {
+            (ready(p).await?.0 == 503).then_some(())
+        })
+        .await;
+    }
+    for p in [&mut a, &mut b] {
+        assert!(p.child.try_wait().unwrap().is_none(), "{}", p.logs());
+    }
+
+    pg.start_again().await;
+    for p in [&a, &b] {
+        taken_over(p).await;
+        let p1 = common::get(&common::client(p.addr), "demo/p1")
+            .await
+            .unwrap();
+        assert_eq!(p1.actor_id, "p1");
+    }
+    for mut p in [a, b] {
+        p.terminate();
+        assert_eq!(p.exit_code(WITHIN).await, Some(0), "{}", p.logs());
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_on_every_interface_advertises_a_reachable_address() {
     let dir = tempfile::tempdir().unwrap();
@@ -585,10 +635,11 @@ async fn a_worker_on_every_interface_advertises_a_reachable_address() {
     assert!(common::try_http_get(w.addr, "/", &[]).await.is_some());
 }
 
-/// Two replicas on one PostgreSQL (one active, one standby), 20 workers attached with
-/// both addresses, 200 concurrent resumes of 200 actors sent through the router's
-/// replica client with both addresses: exactly 20 actors RUNNING, on 20 different
-/// workers, in the database as in the answers.
+/// Two replicas serving together on one PostgreSQL, 20 workers attached with both
+/// addresses (spread over both replicas), 200 concurrent resumes of 200 actors sent
+/// through the router's replica client with both addresses (spread over both):
+/// exactly 20 actors RUNNING, on 20 different workers, in the database as in the
+/// answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hundred_resumes_over_both_replicas_fill_twenty_workers_once() {
     use valet_router::control::{ControlPlane, GrpcControlPlane, ResumeRequest};
@@ -597,9 +648,8 @@ async fn two_hundred_resumes_over_both_replicas_fill_twenty_workers_once() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("unused");
     let data = data.to_str().unwrap();
-    // The standby is listed first: every client meets a replica that refuses.
-    let (first, standby) = active_and_standby(&url, data, false).await;
-    let (a, b) = (first.addr, standby.addr);
+    let (first, second) = both_serving(&url, data).await;
+    let (a, b) = (first.addr, second.addr);
     let urls = vec![format!("http://{b}"), format!("http://{a}")];
     let mut workers = Vec::new();
     for i in 0..20 {
@@ -644,15 +694,15 @@ async fn two_hundred_resumes_over_both_replicas_fill_twenty_workers_once() {
                     timeout: Duration::from_secs(30),
                     lease_holder: None,
                 };
-                // As a parked request would: an attempt on an unreachable replica
-                // (the standby) is Unavailable, and the next goes to the next one.
+                // As a parked request would: an attempt that another replica's
+                // operation holds (Aborted) is retried.
                 for _ in 0..50 {
                     match cp.resume_actor(req()).await {
-                        Err(e) if e.code() == tonic::Code::Unavailable => continue,
+                        Err(e) if e.code() == tonic::Code::Aborted => continue,
                         other => return other.map(|r| r.actor.ateom_pod_ip),
                     }
                 }
-                panic!("a{i:03}: every attempt Unavailable");
+                panic!("a{i:03}: every attempt Aborted");
             })
         })
         .collect();
@@ -692,9 +742,16 @@ async fn two_hundred_resumes_over_both_replicas_fill_twenty_workers_once() {
         .unwrap()
         .get(0);
     assert_eq!((running, claimed, workers_used), (20, 20, 20));
+    // Both replicas took part: each had workers attached.
+    let per_replica: i64 = client
+        .query_one("SELECT count(DISTINCT replica) FROM valet_workers", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(per_replica, 2, "workers spread over both replicas");
     drop(client);
     let _ = task.await;
-    drop(standby);
+    drop(second);
     for w in workers {
         w.shutdown().await;
     }

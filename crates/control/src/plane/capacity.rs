@@ -224,7 +224,11 @@ impl Plane {
         self.inner.stats.queued.fetch_add(1, Ordering::Relaxed);
         // Written by one task, in the order of arrival here (`seq` follows it).
         if let Some(queue) = &self.inner.queue_writes {
-            let _ = queue.send((pool.to_owned(), actor.clone(), id));
+            let _ = queue.send(super::replicas::QueueWrite::Insert {
+                pool: pool.to_owned(),
+                actor: actor.clone(),
+                id,
+            });
         }
         Ticket {
             plane: self.clone(),
@@ -286,17 +290,14 @@ impl Plane {
 
 impl Plane {
     /// Takes this replica's waiter `seq` out of the queue the replicas share, in the
-    /// background (its resume no longer waits).
+    /// background (its resume no longer waits). A row a hand-off took already stays
+    /// taken.
     pub(crate) fn dequeue(&self, seq: i64) {
-        let Some(store) = self.cluster().cloned() else {
-            return;
-        };
-        self.lock().cluster.waiting.remove(&seq);
-        self.inner.tasks.spawn(async move {
-            if let Err(e) = store.dequeue(seq).await {
-                tracing::warn!(seq, error = %e, "could not take a waiter out of the shared queue; the next hand-off passes it over");
-            }
-        });
+        // By the task that writes the queue, after this replica's earlier changes of it.
+        if let Some(queue) = &self.inner.queue_writes {
+            self.lock().cluster.waiting.remove(&seq);
+            let _ = queue.send(super::replicas::QueueWrite::Delete { seq });
+        }
     }
 }
 
@@ -318,6 +319,7 @@ mod tests {
             leaving: false,
             incarnation: 0,
             not_kept: Vec::new(),
+            attach: 0,
         }
     }
 

@@ -40,6 +40,34 @@ pub(crate) struct Departure {
     pub(crate) reserved: Option<ActorKey>,
 }
 
+/// A worker's attachment recorded in the database that is undone when dropped,
+/// unless kept (its Join was refused after all, or its call was dropped).
+struct Unrecorded {
+    plane: Plane,
+    id: String,
+    attach: Option<i64>,
+}
+
+impl Unrecorded {
+    fn keep(mut self) {
+        self.attach = None;
+    }
+}
+
+impl Drop for Unrecorded {
+    fn drop(&mut self) {
+        let (Some(attach), Some(store)) = (self.attach, self.plane.cluster().cloned()) else {
+            return;
+        };
+        let id = std::mem::take(&mut self.id);
+        self.plane.inner.followers.spawn(async move {
+            if let Err(e) = store.detach_worker(&id, attach).await {
+                tracing::warn!(worker = id, error = %e, "could not undo a refused worker's attachment");
+            }
+        });
+    }
+}
+
 impl Departure {
     /// A worker this replica never saw attached that may still serve its actor until
     /// `fenced_by` (it was attached to a replica that died).
@@ -75,42 +103,76 @@ async fn refuses(app: SocketAddr) -> bool {
 
 impl Plane {
     /// A worker attached (or re-attached) over its stream: [`Self::worker_joined`],
-    /// with several replicas after recording its attachment, refused when another
-    /// process holds its id on another live replica.
+    /// with several replicas once its attachment is recorded (after the Join is
+    /// checked, and undone when it is refused after all or this call is dropped):
+    /// refused when another process holds its id on another live replica.
     pub(crate) async fn worker_attached(
         &self,
         join: &wk::Join,
         link: Arc<WorkerLink>,
     ) -> Result<bool, Status> {
+        let Some(store) = self.cluster().cloned() else {
+            return self.worker_joined(join, link);
+        };
         if self.is_shutting_down() {
             return Err(super::shutting_down());
         }
-        if let Some(store) = self.cluster().cloned()
-            && !join.worker_id.is_empty()
-            && join.worker_id.len() <= 128
-        {
-            let row = crate::cluster::WorkerRow {
-                id: join.worker_id.clone(),
-                pool: join.pool.clone(),
-                app_address: join.app_address.clone(),
-                replica: store.replica(),
-                incarnation: i64::from_ne_bytes(join.incarnation.to_ne_bytes()),
-                leaving: join.draining,
-            };
-            match store.attach_worker(&row).await {
-                Ok(true) => {
-                    self.lock().cluster.workers.remove(&join.worker_id);
-                }
-                Ok(false) => {
-                    return Err(Status::already_exists(format!(
-                        "worker id {} is attached by another live process on another control-plane replica; give each worker its own --worker-id",
-                        model::shown(&join.worker_id)
-                    )));
-                }
-                Err(e) => return Err(super::db_error(&e)),
+        let (_, hosting) = Self::read_join(join)?;
+        // The RUNNING actor it reports, as memory has it: kept only if the record
+        // still says so when the attachment is written (a release built from it
+        // elsewhere then fails).
+        let keep = {
+            let st = self.lock();
+            self.refuse_duplicate(&st, join)?;
+            hosting.and_then(|k| {
+                let r = st.actors.get(&k)?;
+                (r.status == ActorStatus::Running
+                    && r.worker.as_deref() == Some(join.worker_id.as_str())
+                    && st.busy(&k).is_none())
+                .then(|| (k.clone(), r.version))
+            })
+        };
+        let row = crate::cluster::WorkerRow {
+            id: join.worker_id.clone(),
+            pool: join.pool.clone(),
+            app_address: join.app_address.clone(),
+            replica: store.replica(),
+            incarnation: i64::from_ne_bytes(join.incarnation.to_ne_bytes()),
+            leaving: join.draining,
+            attach: 0,
+        };
+        let (attach, kept) = match store.attach_worker(&row, keep.as_ref()).await {
+            Ok(Some(attached)) => attached,
+            Ok(None) => {
+                return Err(Status::already_exists(format!(
+                    "worker id {} is attached by another live process on another control-plane replica; give each worker its own --worker-id",
+                    model::shown(&join.worker_id)
+                )));
             }
+            Err(e) => return Err(super::db_error(&e)),
+        };
+        let undo = Unrecorded {
+            plane: self.clone(),
+            id: join.worker_id.clone(),
+            attach: Some(attach),
+        };
+        let veto = {
+            let mut st = self.lock();
+            st.cluster.workers.remove(&join.worker_id);
+            match kept {
+                Some(row) => {
+                    let freed = st.apply(&Batch::put([row]));
+                    debug_assert!(freed.is_empty());
+                    false
+                }
+                None => keep.is_some(),
+            }
+        };
+        let joined = self.join_worker(join, link, veto, attach);
+        if joined.is_ok() {
+            undo.keep();
         }
-        self.worker_joined(join, link)
+        joined
     }
 
     /// A worker attached (or re-attached). Returns whether it keeps the actor it
@@ -120,9 +182,13 @@ impl Plane {
         join: &wk::Join,
         link: Arc<WorkerLink>,
     ) -> Result<bool, Status> {
-        if self.is_shutting_down() {
-            return Err(super::shutting_down());
-        }
+        self.join_worker(join, link, false, 0)
+    }
+
+    /// [`Self::worker_joined`]; with `veto`, the actor it reports is not kept (its
+    /// record changed elsewhere as the attachment was written).
+    /// A Join's addresses, read and checked: its app's, and the actor it reports.
+    fn read_join(join: &wk::Join) -> Result<(SocketAddr, Option<ActorKey>), Status> {
         if join.worker_id.is_empty() || join.worker_id.len() > 128 {
             return Err(Status::invalid_argument(
                 "worker_id must be 1-128 characters",
@@ -139,39 +205,59 @@ impl Plane {
             Some(h) if !h.name.is_empty() => Some(ActorKey::new(&h.atespace, &h.name)?),
             _ => None,
         };
+        Ok((app_addr, hosting))
+    }
+
+    /// Refuses a Join under an id another process attached here while it may still
+    /// serve (its stream open and renewing; or, if it had an actor, its stream ended
+    /// less than a hosting lease after its last renewal): two processes would take
+    /// turns hosting its actor. One that had nothing (drained, idle) may be replaced
+    /// at once once its stream ended.
+    fn refuse_duplicate(&self, st: &State, join: &wk::Join) -> Result<(), Status> {
+        let id = &join.worker_id;
+        let now = tokio::time::Instant::now();
+        let lease = self.config().hosting_lease;
+        let other = match (st.workers.get(id), st.departed.get(id)) {
+            (Some(w), _) if !w.link.is_closed() || w.slot.has_actor() => {
+                Some((w.incarnation, self.fenced_by(w.last_renewal, lease)))
+            }
+            (None, Some(d)) if d.hosting => Some((d.incarnation, d.fenced_by)),
+            _ => None,
+        };
+        // A Join naming no incarnation (0) does not replace one that named its own:
+        // an older worker binary never made such a record, and a client that leaves
+        // it out must not take over a live worker's id (and its actor's traffic). A
+        // record of 0 (an older worker) is replaced as before.
+        if let Some((incarnation, serving_until)) = other
+            && incarnation != 0
+            && incarnation != join.incarnation
+            && serving_until > now
+        {
+            return Err(Status::already_exists(format!(
+                "worker id {} is attached by another live process; give each worker its own --worker-id",
+                model::shown(id)
+            )));
+        }
+        Ok(())
+    }
+
+    fn join_worker(
+        &self,
+        join: &wk::Join,
+        link: Arc<WorkerLink>,
+        veto: bool,
+        attach: i64,
+    ) -> Result<bool, Status> {
+        if self.is_shutting_down() {
+            return Err(super::shutting_down());
+        }
+        let (app_addr, hosting) = Self::read_join(join)?;
         let id = join.worker_id.clone();
         let draining = join.draining.then(|| Arc::clone(&link));
         let stream = Arc::clone(&link);
         let (kept, stale, free, held) = {
             let mut st = self.lock();
-            // Another process attached under this id while it may still serve (its
-            // stream open and renewing; or, if it had an actor, its stream ended less
-            // than a hosting lease after its last renewal): two processes would take
-            // turns hosting its actor. One that had nothing (drained, idle) may be
-            // replaced at once once its stream ended.
-            let now = tokio::time::Instant::now();
-            let lease = self.config().hosting_lease;
-            let other = match (st.workers.get(&id), st.departed.get(&id)) {
-                (Some(w), _) if !w.link.is_closed() || w.slot.has_actor() => {
-                    Some((w.incarnation, self.fenced_by(w.last_renewal, lease)))
-                }
-                (None, Some(d)) if d.hosting => Some((d.incarnation, d.fenced_by)),
-                _ => None,
-            };
-            // A Join naming no incarnation (0) does not replace one that named its
-            // own: an older worker binary never made such a record, and a client
-            // that leaves it out must not take over a live worker's id (and its
-            // actor's traffic). A record of 0 (an older worker) is replaced as before.
-            if let Some((incarnation, serving_until)) = other
-                && incarnation != 0
-                && incarnation != join.incarnation
-                && serving_until > now
-            {
-                return Err(Status::already_exists(format!(
-                    "worker id {} is attached by another live process; give each worker its own --worker-id",
-                    model::shown(&id)
-                )));
-            }
+            self.refuse_duplicate(&st, join)?;
             let previous = st.workers.remove(&id);
             // Back: what it hosts is decided below, not by a lease running out.
             let reserved = st.departed.remove(&id).and_then(|d| d.reserved);
@@ -183,7 +269,7 @@ impl Plane {
             }
             // What it reports hosting, if the records place it there: RUNNING with no
             // operation on it, or SUSPENDING with its checkpoint waiting for this attach.
-            let kept = hosting.filter(|k| {
+            let kept = hosting.filter(|_| !veto).filter(|k| {
                 st.actors.get(k).is_some_and(|r| {
                     r.worker.as_deref() == Some(id.as_str())
                         && match r.status {
@@ -269,6 +355,7 @@ impl Plane {
                     leaving,
                     incarnation: join.incarnation,
                     not_kept,
+                    attach,
                 },
             );
             self.inner.stats.attachments.fetch_add(1, Ordering::Relaxed);
@@ -384,7 +471,7 @@ impl Plane {
         }
         if let Some(store) = self.cluster().cloned() {
             let worker = worker.to_owned();
-            self.inner.tasks.spawn(async move {
+            self.inner.followers.spawn(async move {
                 if let Err(e) = store.worker_leaving(&worker).await {
                     tracing::warn!(worker, error = %e, "could not record that the worker drains");
                 }
@@ -412,16 +499,32 @@ impl Plane {
             .restore_timeout
             .max(self.config().checkpoint_timeout);
         for round in 0..=DRAIN_ROUNDS {
-            let on_it = {
+            let (on_it, offered) = {
                 let st = self.lock();
                 match st.workers.get(worker) {
                     Some(w) if Arc::ptr_eq(&w.link, link) => match &w.slot {
-                        Slot::Hosting(k) | Slot::Reserved(k) => Some(k.clone()),
-                        Slot::Free | Slot::Leaving | Slot::Offered => None,
+                        Slot::Hosting(k) | Slot::Reserved(k) => (Some(k.clone()), false),
+                        Slot::Offered => (None, true),
+                        Slot::Free | Slot::Leaving => (None, false),
                     },
                     _ => return,
                 }
             };
+            // Being offered to the shared queue: it may get an actor yet (its offer
+            // ends within a write's bound), which this drain then suspends.
+            if offered {
+                let settled = |p: &Plane| {
+                    p.lock()
+                        .workers
+                        .get(worker)
+                        .is_none_or(|w| w.slot != Slot::Offered)
+                };
+                tokio::select! {
+                    _ = self.wait_until(wait, settled) => {}
+                    () = self.inner.shutdown.cancelled() => return,
+                }
+                continue;
+            }
             let Some(key) = on_it else {
                 tracing::info!(worker, "worker drained");
                 link.notify(Command::Drained(wk::Drained {}));
@@ -497,12 +600,9 @@ impl Plane {
             }
             let rec = st.workers.remove(worker).expect("checked above");
             if let Some(store) = self.cluster().cloned() {
-                let (worker, incarnation) = (
-                    worker.to_owned(),
-                    i64::from_ne_bytes(rec.incarnation.to_ne_bytes()),
-                );
-                self.inner.tasks.spawn(async move {
-                    if let Err(e) = store.detach_worker(&worker, incarnation).await {
+                let (worker, attach) = (worker.to_owned(), rec.attach);
+                self.inner.followers.spawn(async move {
+                    if let Err(e) = store.detach_worker(&worker, attach).await {
                         tracing::warn!(worker, error = %e, "could not record that the worker left");
                     }
                 });

@@ -180,6 +180,9 @@ pub(crate) struct WorkerRec {
     /// operation sends it nothing more here (the actor is released once it ends, if
     /// it ends RUNNING there). A later operation may use the worker as any other.
     pub(crate) not_kept: Vec<(ActorKey, u64)>,
+    /// Its attachment's number in the record the replicas share (several replicas;
+    /// 0 otherwise): a later one elsewhere supersedes it.
+    pub(crate) attach: i64,
 }
 
 impl WorkerRec {
@@ -317,6 +320,15 @@ impl State {
         }
         for row in &batch.put_actors {
             let key = row.key();
+            // Several replicas: a newer record of the same actor may be in memory
+            // already (another replica wrote after this one).
+            if self
+                .actors
+                .get(&key)
+                .is_some_and(|r| r.uid == row.uid && r.version > row.version)
+            {
+                continue;
+            }
             let before = self.actors.get(&key).and_then(|r| r.worker.clone());
             if before != row.worker {
                 if let Some(w) = before {
@@ -709,6 +721,10 @@ impl Plane {
     }
 
     async fn write_and_apply(&self, batch: Batch) -> Result<Vec<String>, Status> {
+        // Several replicas: while this write is on its way, a read of the same records
+        // (following another replica's announcement) does not apply them; this write's
+        // result does.
+        let _writing = replicas::Writing::start(self, &batch);
         match self.inner.store.write(batch.clone()).await {
             Ok(()) => {}
             // Another replica changed the record: nothing was written, and nothing is

@@ -121,13 +121,27 @@ impl Drop for Op {
         let plane = Plane {
             inner: Arc::clone(&self.inner),
         };
-        let mut st = plane.lock();
-        if st
-            .ops
-            .get(&self.target)
-            .is_some_and(|(id, _)| *id == self.id)
-        {
-            st.ops.remove(&self.target);
+        let queued_in = {
+            let mut st = plane.lock();
+            if st
+                .ops
+                .get(&self.target)
+                .is_some_and(|(id, _)| *id == self.id)
+            {
+                st.ops.remove(&self.target);
+            }
+            // Several replicas: a hand-off here passed over this actor's waiter (on
+            // another replica) while this operation held it; a free worker here is
+            // offered again.
+            match &self.target {
+                OpTarget::Actor(k) if st.cluster.queued(k) => {
+                    st.actors.get(k).map(|r| r.pool.clone())
+                }
+                _ => None,
+            }
+        };
+        if let Some(pool) = queued_in {
+            plane.offer_free(&pool);
         }
     }
 }

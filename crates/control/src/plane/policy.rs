@@ -164,6 +164,16 @@ impl Plane {
                 if row.status != ActorStatus::Running || st.busy(key).is_some() {
                     continue;
                 }
+                // Several replicas: only actors on workers attached here (another
+                // replica's are its own to checkpoint).
+                let here = row
+                    .worker
+                    .as_ref()
+                    .and_then(|w| st.workers.get(w))
+                    .is_some_and(|w| !w.link.is_closed());
+                if st.cluster.me.is_some() && !here {
+                    continue;
+                }
                 let Some(a) = st.activity.get(key) else {
                     continue;
                 };

@@ -26,7 +26,7 @@ use super::capacity::Handed;
 use super::membership::Departure;
 use super::op::CapacityWait;
 use super::{Op, OpKind, OpTarget, Outcome, Plane, Slot, crashed, not_found, shutting_down};
-use crate::cluster::{Answer, ClusterStore, Event, HandOff, WaiterRow, WorkerRow};
+use crate::cluster::{Answer, ClusterStore, Event, HandOff, QueueOp, WaiterRow, WorkerRow};
 use crate::model::{ActorKey, ActorStatus};
 use crate::store::{ActorRow, Batch, StoreError};
 
@@ -55,9 +55,21 @@ pub(crate) struct Known {
     pub(crate) forwards: HashMap<i64, oneshot::Sender<Answer>>,
     /// Suspends forwarded to this replica being carried out.
     pub(crate) executing: HashSet<i64>,
-    /// While records are read again: what this replica wrote meanwhile, which the
-    /// read may predate (never forgotten because of it).
-    pub(crate) reading: Option<Touched>,
+    /// Reads of the record under way, by id: what this replica wrote meanwhile, which
+    /// a read may predate (never forgotten because of it).
+    reads: HashMap<u64, Touched>,
+    next_read: u64,
+    /// Actors this replica is writing now (how many writes of each): a read of them
+    /// is not applied, the write's result is.
+    writing: HashMap<ActorKey, usize>,
+    /// Waiters announced so far: an offer that found nobody looks again if one came
+    /// meanwhile.
+    pub(crate) waiters_seen: u64,
+    /// When each waiter in `waiting` was announced (`waiters_seen` then).
+    added: HashMap<i64, u64>,
+    /// Answers of this replica's forwarded suspends that came before their caller
+    /// waited for them.
+    answers: HashMap<i64, Answer>,
 }
 
 /// Records written here while a read of the record was under way.
@@ -65,6 +77,73 @@ pub(crate) struct Known {
 pub(crate) struct Touched {
     actors: HashSet<ActorKey>,
     atespaces: HashSet<String>,
+}
+
+/// A read of the record under way: from its start, this replica's writes are noted
+/// (see [`Touched`]); the note goes when the read is applied or dropped.
+struct Reading {
+    plane: Plane,
+    id: u64,
+}
+
+impl Reading {
+    fn start(plane: &Plane) -> Self {
+        let mut st = plane.lock();
+        st.cluster.next_read += 1;
+        let id = st.cluster.next_read;
+        st.cluster.reads.insert(id, Touched::default());
+        Self {
+            plane: plane.clone(),
+            id,
+        }
+    }
+}
+
+impl Drop for Reading {
+    fn drop(&mut self) {
+        self.plane.lock().cluster.reads.remove(&self.id);
+    }
+}
+
+/// A write of this replica's on its way: a read of its actors meanwhile is not
+/// applied (the write's own result is, once it lands or fails).
+pub(crate) struct Writing {
+    plane: Plane,
+    keys: Vec<ActorKey>,
+}
+
+impl Writing {
+    pub(crate) fn start(plane: &Plane, batch: &Batch) -> Option<Self> {
+        plane.inner.cluster.as_ref()?;
+        let keys: Vec<ActorKey> = batch
+            .put_actors
+            .iter()
+            .map(ActorRow::key)
+            .chain(batch.delete_actors.iter().cloned())
+            .collect();
+        let mut st = plane.lock();
+        for k in &keys {
+            *st.cluster.writing.entry(k.clone()).or_default() += 1;
+        }
+        Some(Self {
+            plane: plane.clone(),
+            keys,
+        })
+    }
+}
+
+impl Drop for Writing {
+    fn drop(&mut self) {
+        let mut st = self.plane.lock();
+        for k in &self.keys {
+            if let Some(n) = st.cluster.writing.get_mut(k) {
+                *n -= 1;
+                if *n == 0 {
+                    st.cluster.writing.remove(k);
+                }
+            }
+        }
+    }
 }
 
 impl Known {
@@ -101,7 +180,7 @@ impl Known {
 
     /// Notes a write of this replica (for a read of the record under way).
     pub(crate) fn written(&mut self, batch: &Batch) {
-        if let Some(t) = &mut self.reading {
+        for t in self.reads.values_mut() {
             t.actors.extend(batch.put_actors.iter().map(ActorRow::key));
             t.actors.extend(batch.delete_actors.iter().cloned());
             t.atespaces.extend(batch.put_atespaces.iter().cloned());
@@ -183,9 +262,18 @@ fn decode((code, message, actor): Answer) -> Result<ateapi::Actor, Status> {
     Err(Status::new(tonic::Code::from(code), message))
 }
 
-/// A waiter of this replica to write into the queue the replicas share: its pool, its
-/// actor, and its entry's id here.
-pub(crate) type QueueWrite = (String, ActorKey, u64);
+/// A change of this replica's waiters to write into the queue the replicas share.
+#[derive(Debug)]
+pub(crate) enum QueueWrite {
+    /// A waiter here (its entry's id) queues `actor` for a worker of `pool`.
+    Insert {
+        pool: String,
+        actor: ActorKey,
+        id: u64,
+    },
+    /// A waiter here no longer waits: its row `seq` goes.
+    Delete { seq: i64 },
+}
 
 impl Plane {
     /// The store the replicas share, with several replicas on one database.
@@ -274,8 +362,20 @@ impl Plane {
         for event in batch {
             match event {
                 Event::Resync => {}
-                Event::Actor(k) => {
-                    actors.insert(k);
+                // This replica's own writes are in memory already (applied as they
+                // landed), and so is a record at least as new.
+                Event::Actor { by, .. } if by == me => {}
+                Event::Actor {
+                    key,
+                    record: Some((uid, version)),
+                    ..
+                } if self
+                    .lock()
+                    .actors
+                    .get(&key)
+                    .is_some_and(|r| r.uid == uid && r.version >= version) => {}
+                Event::Actor { key, .. } => {
+                    actors.insert(key);
                 }
                 Event::Atespaces => atespaces = true,
                 Event::Worker(id) => {
@@ -284,30 +384,8 @@ impl Plane {
                 other => rest.push(other),
             }
         }
-        if !actors.is_empty() || atespaces {
-            self.lock().cluster.reading = Some(Touched::default());
-            let read = async {
-                let keys: Vec<ActorKey> = actors.into_iter().collect();
-                let rows = if keys.is_empty() {
-                    Vec::new()
-                } else {
-                    store.actors(&keys).await?
-                };
-                let names = if atespaces {
-                    Some(store.atespaces().await?)
-                } else {
-                    None
-                };
-                Ok::<_, StoreError>((rows, names))
-            };
-            match read.await {
-                Ok((rows, names)) => self.apply_read(rows, names, false),
-                Err(e) => {
-                    self.lock().cluster.reading = None;
-                    return Err(e);
-                }
-            }
-        }
+        let keys: Vec<ActorKey> = actors.into_iter().collect();
+        self.read_again(store, &keys, atespaces).await?;
         for id in workers {
             let row = store.worker(&id).await?;
             self.apply_worker(&id, row);
@@ -336,7 +414,7 @@ impl Plane {
                 Event::Forward { .. }
                 | Event::Answered { .. }
                 | Event::Resync
-                | Event::Actor(_)
+                | Event::Actor { .. }
                 | Event::Atespaces
                 | Event::Worker(_) => {}
             }
@@ -349,21 +427,30 @@ impl Plane {
     /// replica wrote them since the read began.
     fn apply_read(
         &self,
+        reading: Reading,
         rows: Vec<(ActorKey, Option<ActorRow>)>,
         atespaces: Option<Vec<String>>,
         complete: bool,
     ) {
         let (freed, evict) = {
             let mut st = self.lock();
-            let touched = st.cluster.reading.take().unwrap_or_default();
+            let touched = st.cluster.reads.remove(&reading.id).unwrap_or_default();
             let mut freed = Vec::new();
             let mut evict = Vec::new();
             let mut seen = HashSet::new();
             for (key, row) in rows {
                 seen.insert(key.clone());
+                if st.cluster.writing.contains_key(&key) {
+                    continue;
+                }
                 let cached = st.actors.get(&key);
+                // Newer: a later version, or another actor of the same name (deleted
+                // and created again, its versions counting from 1 anew).
+                let newer = |row: &ActorRow| {
+                    cached.is_none_or(|c| c.uid != row.uid || c.version < row.version)
+                };
                 match row {
-                    Some(row) if cached.is_none_or(|c| c.version < row.version) => {
+                    Some(row) if newer(&row) => {
                         // A worker of this replica that the record no longer places
                         // the actor on must not go on hosting it.
                         if let Some(w) = cached.and_then(|c| c.worker.clone())
@@ -387,7 +474,11 @@ impl Plane {
                 let gone: Vec<ActorKey> = st
                     .actors
                     .keys()
-                    .filter(|k| !seen.contains(*k) && !touched.actors.contains(*k))
+                    .filter(|k| {
+                        !seen.contains(*k)
+                            && !touched.actors.contains(*k)
+                            && !st.cluster.writing.contains_key(*k)
+                    })
                     .cloned()
                     .collect();
                 if !gone.is_empty() {
@@ -417,23 +508,44 @@ impl Plane {
 
     /// A worker's attachment as recorded now (`None`: it is attached nowhere).
     fn apply_worker(&self, id: &str, row: Option<WorkerRow>) {
-        let me = self.lock().cluster.me;
         let moved = {
             let mut st = self.lock();
+            let me = st.cluster.me;
             match row {
                 Some(r) if Some(r.replica) == me => {
                     st.cluster.workers.remove(id);
                     None
                 }
+                // A read older than what is known (an attachment here, or elsewhere,
+                // recorded later): nothing changes.
+                Some(r)
+                    if st.workers.get(id).is_some_and(|w| w.attach >= r.attach)
+                        || st
+                            .cluster
+                            .workers
+                            .get(id)
+                            .is_some_and(|w| w.attach > r.attach) =>
+                {
+                    None
+                }
                 Some(r) => {
                     let pool = r.pool.clone();
                     st.cluster.workers.insert(id.to_owned(), r);
-                    // It attached to another replica while this one still counted it
-                    // attached here: its old stream is stale. Its actor went with it,
-                    // so it leaves here without a departure.
+                    // It attached to another replica after it attached here: its
+                    // stream here is stale. Its actor went with it, so it leaves here
+                    // without a departure, and what it did here is that replica's now.
                     let moved = st.workers.remove(id).map(|rec| rec.link);
                     if moved.is_some() {
                         tracing::info!(worker = id, %pool, "worker attached to another replica");
+                        let on_it: Vec<ActorKey> = st
+                            .actors
+                            .values()
+                            .filter(|r| r.worker.as_deref() == Some(id))
+                            .map(ActorRow::key)
+                            .collect();
+                        for k in on_it {
+                            st.activity.remove(&k);
+                        }
                     }
                     moved
                 }
@@ -454,7 +566,13 @@ impl Plane {
     /// A resume queued (on any replica): a free worker here goes to the oldest waiter.
     fn waiter_added(&self, row: WaiterRow) {
         let pool = row.pool.clone();
-        self.lock().cluster.waiting.insert(row.seq, row);
+        {
+            let mut st = self.lock();
+            st.cluster.waiters_seen += 1;
+            let seen = st.cluster.waiters_seen;
+            st.cluster.added.insert(row.seq, seen);
+            st.cluster.waiting.insert(row.seq, row);
+        }
         self.offer_free(&pool);
         self.wake_policies();
     }
@@ -481,6 +599,7 @@ impl Plane {
         let waiter = {
             let mut st = self.lock();
             st.cluster.waiting.remove(&seq);
+            st.cluster.added.remove(&seq);
             if handed_by.is_some() && handed_by == st.cluster.me {
                 None
             } else {
@@ -536,7 +655,7 @@ impl Plane {
                     st.id(),
                     app,
                     Instant::now() + lease,
-                    u64::try_from(w.incarnation).unwrap_or(0),
+                    u64::from_ne_bytes(w.incarnation.to_ne_bytes()),
                 );
                 st.departed.insert(w.id.clone(), departure.clone());
                 let running: Vec<ActorKey> = st
@@ -601,25 +720,15 @@ impl Plane {
     /// Reads everything again (after a reconnect, or having fallen behind) and makes
     /// memory agree with it.
     async fn resync(&self, store: &Arc<ClusterStore>) -> Result<(), StoreError> {
-        self.lock().cluster.reading = Some(Touched::default());
-        let read = async {
-            let loaded = crate::store::Store::load(&**store).await?;
-            let view = store.view().await?;
-            Ok::<_, StoreError>((loaded, view))
-        };
-        let (loaded, view) = match read.await {
-            Ok(r) => r,
-            Err(e) => {
-                self.lock().cluster.reading = None;
-                return Err(e);
-            }
-        };
+        let reading = Reading::start(self);
+        let loaded = crate::store::Store::load(&**store).await?;
+        let view = store.view().await?;
         let rows = loaded
             .actors
             .into_iter()
             .map(|r| (r.key(), Some(r)))
             .collect();
-        self.apply_read(rows, Some(loaded.atespaces), true);
+        self.apply_read(reading, rows, Some(loaded.atespaces), true);
         let me = store.replica();
         let (died, pools, moved) = {
             let mut st = self.lock();
@@ -627,6 +736,8 @@ impl Plane {
             let died: Vec<i64> = st.cluster.live.difference(&live).copied().collect();
             st.cluster.live.extend(live);
             st.cluster.waiting = view.waiting_by_seq();
+            let known = &mut st.cluster;
+            known.added.retain(|seq, _| known.waiting.contains_key(seq));
             // Waiters of this replica whose rows went while it did not listen.
             let mut vanished = Vec::new();
             for q in st.queues.values_mut() {
@@ -678,10 +789,13 @@ impl Plane {
         Ok(())
     }
 
-    /// Writes this replica's waiters into the queue the replicas share, in their order
-    /// of arrival (those that arrived together in one transaction), until the plane
-    /// stops. A waiter whose actor is queued on another replica already is handed
-    /// [`Handed::Elsewhere`]; one whose resume left meanwhile has its row taken out.
+    /// Writes this replica's waiters into the queue the replicas share, and takes
+    /// out those that left, in their order here (those that came together in one
+    /// transaction), until the plane stops: a pool's order across replicas follows
+    /// each one's arrivals, and a row that left always goes before the same actor
+    /// queues again. A waiter whose actor is queued on another replica already is
+    /// handed [`Handed::Elsewhere`]; one whose resume left meanwhile has its row taken
+    /// out.
     async fn write_queue(&self, mut writes: mpsc::UnboundedReceiver<QueueWrite>) {
         let Some(store) = self.cluster().cloned() else {
             return;
@@ -698,31 +812,43 @@ impl Plane {
             {
                 batch.push(w);
             }
-            let rows: Vec<(ActorKey, String)> = batch
+            let ops: Vec<QueueOp> = batch
                 .iter()
-                .map(|(pool, actor, _)| (actor.clone(), pool.clone()))
+                .map(|w| match w {
+                    QueueWrite::Insert { pool, actor, .. } => QueueOp::Insert {
+                        actor: actor.clone(),
+                        pool: pool.clone(),
+                    },
+                    QueueWrite::Delete { seq } => QueueOp::Delete { seq: *seq },
+                })
                 .collect();
-            let written = store.enqueue(&rows).await;
+            let written = store.queue(&ops).await;
+            if let Err(e) = &written {
+                tracing::warn!(error = %e, "could not write the shared queue");
+            }
             let mut pools = BTreeSet::new();
-            for (i, (pool, _, id)) in batch.iter().enumerate() {
+            for (i, w) in batch.into_iter().enumerate() {
+                let QueueWrite::Insert { pool, id, .. } = w else {
+                    continue;
+                };
                 let written = match &written {
-                    Ok(seqs) => Ok(seqs[i]),
+                    Ok(done) => Ok(done[i]),
                     Err(e) => Err(super::db_error(e)),
                 };
                 let mut st = self.lock();
                 let pos = st
                     .queues
-                    .get(pool)
-                    .and_then(|q| q.iter().position(|w| w.id() == *id));
+                    .get(&pool)
+                    .and_then(|q| q.iter().position(|w| w.id() == id));
                 match (written, pos) {
                     // (The replicas' list of waiters follows the announcements, which
                     // come in the order of the writes: one that went already is not
                     // put back.)
                     (Ok(Some(seq)), Some(i)) => {
-                        if let Some(w) = st.queues.get_mut(pool).and_then(|q| q.get_mut(i)) {
+                        if let Some(w) = st.queues.get_mut(&pool).and_then(|q| q.get_mut(i)) {
                             w.set_seq(seq);
                         }
-                        pools.insert(pool.clone());
+                        pools.insert(pool);
                     }
                     // Its resume left while the row was written: the row goes too.
                     (Ok(Some(seq)), None) => {
@@ -730,14 +856,14 @@ impl Plane {
                         self.dequeue(seq);
                     }
                     (Ok(None), Some(i)) => {
-                        let w = st.queues.get_mut(pool).and_then(|q| q.remove(i));
+                        let w = st.queues.get_mut(&pool).and_then(|q| q.remove(i));
                         drop(st);
                         if let Some(w) = w {
                             w.hand(Handed::Elsewhere { queued: true });
                         }
                     }
                     (Err(e), Some(i)) => {
-                        let w = st.queues.get_mut(pool).and_then(|q| q.remove(i));
+                        let w = st.queues.get_mut(&pool).and_then(|q| q.remove(i));
                         drop(st);
                         if let Some(w) = w {
                             w.hand(Handed::Failed(e));
@@ -760,7 +886,7 @@ impl Plane {
             return;
         };
         let plane = self.clone();
-        self.inner.tasks.spawn(async move {
+        self.inner.followers.spawn(async move {
             let pending = match store.forwarded_to_me().await {
                 Ok(p) => p,
                 Err(e) => {
@@ -773,12 +899,24 @@ impl Plane {
                     continue;
                 }
                 let (plane, store) = (plane.clone(), Arc::clone(&store));
-                plane.inner.tasks.clone().spawn(async move {
-                    let result = plane.suspend_here(key).await;
-                    if let Err(e) = store.answer(id, encode(&result)).await {
-                        tracing::warn!(error = %e, "could not answer a forwarded suspend");
+                plane.inner.followers.clone().spawn(async move {
+                    let answer = encode(&plane.suspend_here(key).await);
+                    let mut backoff = Duration::from_millis(200);
+                    for _ in 0..4 {
+                        match store.answer(id, answer.clone()).await {
+                            Ok(()) => {
+                                plane.lock().cluster.executing.remove(&id);
+                                return;
+                            }
+                            Err(e) => {
+                                tracing::warn!(error = %e, "could not answer a forwarded suspend; trying again");
+                                tokio::time::sleep(backoff).await;
+                                backoff *= 2;
+                            }
+                        }
                     }
-                    plane.lock().cluster.executing.remove(&id);
+                    // Left in `executing`: never carried out twice (its caller gets
+                    // `Unavailable` when its wait ends).
                 });
             }
         });
@@ -791,11 +929,18 @@ impl Plane {
             return;
         };
         let plane = self.clone();
-        self.inner.tasks.spawn(async move {
-            if let Ok(Some(answer)) = store.take_answer(id).await
-                && let Some(tx) = plane.lock().cluster.forwards.remove(&id)
-            {
-                let _ = tx.send(answer);
+        self.inner.followers.spawn(async move {
+            if let Ok(Some(answer)) = store.take_answer(id).await {
+                let mut st = plane.lock();
+                match st.cluster.forwards.remove(&id) {
+                    Some(tx) => {
+                        let _ = tx.send(answer);
+                    }
+                    // Its caller has not waited yet: it finds the answer here.
+                    None => {
+                        st.cluster.answers.insert(id, answer);
+                    }
+                }
             }
         });
     }
@@ -816,8 +961,14 @@ impl Plane {
             .await
             .map_err(|e| super::db_error(&e))?;
         let (tx, rx) = oneshot::channel();
-        self.lock().cluster.forwards.insert(id, tx);
-        // Its answer may have come before the wait was registered.
+        {
+            let mut st = self.lock();
+            // Its answer may have come before the wait was registered.
+            if let Some(answer) = st.cluster.answers.remove(&id) {
+                return decode(answer);
+            }
+            st.cluster.forwards.insert(id, tx);
+        }
         self.spawn_answer(id);
         let within = self.config().checkpoint_timeout + MARGIN;
         let answer = tokio::select! {
@@ -825,7 +976,11 @@ impl Plane {
             () = tokio::time::sleep(within) => None,
             () = self.inner.shutdown.cancelled() => None,
         };
-        self.lock().cluster.forwards.remove(&id);
+        {
+            let mut st = self.lock();
+            st.cluster.forwards.remove(&id);
+            st.cluster.answers.remove(&id);
+        }
         match answer {
             Some(a) => decode(a),
             None => {
@@ -892,6 +1047,7 @@ impl Plane {
                     )
                 })
             };
+            let seen = self.lock().cluster.waiters_seen;
             let handed = store.hand_off(pool, worker, take).await;
             /// What to do once the state lock is released.
             enum Then {
@@ -907,10 +1063,21 @@ impl Plane {
                     .get(worker)
                     .is_some_and(|w| w.slot == Slot::Offered);
                 match handed {
-                    Ok(HandOff::Nobody) if !offered => Then::Done,
-                    Ok(HandOff::Nobody) => {
-                        // A waiter that came meanwhile is offered it again.
-                        if st.cluster.queued_in(pool) {
+                    Ok(HandOff::Nobody(present)) => {
+                        // The pool's waiters memory lists that the database no longer
+                        // has (heard before this offer) are gone.
+                        let known = &mut st.cluster;
+                        let added = &known.added;
+                        known.waiting.retain(|seq, w| {
+                            w.pool != pool
+                                || present.contains(seq)
+                                || added.get(seq).is_some_and(|&at| at > seen)
+                        });
+                        known.added.retain(|seq, _| known.waiting.contains_key(seq));
+                        if !offered {
+                            Then::Done
+                        } else if st.cluster.waiters_seen != seen {
+                            // A waiter came meanwhile: it is offered the worker too.
                             Then::Again
                         } else {
                             if let Some(w) = st.workers.get_mut(worker) {
@@ -918,6 +1085,12 @@ impl Plane {
                             }
                             Then::Done
                         }
+                    }
+                    Ok(HandOff::NotHere) => {
+                        if offered && let Some(w) = st.workers.get_mut(worker) {
+                            w.vacate();
+                        }
+                        Then::Done
                     }
                     Ok(HandOff::Local(waiter)) => {
                         let local = st
@@ -1093,23 +1266,36 @@ impl Plane {
             .collect();
         let atespaces = !batch.put_atespaces.is_empty() || !batch.delete_atespaces.is_empty();
         let plane = self.clone();
-        self.inner.tasks.spawn(async move {
-            plane.lock().cluster.reading = Some(Touched::default());
-            let rows = if keys.is_empty() {
-                Ok(Vec::new())
-            } else {
-                store.actors(&keys).await
-            };
-            let names = if atespaces {
-                store.atespaces().await.map(Some)
-            } else {
-                Ok(None)
-            };
-            match (rows, names) {
-                (Ok(rows), Ok(names)) => plane.apply_read(rows, names, false),
-                _ => plane.lock().cluster.reading = None,
+        self.inner.followers.spawn(async move {
+            if let Err(e) = plane.read_again(&store, &keys, atespaces).await {
+                tracing::debug!(error = %e, "could not read changed records again; the next announcement or resync does");
             }
         });
+    }
+
+    /// Reads `keys` (and the atespaces, with `atespaces`) again and applies them.
+    async fn read_again(
+        &self,
+        store: &ClusterStore,
+        keys: &[ActorKey],
+        atespaces: bool,
+    ) -> Result<(), StoreError> {
+        if keys.is_empty() && !atespaces {
+            return Ok(());
+        }
+        let reading = Reading::start(self);
+        let rows = if keys.is_empty() {
+            Vec::new()
+        } else {
+            store.actors(keys).await?
+        };
+        let names = if atespaces {
+            Some(store.atespaces().await?)
+        } else {
+            None
+        };
+        self.apply_read(reading, rows, names, false);
+        Ok(())
     }
 
     /// The replica `worker` is attached to, when it is another live one.
