@@ -32,9 +32,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::model::{ActorKey, ActorStatus};
 use crate::postgres::{
-    ACTOR_COLUMNS, Db, HEARTBEAT, HEARTBEAT_TIMEOUT, SELECT_ACTOR, SERVER_KEEPALIVE,
-    TAKE_OVER_WITHIN, WRITE_WITHIN, actor_of, build_pool, check_version, connect_session, migrate,
-    schema_keys, session_config, store_error, why,
+    ACTOR_COLUMNS, Db, HEARTBEAT, HEARTBEAT_TIMEOUT, Locking, SELECT_ACTOR, Session,
+    TAKE_OVER_WITHIN, WRITE_WITHIN, actor_of, build_pool, migrate, store_error, why,
 };
 use crate::store::{ActorRow, Batch, Loaded, Store, StoreError, StoreFuture};
 
@@ -323,43 +322,19 @@ impl ClusterStore {
     /// An invalid URL, an unreachable database, a failed migration, or a schema newer
     /// than this binary's.
     pub async fn join(url: &str) -> Result<Self, StoreError> {
-        let (config, database) = session_config(url)?;
+        let Session {
+            config,
+            database,
+            client,
+            lost,
+            migration_locks,
+        } = Session::open(
+            url,
+            Locking::Shared,
+            "a control plane with --active-replicas one holds this database; waiting for it to stop",
+        )
+        .await?;
         let err = |e: tokio_postgres::Error| store_error(&database, &e);
-        let (client, lost) = connect_session(&config, &database).await?;
-        check_version(&client, &database).await?;
-        client.batch_execute(SERVER_KEEPALIVE).await.map_err(err)?;
-        let keys = schema_keys(&client, &config, &database).await?;
-        let mut waiting = false;
-        for (_, active_lock) in &keys {
-            let held: bool = client
-                .query_one("SELECT pg_try_advisory_lock_shared($1)", &[active_lock])
-                .await
-                .map_err(err)?
-                .get(0);
-            if held {
-                continue;
-            }
-            if !waiting {
-                waiting = true;
-                tracing::info!(
-                    %database,
-                    "a control plane with --active-replicas one holds this database; waiting for it to stop"
-                );
-                client
-                    .batch_execute("SET statement_timeout = 0")
-                    .await
-                    .map_err(err)?;
-            }
-            client
-                .execute("SELECT pg_advisory_lock_shared($1)", &[active_lock])
-                .await
-                .map_err(err)?;
-        }
-        let migration_locks: Vec<i64> = keys.iter().map(|(m, _)| *m).collect();
-        client
-            .batch_execute("SET statement_timeout = 0")
-            .await
-            .map_err(err)?;
         let joined = async {
             migrate(&client, &database, &migration_locks).await?;
             let epoch: i64 = client
@@ -1349,6 +1324,7 @@ async fn write_batch(
     for row in &batch.put_actors {
         let selector = crate::store::encode_selector(&row.selector);
         let held = row.held_by(me);
+        let status = row.status.wire();
         // A worker is placed only by the replica it is attached to: a restore's claim
         // or its end on a worker that left (or attached elsewhere) meanwhile is refused.
         if let Some(worker) = &row.worker
@@ -1360,6 +1336,20 @@ async fn write_batch(
                 row.key()
             )));
         }
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 12] = [
+            &row.atespace,
+            &row.name,
+            &row.uid,
+            &row.template_namespace,
+            &row.template,
+            &row.pool,
+            &status,
+            &row.version,
+            &row.worker,
+            &selector,
+            &row.revert_pending,
+            &held,
+        ];
         let n = if row.version == 1 {
             tx.execute(
                 &tx.prepare_cached("INSERT INTO actors (atespace, name, uid, template_namespace, template, pool, status, \
@@ -1368,20 +1358,7 @@ async fn write_batch(
                  $8::bigint, $9::text, $10::text, $11::boolean, $12::bigint \
                  WHERE EXISTS (SELECT 1 FROM atespaces WHERE name = $1) \
                  ON CONFLICT (atespace, name) DO NOTHING").await.map_err(&err)?,
-                &[
-                    &row.atespace,
-                    &row.name,
-                    &row.uid,
-                    &row.template_namespace,
-                    &row.template,
-                    &row.pool,
-                    &row.status.wire(),
-                    &row.version,
-                    &row.worker,
-                    &selector,
-                    &row.revert_pending,
-                    &held,
-                ],
+                &params,
             )
             .await
             .map_err(&err)?
@@ -1391,20 +1368,7 @@ async fn write_batch(
                  status = $7, version = $8, worker = $9, selector = $10, revert_pending = $11, \
                  op_replica = $12 \
                  WHERE atespace = $1 AND name = $2 AND version = $8::bigint - 1 AND uid = $3").await.map_err(&err)?,
-                &[
-                    &row.atespace,
-                    &row.name,
-                    &row.uid,
-                    &row.template_namespace,
-                    &row.template,
-                    &row.pool,
-                    &row.status.wire(),
-                    &row.version,
-                    &row.worker,
-                    &selector,
-                    &row.revert_pending,
-                    &held,
-                ],
+                &params,
             )
             .await
             .map_err(&err)?

@@ -320,6 +320,103 @@ pub(crate) async fn connect_session(
     Ok((client, lost))
 }
 
+/// A replica's own session on the database, holding its active lock(s), with no
+/// statement timeout (what it does next is bounded by its caller).
+pub(crate) struct Session {
+    pub(crate) config: Config,
+    pub(crate) database: String,
+    pub(crate) client: Client,
+    pub(crate) lost: CancellationToken,
+    pub(crate) migration_locks: Vec<i64>,
+}
+
+impl Session {
+    /// Connects to `url`, refuses a schema newer than this binary's at once (before
+    /// any wait: migrating waits for the active lock, so a new version never changes
+    /// the schema under an older replica that holds it), and takes the active lock
+    /// `locking` (logging `waiting` while one of the other kind holds it).
+    pub(crate) async fn open(
+        url: &str,
+        locking: Locking,
+        waiting: &str,
+    ) -> Result<Self, StoreError> {
+        let (config, database) = session_config(url)?;
+        let err = |e: tokio_postgres::Error| store_error(&database, &e);
+        let (client, lost) = connect_session(&config, &database).await?;
+        check_version(&client, &database).await?;
+        client.batch_execute(SERVER_KEEPALIVE).await.map_err(err)?;
+        let keys = schema_keys(&client, &config, &database).await?;
+        take_active_locks(&client, &keys, locking, &database, waiting).await?;
+        client
+            .batch_execute("SET statement_timeout = 0")
+            .await
+            .map_err(err)?;
+        Ok(Self {
+            migration_locks: keys.iter().map(|(m, _)| *m).collect(),
+            config,
+            database,
+            client,
+            lost,
+        })
+    }
+}
+
+/// How a replica takes the active advisory locks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Locking {
+    /// One replica alone (`--active-replicas one`).
+    Exclusive,
+    /// Beside the others of its kind (`--active-replicas all`).
+    Shared,
+}
+
+/// Takes the active advisory lock of each of `keys` on `client`'s session, waiting
+/// (with `waiting` logged once, and no statement timeout: as long as the holder
+/// lives) while one of the other kind holds it.
+///
+/// # Errors
+/// The database's error.
+pub(crate) async fn take_active_locks(
+    client: &Client,
+    keys: &[(i64, i64)],
+    locking: Locking,
+    database: &str,
+    waiting: &str,
+) -> Result<(), StoreError> {
+    let err = |e: tokio_postgres::Error| store_error(database, &e);
+    let (try_lock, lock) = match locking {
+        Locking::Exclusive => (
+            "SELECT pg_try_advisory_lock($1)",
+            "SELECT pg_advisory_lock($1)",
+        ),
+        Locking::Shared => (
+            "SELECT pg_try_advisory_lock_shared($1)",
+            "SELECT pg_advisory_lock_shared($1)",
+        ),
+    };
+    let mut waited = false;
+    for (_, active_lock) in keys {
+        let held: bool = client
+            .query_one(try_lock, &[active_lock])
+            .await
+            .map_err(err)?
+            .get(0);
+        if held {
+            continue;
+        }
+        if !waited {
+            waited = true;
+            tracing::info!(%database, "{waiting}");
+            client
+                .batch_execute("SET statement_timeout = 0")
+                .await
+                .map_err(err)?;
+        }
+        client.execute(lock, &[active_lock]).await.map_err(err)?;
+    }
+    Ok(())
+}
+
 /// The advisory-lock keys of the schema `client`'s session works in (see
 /// [`lock_keys`]).
 ///
@@ -399,53 +496,24 @@ impl PostgresStore {
     /// An invalid URL, an unreachable database, a failed migration, or a schema newer
     /// than this binary's.
     pub async fn open(url: &str) -> Result<Self, StoreError> {
-        let (config, database) = session_config(url)?;
-        let err = |e: tokio_postgres::Error| store_error(&database, &e);
-        let (client, lost) = connect_session(&config, &database).await?;
-        // A schema newer than this binary is refused before waiting as a standby;
-        // migrating waits for the active lock, so a new version never changes the
-        // schema under an older active replica.
-        check_version(&client, &database).await?;
-        client.batch_execute(SERVER_KEEPALIVE).await.map_err(err)?;
-        let keys = schema_keys(&client, &config, &database).await?;
-        let mut standby = false;
-        for (_, active_lock) in &keys {
-            let held: bool = client
-                .query_one("SELECT pg_try_advisory_lock($1)", &[active_lock])
-                .await
-                .map_err(err)?
-                .get(0);
-            if held {
-                continue;
-            }
-            if !standby {
-                standby = true;
-                tracing::info!(
-                    %database,
-                    "standby: another control plane is active on this database; waiting to take over"
-                );
-                // A standby waits as long as the active replica lives: no statement
-                // timeout on this wait.
-                client
-                    .batch_execute("SET statement_timeout = 0")
-                    .await
-                    .map_err(err)?;
-            }
-            client
-                .execute("SELECT pg_advisory_lock($1)", &[active_lock])
-                .await
-                .map_err(err)?;
-        }
-        let migration_locks: Vec<i64> = keys.iter().map(|(m, _)| *m).collect();
         // Taking over waits for the replaced replica's writes in progress (their
         // share lock on the epoch row), which its sessions' own limits end within
         // about 10 s each: longer than this session's statement timeout, so bounded
         // here instead. Running out of it is a lost connection: waited out as a
         // standby again, never a configuration error.
-        client
-            .batch_execute("SET statement_timeout = 0")
-            .await
-            .map_err(err)?;
+        let Session {
+            config,
+            database,
+            client,
+            lost,
+            migration_locks,
+        } = Session::open(
+            url,
+            Locking::Exclusive,
+            "standby: another control plane is active on this database; waiting to take over",
+        )
+        .await?;
+        let err = |e: tokio_postgres::Error| store_error(&database, &e);
         // The epoch goes up before the schema changes (when there is an epoch yet):
         // the replaced replica's writes are fenced first, so it never writes into a
         // schema its version does not know.
