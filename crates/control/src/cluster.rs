@@ -599,6 +599,74 @@ impl ClusterStore {
         .await
     }
 
+    /// Everything, as of one moment: replicas, workers and waiters, then atespaces and
+    /// actors, in one repeatable-read transaction (a claim that commits in between
+    /// shows in both or in neither).
+    pub(crate) async fn snapshot(&self) -> Result<(View, Vec<String>, Vec<ActorRow>), StoreError> {
+        let database = self.db().database.clone();
+        let run = async {
+            let mut client = self.db().client().await?;
+            let err = |e: tokio_postgres::Error| store_error(&database, &e);
+            let tx = client
+                .build_transaction()
+                .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+                .read_only(true)
+                .start()
+                .await
+                .map_err(err)?;
+            let live = tx
+                .query("SELECT id FROM valet_replicas WHERE NOT dead", &[])
+                .await
+                .map_err(err)?
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            let workers = tx
+                .query(SELECT_WORKER, &[])
+                .await
+                .map_err(err)?
+                .iter()
+                .map(worker_of)
+                .collect();
+            let waiters = tx
+                .query(&format!("{SELECT_WAITER} ORDER BY seq"), &[])
+                .await
+                .map_err(err)?
+                .iter()
+                .filter_map(waiter_of)
+                .collect();
+            let atespaces = tx
+                .query("SELECT name FROM atespaces ORDER BY name", &[])
+                .await
+                .map_err(err)?
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            let actors = tx
+                .query(&format!("{SELECT_ACTOR} ORDER BY atespace, name"), &[])
+                .await
+                .map_err(err)?
+                .iter()
+                .map(|r| actor_of(r, &database))
+                .collect::<Result<Vec<_>, _>>()?;
+            tx.commit().await.map_err(err)?;
+            let view = View {
+                live,
+                workers,
+                waiters,
+            };
+            Ok::<_, StoreError>((view, atespaces, actors))
+        };
+        tokio::time::timeout(WRITE_WITHIN, run)
+            .await
+            .unwrap_or_else(|_| {
+                Err(StoreError::Lost {
+                    database: self.db().database.clone(),
+                    why: format!("no answer within {WRITE_WITHIN:?}"),
+                })
+            })
+    }
+
     /// One worker's attachment, as recorded now.
     pub(crate) async fn worker(&self, id: &str) -> Result<Option<WorkerRow>, StoreError> {
         let database = self.db().database.clone();
@@ -621,15 +689,15 @@ impl ClusterStore {
     /// hosting its actor). A Join naming no incarnation (0) never replaces one that
     /// named its own; the same process moving here from another replica does.
     ///
-    /// `keep`: the actor it reports hosting and the version of its RUNNING record on
-    /// it that this replica read; in the same transaction that record goes one
-    /// version on, still RUNNING there, so that a release another replica built from
-    /// the older version fails. Attached: its `attach` number, and the kept record
-    /// (`None`: the record changed, and the actor is not to be kept).
+    /// `keep`: the actor it reports hosting. If the record has it RUNNING on this
+    /// worker, held by no operation, the same transaction moves it one version on, so
+    /// that a release another replica built from an earlier version fails. Attached:
+    /// its `attach` number, and the kept record (`None`: not RUNNING there, and not to
+    /// be kept).
     pub(crate) async fn attach_worker(
         &self,
         w: &WorkerRow,
-        keep: Option<&(ActorKey, i64)>,
+        keep: Option<&ActorKey>,
     ) -> Result<Option<(i64, Option<ActorRow>)>, StoreError> {
         let w = w.clone();
         self.fenced(async |tx| {
@@ -657,21 +725,22 @@ impl ClusterStore {
                 announce(tx, &Event::Worker(w.id.clone()))
                     .await
                     .map_err(self.db().err())?;
-                let Some((actor, version)) = keep else {
+                let Some(actor) = keep else {
                     return Ok(Some((attach, None)));
                 };
+                // Decided by the record, not by this replica's memory of it (which
+                // may lag another replica's keep of the same actor).
                 let kept = tx
                     .query_opt(
                         &format!(
                             "UPDATE actors SET version = version + 1 \
-                             WHERE atespace = $1 AND name = $2 AND version = $3 \
-                             AND status = $4 AND worker = $5 RETURNING {}",
+                             WHERE atespace = $1 AND name = $2 AND status = $3 \
+                             AND worker = $4 AND op_replica IS NULL RETURNING {}",
                             ACTOR_COLUMNS
                         ),
                         &[
                             &actor.atespace(),
                             &actor.name(),
-                            version,
                             &ActorStatus::Running.wire(),
                             &w.id,
                         ],
@@ -861,7 +930,36 @@ impl ClusterStore {
                     return Ok(HandOff::Local(waiter));
                 }
                 let Some(taken) = take(&waiter.actor) else {
-                    passed.push(waiter.seq);
+                    // Busy here: it stays queued, unless its actor is no longer
+                    // suspended (resumed some other way, deleted, crashed): then it
+                    // leaves, and its replica answers from the record.
+                    let suspended = tx
+                        .query_opt(
+                            "SELECT 1 FROM actors WHERE atespace = $1 AND name = $2 \
+                             AND status = $3 AND op_replica IS NULL",
+                            &[
+                                &waiter.actor.atespace(),
+                                &waiter.actor.name(),
+                                &ActorStatus::Suspended.wire(),
+                            ],
+                        )
+                        .await
+                        .map_err(&err)?
+                        .is_some();
+                    if suspended {
+                        passed.push(waiter.seq);
+                    } else {
+                        tx.execute("DELETE FROM valet_waiters WHERE seq = $1", &[&waiter.seq])
+                            .await
+                            .map_err(&err)?;
+                        let gone = Event::WaiterGone {
+                            seq: waiter.seq,
+                            actor: waiter.actor.clone(),
+                            pool: pool.to_owned(),
+                            handed_by: None,
+                        };
+                        announce(tx, &gone).await.map_err(&err)?;
+                    }
                     continue;
                 };
                 tx.execute("DELETE FROM valet_waiters WHERE seq = $1", &[&waiter.seq])
@@ -1090,11 +1188,13 @@ impl ClusterStore {
         let after = if now { 0.0 } else { DEAD_AFTER.as_secs_f64() };
         let body = async |tx: &deadpool_postgres::Transaction<'_>| {
             let err = self.db().err();
+            // Leaving (`now`): whatever its last heartbeat (one may commit after this
+            // transaction's `now()`).
             let silent: Option<bool> = tx
                 .query_opt(
-                    "SELECT heartbeat_at < now() - make_interval(secs => $2) \
+                    "SELECT $3 OR heartbeat_at < now() - make_interval(secs => $2) \
                          FROM valet_replicas WHERE id = $1 AND NOT dead FOR UPDATE",
-                    &[&id, &after],
+                    &[&id, &after, &now],
                 )
                 .await
                 .map_err(&err)?
@@ -1328,7 +1428,10 @@ async fn write_batch(
         // A worker is placed only by the replica it is attached to: a restore's claim
         // or its end on a worker that left (or attached elsewhere) meanwhile is refused.
         if let Some(worker) = &row.worker
-            && matches!(row.status, ActorStatus::Resuming | ActorStatus::Running)
+            && matches!(
+                row.status,
+                ActorStatus::Resuming | ActorStatus::Running | ActorStatus::Suspending
+            )
             && !attached_here(tx, worker, me).await.map_err(&err)?
         {
             return Err(conflict(format!(

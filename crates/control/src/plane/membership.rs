@@ -17,6 +17,10 @@ use crate::link::WorkerLink;
 use crate::model::{self, ActorKey, ActorStatus, NAMESPACE};
 use crate::store::{ActorRow, Batch};
 
+/// How many times a release refused because another replica changed its record is
+/// built again from the record.
+const RELEASE_ROUNDS: usize = 5;
+
 /// How many times a drain suspends (or waits for) the actor on its worker before it
 /// tells the worker to stop all the same.
 const DRAIN_ROUNDS: usize = 4;
@@ -59,6 +63,10 @@ impl Drop for Unrecorded {
         let (Some(attach), Some(store)) = (self.attach, self.plane.cluster().cloned()) else {
             return;
         };
+        // Leaving altogether: its leaving takes every attachment of it out.
+        if self.plane.inner.unfollow.is_cancelled() {
+            return;
+        }
         let id = std::mem::take(&mut self.id);
         self.plane.inner.followers.spawn(async move {
             if let Err(e) = store.detach_worker(&id, attach).await {
@@ -118,20 +126,10 @@ impl Plane {
             return Err(super::shutting_down());
         }
         let (_, hosting) = Self::read_join(join)?;
-        // The RUNNING actor it reports, as memory has it: kept only if the record
-        // still says so when the attachment is written (a release built from it
-        // elsewhere then fails).
-        let keep = {
-            let st = self.lock();
-            self.refuse_duplicate(&st, join)?;
-            hosting.and_then(|k| {
-                let r = st.actors.get(&k)?;
-                (r.status == ActorStatus::Running
-                    && r.worker.as_deref() == Some(join.worker_id.as_str())
-                    && st.busy(&k).is_none())
-                .then(|| (k.clone(), r.version))
-            })
-        };
+        // The actor it reports: kept only if the record has it RUNNING there when
+        // the attachment is written (a release built from it elsewhere then fails).
+        self.refuse_duplicate(&self.lock(), join)?;
+        let keep = hosting;
         let row = crate::cluster::WorkerRow {
             id: join.worker_id.clone(),
             pool: join.pool.clone(),
@@ -158,7 +156,6 @@ impl Plane {
         };
         let veto = {
             let mut st = self.lock();
-            st.cluster.workers.remove(&join.worker_id);
             match kept {
                 Some(row) => {
                     let freed = st.apply(&Batch::put([row]));
@@ -258,6 +255,8 @@ impl Plane {
         let (kept, stale, free, held) = {
             let mut st = self.lock();
             self.refuse_duplicate(&st, join)?;
+            // Attached here now (several replicas): not another replica's any more.
+            st.cluster.workers.remove(&id);
             let previous = st.workers.remove(&id);
             // Back: what it hosts is decided below, not by a lease running out.
             let reserved = st.departed.remove(&id).and_then(|d| d.reserved);
@@ -303,6 +302,8 @@ impl Plane {
             let slot = match (&kept, previous.map(|p| p.slot), recorded) {
                 (Some(k), _, _) => Slot::Hosting(k.clone()),
                 (None, Some(Slot::Reserved(k)), _) => Slot::Reserved(k),
+                // Its offer to the shared queue goes on: that offer decides the slot.
+                (None, Some(Slot::Offered), None) => Slot::Offered,
                 (None, _, Some(k)) => Slot::Hosting(k),
                 _ if let Some(k) = reserved => Slot::Reserved(k),
                 _ if leaving => Slot::Leaving,
@@ -424,10 +425,11 @@ impl Plane {
     /// Writes `rows` back to SUSPENDED (worker released) under their operation locks,
     /// detached, once their route leases are revoked.
     fn spawn_release(&self, ops: Vec<Op>, rows: Vec<ActorRow>, why: &'static str) {
-        let rows: Vec<ActorRow> = rows
-            .into_iter()
-            .map(|r| r.moved(ActorStatus::Suspended, None))
-            .collect();
+        let released = |rows: &[ActorRow]| -> Vec<ActorRow> {
+            rows.iter()
+                .map(|r| r.moved(ActorStatus::Suspended, None))
+                .collect()
+        };
         let plane = self.clone();
         self.inner.tasks.spawn(async move {
             for row in &rows {
@@ -437,9 +439,21 @@ impl Plane {
             // A failed write changed nothing: the actors would stay RUNNING on a worker
             // that is gone. Try again (under the same operation locks, so resumes of
             // them answer Aborted and are retried) until it lands or the plane stops
-            // (the next start releases them).
-            let Some(freed) = plane.write_until_landed(Batch::put(rows)).await else {
-                return;
+            // (the next start releases them). With several replicas, a release built
+            // from a record another replica changed meanwhile is built again from the
+            // record, as long as it still places the actor on that worker and the
+            // worker is not attached to another replica.
+            let mut rows = rows;
+            let mut rounds = 0;
+            let freed = loop {
+                if let Some(freed) = plane.write_until_landed(Batch::put(released(&rows))).await {
+                    break freed;
+                }
+                rounds += 1;
+                match plane.releases_still_due(&rows).await {
+                    Some(again) if !again.is_empty() && rounds < RELEASE_ROUNDS => rows = again,
+                    _ => return,
+                }
             };
             drop(ops);
             plane.hand_off_all(freed);
@@ -447,6 +461,41 @@ impl Plane {
                 tracing::warn!(%actor, why, "actor back to SUSPENDED from its last snapshot");
             }
         });
+    }
+
+    /// For releases of `rows` (the records they were built from) refused because a
+    /// record changed: the records that still place their actor RUNNING on the same
+    /// worker, that worker not attached to another replica, to release again. `None`
+    /// when there is nothing to do again (one control plane, shutting down, or the
+    /// database not answering).
+    async fn releases_still_due(&self, rows: &[ActorRow]) -> Option<Vec<ActorRow>> {
+        let store = self.cluster()?.clone();
+        if self.is_shutting_down() {
+            return None;
+        }
+        let keys: Vec<ActorKey> = rows.iter().map(ActorRow::key).collect();
+        let now = store.actors(&keys).await.ok()?;
+        let mut again = Vec::new();
+        for (was, (_, row)) in rows.iter().zip(now) {
+            let Some(row) = row else { continue };
+            if row.uid != was.uid
+                || row.status != ActorStatus::Running
+                || row.worker.is_none()
+                || row.worker != was.worker
+            {
+                continue;
+            }
+            let w = row.worker.clone().unwrap_or_default();
+            let elsewhere = store
+                .worker(&w)
+                .await
+                .ok()?
+                .is_some_and(|a| a.replica != store.replica());
+            if !elsewhere {
+                again.push(row);
+            }
+        }
+        Some(again)
     }
 
     /// `worker` (on its current stream `link`) is stopping and asked to drain: it gets

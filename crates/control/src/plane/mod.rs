@@ -731,6 +731,10 @@ impl Plane {
             // half-way. The records in memory are read again.
             Err(StoreError::Conflict(what)) => {
                 self.refresh(&batch);
+                // An actor this replica's operation held may be left RESUMING or
+                // SUSPENDING (its worker moved): the settler looks (it settles only
+                // what this replica holds).
+                self.inner.unsettled.notify_one();
                 return Err(Status::aborted(format!(
                     "{what} changed on another control-plane replica; try again"
                 )));

@@ -135,6 +135,7 @@ impl Drop for Op {
             // offered again.
             match &self.target {
                 OpTarget::Actor(k) if st.cluster.queued(k) => {
+                    st.cluster.waiters_seen += 1;
                     st.actors.get(k).map(|r| r.pool.clone())
                 }
                 _ => None,

@@ -380,11 +380,13 @@ impl super::State {
                 .map(|w| w.actor()),
         );
         waiting.extend(self.refused_in(pool));
+        // Free here, or free on another replica (which hands it to a waiter at once).
         let free = self
             .workers
             .values()
             .filter(|w| w.pool == pool && matches!(w.slot, Slot::Free | Slot::Offered))
-            .count();
+            .count()
+            + self.free_elsewhere_count(pool);
         let freeing = self
             .ops
             .iter()

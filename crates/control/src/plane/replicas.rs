@@ -33,6 +33,12 @@ use crate::store::{ActorRow, Batch, StoreError};
 /// How long a resume that may not wait queues all the same when another replica
 /// seems to have a free worker: time for that replica to hand it over.
 pub(crate) const HAND_OVER_WAIT: Duration = Duration::from_secs(1);
+/// How many answered forwarded suspends a replica remembers (so that a listing read
+/// before an answer was written does not carry one out again).
+const CARRIED_OUT_KEPT: usize = 1024;
+/// How soon a free worker that found nobody it could take in a queue that is not
+/// empty is offered again.
+const OFFER_AGAIN: Duration = Duration::from_millis(200);
 /// How long a resume that found its actor queued on another replica waits for that
 /// queue entry's announcement.
 const ANNOUNCED_WITHIN: Duration = Duration::from_secs(2);
@@ -53,8 +59,10 @@ pub(crate) struct Known {
     pub(crate) waiting: BTreeMap<i64, WaiterRow>,
     /// This replica's forwarded suspends waiting for their answer.
     pub(crate) forwards: HashMap<i64, oneshot::Sender<Answer>>,
-    /// Suspends forwarded to this replica being carried out.
+    /// Suspends forwarded to this replica being carried out, or carried out (the
+    /// latest ones): never carried out twice.
     pub(crate) executing: HashSet<i64>,
+    carried_out: std::collections::VecDeque<i64>,
     /// Reads of the record under way, by id: what this replica wrote meanwhile, which
     /// a read may predate (never forgotten because of it).
     reads: HashMap<u64, Touched>,
@@ -62,8 +70,12 @@ pub(crate) struct Known {
     /// Actors this replica is writing now (how many writes of each): a read of them
     /// is not applied, the write's result is.
     writing: HashMap<ActorKey, usize>,
-    /// Waiters announced so far: an offer that found nobody looks again if one came
-    /// meanwhile.
+    /// Reads not applied because of a write in progress: read again once it ends
+    /// (it may have failed).
+    skipped: HashSet<ActorKey>,
+    /// Bumped by whatever may let an offer that found nobody find someone now (a
+    /// waiter announced, an operation on a queued actor ended, an eviction's claim
+    /// given up): such an offer looks again.
     pub(crate) waiters_seen: u64,
     /// When each waiter in `waiting` was announced (`waiters_seen` then).
     added: HashMap<i64, u64>,
@@ -134,14 +146,27 @@ impl Writing {
 
 impl Drop for Writing {
     fn drop(&mut self) {
-        let mut st = self.plane.lock();
-        for k in &self.keys {
-            if let Some(n) = st.cluster.writing.get_mut(k) {
-                *n -= 1;
-                if *n == 0 {
-                    st.cluster.writing.remove(k);
+        let again: Vec<ActorKey> = {
+            let mut st = self.plane.lock();
+            let mut again = Vec::new();
+            for k in &self.keys {
+                if let Some(n) = st.cluster.writing.get_mut(k) {
+                    *n -= 1;
+                    if *n == 0 {
+                        st.cluster.writing.remove(k);
+                        if st.cluster.skipped.remove(k) {
+                            again.push(k.clone());
+                        }
+                    }
                 }
             }
+            again
+        };
+        if !again.is_empty() {
+            self.plane.refresh(&Batch {
+                delete_actors: again,
+                ..Batch::default()
+            });
         }
     }
 }
@@ -203,6 +228,11 @@ impl super::State {
     /// Whether a worker of `pool` seems free on another live replica (not leaving, and
     /// no actor recorded on it): a hint that the queue hands one over soon.
     pub(crate) fn free_elsewhere(&self, pool: &str) -> bool {
+        self.free_elsewhere_count(pool) > 0
+    }
+
+    /// How many workers of `pool` seem free on other live replicas.
+    pub(crate) fn free_elsewhere_count(&self, pool: &str) -> usize {
         let candidates: Vec<&str> = self
             .cluster
             .workers
@@ -211,14 +241,14 @@ impl super::State {
             .map(|w| w.id.as_str())
             .collect();
         if candidates.is_empty() {
-            return false;
+            return 0;
         }
         let taken: HashSet<&str> = self
             .actors
             .values()
             .filter_map(|r| r.worker.as_deref())
             .collect();
-        candidates.iter().any(|w| !taken.contains(w))
+        candidates.iter().filter(|w| !taken.contains(*w)).count()
     }
 }
 
@@ -400,8 +430,12 @@ impl Plane {
                     handed_by,
                 } => self.waiter_gone(seq, &actor, &pool, handed_by),
                 Event::Evicting { seq, by } => {
-                    if let Some(w) = self.lock().cluster.waiting.get_mut(&seq) {
-                        w.evicting = by;
+                    {
+                        let mut st = self.lock();
+                        if let Some(w) = st.cluster.waiting.get_mut(&seq) {
+                            w.evicting = by;
+                        }
+                        st.cluster.waiters_seen += 1;
                     }
                     self.wake_policies();
                 }
@@ -440,7 +474,13 @@ impl Plane {
             let mut seen = HashSet::new();
             for (key, row) in rows {
                 seen.insert(key.clone());
+                // Written here during the read (the read may predate it), or being
+                // written now (its own result applies; read again once it ends).
+                if touched.actors.contains(&key) {
+                    continue;
+                }
                 if st.cluster.writing.contains_key(&key) {
+                    st.cluster.skipped.insert(key);
                     continue;
                 }
                 let cached = st.actors.get(&key);
@@ -461,7 +501,7 @@ impl Plane {
                         }
                         freed.extend(st.apply(&Batch::put([row])));
                     }
-                    None if cached.is_some() && !touched.actors.contains(&key) => {
+                    None if cached.is_some() => {
                         freed.extend(st.apply(&Batch {
                             delete_actors: vec![key],
                             ..Batch::default()
@@ -638,6 +678,8 @@ impl Plane {
                 return;
             }
             st.cluster.waiting.retain(|_, w| w.replica != id);
+            let known = &mut st.cluster;
+            known.added.retain(|seq, _| known.waiting.contains_key(seq));
             let workers: Vec<WorkerRow> = st
                 .cluster
                 .workers
@@ -679,6 +721,10 @@ impl Plane {
             "a replica was declared dead; its workers attach elsewhere, what it left half-way is settled"
         );
         self.inner.unsettled.notify_one();
+        // Stopping: the next replica to look settles them.
+        if self.is_shutting_down() {
+            return;
+        }
         for (worker, key, departure) in orphans {
             self.spawn_orphan_release(worker, key, departure);
         }
@@ -721,14 +767,9 @@ impl Plane {
     /// memory agree with it.
     async fn resync(&self, store: &Arc<ClusterStore>) -> Result<(), StoreError> {
         let reading = Reading::start(self);
-        let loaded = crate::store::Store::load(&**store).await?;
-        let view = store.view().await?;
-        let rows = loaded
-            .actors
-            .into_iter()
-            .map(|r| (r.key(), Some(r)))
-            .collect();
-        self.apply_read(reading, rows, Some(loaded.atespaces), true);
+        let (view, atespaces, actors) = store.snapshot().await?;
+        let rows = actors.into_iter().map(|r| (r.key(), Some(r))).collect();
+        self.apply_read(reading, rows, Some(atespaces), true);
         let me = store.replica();
         let (died, pools, moved) = {
             let mut st = self.lock();
@@ -763,6 +804,23 @@ impl Plane {
         };
         for w in moved {
             w.hand(Handed::Elsewhere { queued: false });
+        }
+        // Rows of this replica that no waiter here owns (a delete that failed): out.
+        let orphaned: Vec<i64> = {
+            let st = self.lock();
+            view.waiters
+                .iter()
+                .filter(|w| w.replica == me)
+                .filter(|w| {
+                    !st.queues
+                        .get(&w.pool)
+                        .is_some_and(|q| q.iter().any(|l| l.actor() == &w.actor))
+                })
+                .map(|w| w.seq)
+                .collect()
+        };
+        for seq in orphaned {
+            self.dequeue(seq);
         }
         for w in &view.workers {
             self.apply_worker(&w.id, Some(w.clone()));
@@ -824,7 +882,26 @@ impl Plane {
                 .collect();
             let written = store.queue(&ops).await;
             if let Err(e) = &written {
-                tracing::warn!(error = %e, "could not write the shared queue");
+                tracing::warn!(error = %e, "could not write the shared queue; its deletions are tried again");
+                let deletes: Vec<i64> = batch
+                    .iter()
+                    .filter_map(|w| match w {
+                        QueueWrite::Delete { seq } => Some(*seq),
+                        QueueWrite::Insert { .. } => None,
+                    })
+                    .collect();
+                if !deletes.is_empty() {
+                    let plane = self.clone();
+                    self.inner.followers.spawn(async move {
+                        tokio::select! {
+                            () = tokio::time::sleep(OFFER_AGAIN * 5) => {}
+                            () = plane.inner.unfollow.cancelled() => return,
+                        }
+                        for seq in deletes {
+                            plane.dequeue(seq);
+                        }
+                    });
+                }
             }
             let mut pools = BTreeSet::new();
             for (i, w) in batch.into_iter().enumerate() {
@@ -905,7 +982,15 @@ impl Plane {
                     for _ in 0..4 {
                         match store.answer(id, answer.clone()).await {
                             Ok(()) => {
-                                plane.lock().cluster.executing.remove(&id);
+                                // Kept a while: a listing read before the answer was
+                                // written may name it still.
+                                let mut st = plane.lock();
+                                st.cluster.carried_out.push_back(id);
+                                if st.cluster.carried_out.len() > CARRIED_OUT_KEPT
+                                    && let Some(old) = st.cluster.carried_out.pop_front()
+                                {
+                                    st.cluster.executing.remove(&old);
+                                }
                                 return;
                             }
                             Err(e) => {
@@ -1001,6 +1086,10 @@ impl Plane {
         let Some(store) = self.cluster().cloned() else {
             return;
         };
+        // Stopping: it claims no other replica's waiter any more.
+        if self.is_shutting_down() {
+            return;
+        }
         let pool = {
             let mut st = self.lock();
             let queued = |st: &super::State, pool: &str| {
@@ -1054,6 +1143,8 @@ impl Plane {
                 Done,
                 Again,
                 Hand(super::capacity::Waiter, super::capacity::Reservation),
+                Requeue(super::capacity::Waiter),
+                Later(Duration),
                 Restore(Box<(WaiterRow, ActorRow, Op)>),
             }
             let then = {
@@ -1083,7 +1174,14 @@ impl Plane {
                             if let Some(w) = st.workers.get_mut(worker) {
                                 w.vacate();
                             }
-                            Then::Done
+                            // Waiters it could not be given (busy here, or being
+                            // handed a worker by another replica whose hand-off may
+                            // yet fail): offered again a moment later.
+                            if present.is_empty() {
+                                Then::Done
+                            } else {
+                                Then::Later(OFFER_AGAIN)
+                            }
                         }
                     }
                     Ok(HandOff::NotHere) => {
@@ -1100,6 +1198,9 @@ impl Plane {
                         match local {
                             // It left meanwhile: the next one.
                             None => Then::Again,
+                            // The worker is no longer this offer's (it left, or attached
+                            // again): the waiter queues again, its row being gone.
+                            Some(local) if !offered => Then::Requeue(local),
                             Some(local) => {
                                 if let Some(w) = st.workers.get_mut(worker) {
                                     w.slot = Slot::Free;
@@ -1115,17 +1216,30 @@ impl Plane {
                         Then::Restore(Box::new((waiter, *row, op)))
                     }
                     Err(e) => {
-                        tracing::warn!(worker, %pool, error = %e, "could not hand a free worker to the queue; it stays free");
+                        tracing::warn!(worker, %pool, error = %e, "could not hand a free worker to the queue; offering it again shortly");
                         if offered && let Some(w) = st.workers.get_mut(worker) {
                             w.vacate();
                         }
-                        Then::Done
+                        Then::Later(OFFER_AGAIN * 5)
                     }
                 }
             };
             match then {
                 Then::Done => return,
                 Then::Again => {}
+                Then::Requeue(local) => {
+                    local.hand(Handed::Elsewhere { queued: false });
+                    return;
+                }
+                Then::Later(after) => {
+                    tokio::select! {
+                        () = tokio::time::sleep(after) => {}
+                        () = self.inner.shutdown.cancelled() => return,
+                    }
+                    // Still free and someone still queued (`offer` checks both).
+                    self.offer(worker);
+                    return;
+                }
                 Then::Hand(local, reservation) => {
                     self.handed_off();
                     // A waiter that left just now drops the reservation unused, which
