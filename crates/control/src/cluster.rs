@@ -306,6 +306,40 @@ fn worker_of(r: &tokio_postgres::Row) -> WorkerRow {
     }
 }
 
+/// Replicas, workers and waiters as `c` sees them.
+async fn read_view(
+    c: &impl deadpool_postgres::GenericClient,
+    database: &str,
+) -> Result<View, StoreError> {
+    let err = |e: tokio_postgres::Error| store_error(database, &e);
+    let live = c
+        .query("SELECT id FROM valet_replicas WHERE NOT dead", &[])
+        .await
+        .map_err(err)?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let workers = c
+        .query(SELECT_WORKER, &[])
+        .await
+        .map_err(err)?
+        .iter()
+        .map(worker_of)
+        .collect();
+    let waiters = c
+        .query(&format!("{SELECT_WAITER} ORDER BY seq"), &[])
+        .await
+        .map_err(err)?
+        .iter()
+        .filter_map(waiter_of)
+        .collect();
+    Ok(View {
+        live,
+        workers,
+        waiters,
+    })
+}
+
 const WAITER_COLUMNS: &str = "seq, atespace, name, pool, replica, evicting";
 const SELECT_WAITER: &str =
     "SELECT seq, atespace, name, pool, replica, evicting FROM valet_waiters";
@@ -567,36 +601,7 @@ impl ClusterStore {
     /// Replicas, workers and waiters as recorded now.
     pub(crate) async fn view(&self) -> Result<View, StoreError> {
         let database = self.db().database.clone();
-        self.read(async |c| {
-            let err = |e: tokio_postgres::Error| store_error(&database, &e);
-            let live = c
-                .query("SELECT id FROM valet_replicas WHERE NOT dead", &[])
-                .await
-                .map_err(err)?
-                .iter()
-                .map(|r| r.get(0))
-                .collect();
-            let workers = c
-                .query(SELECT_WORKER, &[])
-                .await
-                .map_err(err)?
-                .iter()
-                .map(worker_of)
-                .collect();
-            let waiters = c
-                .query(&format!("{SELECT_WAITER} ORDER BY seq"), &[])
-                .await
-                .map_err(err)?
-                .iter()
-                .filter_map(waiter_of)
-                .collect();
-            Ok(View {
-                live,
-                workers,
-                waiters,
-            })
-        })
-        .await
+        self.read(async |c| read_view(c, &database).await).await
     }
 
     /// Everything, as of one moment: replicas, workers and waiters, then atespaces and
@@ -614,27 +619,7 @@ impl ClusterStore {
                 .start()
                 .await
                 .map_err(err)?;
-            let live = tx
-                .query("SELECT id FROM valet_replicas WHERE NOT dead", &[])
-                .await
-                .map_err(err)?
-                .iter()
-                .map(|r| r.get(0))
-                .collect();
-            let workers = tx
-                .query(SELECT_WORKER, &[])
-                .await
-                .map_err(err)?
-                .iter()
-                .map(worker_of)
-                .collect();
-            let waiters = tx
-                .query(&format!("{SELECT_WAITER} ORDER BY seq"), &[])
-                .await
-                .map_err(err)?
-                .iter()
-                .filter_map(waiter_of)
-                .collect();
+            let view = read_view(&tx, &database).await?;
             let atespaces = tx
                 .query("SELECT name FROM atespaces ORDER BY name", &[])
                 .await
@@ -650,11 +635,6 @@ impl ClusterStore {
                 .map(|r| actor_of(r, &database))
                 .collect::<Result<Vec<_>, _>>()?;
             tx.commit().await.map_err(err)?;
-            let view = View {
-                live,
-                workers,
-                waiters,
-            };
             Ok::<_, StoreError>((view, atespaces, actors))
         };
         tokio::time::timeout(WRITE_WITHIN, run)

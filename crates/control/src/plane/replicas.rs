@@ -978,7 +978,7 @@ impl Plane {
                 let (plane, store) = (plane.clone(), Arc::clone(&store));
                 plane.inner.followers.clone().spawn(async move {
                     let answer = encode(&plane.suspend_here(key).await);
-                    let mut backoff = Duration::from_millis(200);
+                    let mut backoff = OFFER_AGAIN;
                     for _ in 0..4 {
                         match store.answer(id, answer.clone()).await {
                             Ok(()) => {
