@@ -5,6 +5,7 @@
 //! symlink).
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -286,6 +287,7 @@ impl ClientCredentials {
         CpConnector {
             http,
             tls: self.tls.clone(),
+            to: None,
         }
     }
 
@@ -293,6 +295,22 @@ impl ClientCredentials {
     /// bearer token (when any) added to every call.
     pub fn connect_lazy(&self, endpoint: &Endpoint, http: HttpConnector) -> CpChannel {
         self.intercept(endpoint.connect_with_connector_lazy(self.connector(http)))
+    }
+
+    /// As [`Self::connect_lazy`], but every connection goes to `to` (one address the
+    /// endpoint's host name resolved to), while the name stays the endpoint's: its
+    /// `:authority`, and the name checked in the server's certificate.
+    pub fn connect_lazy_to(
+        &self,
+        endpoint: &Endpoint,
+        http: HttpConnector,
+        to: SocketAddr,
+    ) -> CpChannel {
+        let connector = CpConnector {
+            to: Some(to),
+            ..self.connector(http)
+        };
+        self.intercept(endpoint.connect_with_connector_lazy(connector))
     }
 
     /// A channel to `endpoint` (from [`Self::endpoint`]), connected now.
@@ -336,12 +354,15 @@ pub fn tcp_connector() -> HttpConnector {
 pub struct CpConnector {
     http: HttpConnector,
     tls: Option<ClientTls>,
+    /// Connect here rather than to what the URI's host resolves to.
+    to: Option<SocketAddr>,
 }
 
 impl std::fmt::Debug for CpConnector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CpConnector")
             .field("tls", &self.tls.is_some())
+            .field("to", &self.to)
             .finish_non_exhaustive()
     }
 }
@@ -359,7 +380,12 @@ impl tower_service::Service<Uri> for CpConnector {
     }
 
     fn call(&mut self, uri: Uri) -> Self::Future {
-        let connect = tower_service::Service::call(&mut self.http, uri.clone());
+        let tcp_uri = match self.to {
+            // An address with a port is always a valid authority.
+            Some(to) => Uri::try_from(format!("http://{to}")).unwrap_or_else(|_| uri.clone()),
+            None => uri.clone(),
+        };
+        let connect = tower_service::Service::call(&mut self.http, tcp_uri);
         let tls = self.tls.clone();
         Box::pin(async move {
             let tcp = connect.await?.into_inner();

@@ -74,8 +74,10 @@ pub struct RouterArgs {
     pub admin_listen: String,
 
     /// The control plane (`ateapi.Control`) to resume actors with; `http://` means h2c.
-    /// Several replicas: a comma-separated list; attempts go to the one that last
-    /// answered and move on to the next when it cannot be reached.
+    /// Several replicas: a comma-separated list, or a host name with several addresses
+    /// (a replica per address; names are resolved again every 2s). Attempts are spread
+    /// over the replicas in turn; one that cannot be reached, or answers UNAVAILABLE,
+    /// is passed over for 1s.
     #[arg(long, env = "VALET_CONTROL_PLANE", default_value = DEFAULT_CONTROL_PLANE, value_name = "URL[,URL…]")]
     pub control_plane: String,
 

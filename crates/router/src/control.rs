@@ -10,8 +10,13 @@
 //! dies silently is noticed by HTTP/2 pings (also while idle) and `TCP_USER_TIMEOUT`.
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
+
+use arc_swap::ArcSwap;
 
 use tonic::Code;
 use tonic_types::StatusExt;
@@ -169,6 +174,16 @@ pub fn channel(
     credentials: &ClientCredentials,
     ping: Option<Duration>,
 ) -> Result<CpChannel, tonic::transport::Error> {
+    channel_to(url, None, credentials, ping)
+}
+
+/// [`channel`], every connection to `addr` when given (one address of the URL's host).
+fn channel_to(
+    url: &str,
+    addr: Option<SocketAddr>,
+    credentials: &ClientCredentials,
+    ping: Option<Duration>,
+) -> Result<CpChannel, tonic::transport::Error> {
     let mut http = valet_proto::auth::tcp_connector();
     http.set_connect_timeout(Some(CONNECT_TIMEOUT));
     http.set_tcp_user_timeout(Some(TCP_USER_TIMEOUT));
@@ -179,7 +194,10 @@ pub fn channel(
             .keep_alive_timeout(PING_TIMEOUT)
             .keep_alive_while_idle(true);
     }
-    Ok(credentials.connect_lazy(&endpoint, http))
+    Ok(match addr {
+        Some(addr) => credentials.connect_lazy_to(&endpoint, http, addr),
+        None => credentials.connect_lazy(&endpoint, http),
+    })
 }
 
 /// The longest route lease taken from the wire: a year (the plane's own bound on
@@ -207,16 +225,37 @@ pub trait ControlPlane: Send + Sync + 'static {
 /// is passed over while another one may answer.
 pub const FAILOVER_HOLD: Duration = Duration::from_secs(1);
 
+/// How long one resolution of a `--control-plane` host name may take.
+pub const RESOLVE_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// `ateapi.Control` over gRPC (h2c for `http://` addresses), on one control plane or
-/// spread over several replicas.
+/// spread over several replicas: those listed, and each address a listed host name
+/// resolves to (see [`Self::resolve_again`]).
 #[derive(Debug, Clone)]
 pub struct GrpcControlPlane {
-    replicas: std::sync::Arc<[Replica]>,
-    next: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    /// As configured, in order.
+    urls: Vec<String>,
+    credentials: ClientCredentials,
+    ping: Option<Duration>,
+    /// The replicas attempts are spread over; swapped whole when a name resolves to
+    /// other addresses.
+    replicas: ArcSwap<Vec<Arc<Replica>>>,
+    next: AtomicUsize,
+    /// The first URL's channel by name (the lease watch's).
+    first: CpChannel,
 }
 
 #[derive(Debug)]
 struct Replica {
+    /// The configured URL this replica is reached by.
+    url: String,
+    /// The address it is pinned to; `None`: the URL's host, resolved per connection.
+    addr: Option<SocketAddr>,
     client: ateapi::control_client::ControlClient<CpChannel>,
     channel: CpChannel,
     /// Passed over until then: its last attempt was `Unavailable` (or unreachable).
@@ -224,6 +263,22 @@ struct Replica {
 }
 
 impl Replica {
+    fn new(
+        url: &str,
+        addr: Option<SocketAddr>,
+        credentials: &ClientCredentials,
+        ping: Option<Duration>,
+    ) -> Result<Self, tonic::transport::Error> {
+        let channel = channel_to(url, addr, credentials, ping)?;
+        Ok(Self {
+            url: url.to_owned(),
+            addr,
+            client: ateapi::control_client::ControlClient::new(channel.clone()),
+            channel,
+            down_until: std::sync::Mutex::new(None),
+        })
+    }
+
     fn is_down(&self, now: tokio::time::Instant) -> bool {
         self.down_until
             .lock()
@@ -238,6 +293,19 @@ impl Replica {
             .unwrap_or_else(std::sync::PoisonError::into_inner) =
             unavailable.then(|| tokio::time::Instant::now() + FAILOVER_HOLD);
     }
+}
+
+/// The host and port of a `--control-plane` URL when the host is a name (not an IP
+/// address), so that it may resolve to several replicas.
+fn host_name(url: &str) -> Option<(String, u16)> {
+    let uri: http::Uri = url.parse().ok()?;
+    let host = uri.host()?;
+    let port = uri.port_u16()?;
+    let literal = host.trim_start_matches('[').trim_end_matches(']');
+    literal
+        .parse::<std::net::IpAddr>()
+        .is_err()
+        .then(|| (host.to_owned(), port))
 }
 
 impl GrpcControlPlane {
@@ -263,7 +331,8 @@ impl GrpcControlPlane {
     /// the replica is passed over by the flights after it. (In front of
     /// `--active-replicas one`, a standby refuses connections and is passed over the
     /// same way; a Service that routes to the ready replica only spares those
-    /// attempts.)
+    /// attempts.) Until [`Self::resolve_again`] runs, each URL is one replica whose
+    /// host is resolved per connection.
     ///
     /// # Errors
     /// When a URL is not a valid endpoint.
@@ -278,53 +347,145 @@ impl GrpcControlPlane {
         assert!(!urls.is_empty(), "at least one control plane");
         let replicas = urls
             .iter()
-            .map(|url| {
-                let channel = channel(url, credentials, ping)?;
-                Ok(Replica {
-                    client: ateapi::control_client::ControlClient::new(channel.clone()),
-                    channel,
-                    down_until: std::sync::Mutex::new(None),
-                })
-            })
-            .collect::<Result<Vec<_>, tonic::transport::Error>>()?;
+            .map(|url| Replica::new(url, None, credentials, ping).map(Arc::new))
+            .collect::<Result<Vec<_>, _>>()?;
+        let first = replicas[0].channel.clone();
         Ok(Self {
-            replicas: replicas.into(),
-            next: std::sync::Arc::default(),
+            inner: Arc::new(Inner {
+                urls: urls.to_vec(),
+                credentials: credentials.clone(),
+                ping,
+                replicas: ArcSwap::from_pointee(replicas),
+                next: AtomicUsize::new(0),
+                first,
+            }),
         })
     }
 
-    /// The channel of the first replica (the lease watch uses it; with several
-    /// replicas, `--database` turns leases off).
-    pub fn channel(&self) -> CpChannel {
-        self.replicas[0].channel.clone()
+    /// Resolves every listed host name again, with the system's resolver: a name
+    /// with several addresses (a headless Service: one per replica) is one replica
+    /// per address, each connected to its address under the name (`:authority`, the
+    /// certificate's name). A name that cannot be resolved now keeps the replicas it
+    /// had (at first: itself, resolved per connection). Replicas whose address stays
+    /// keep their connection and their pass-over. The router's probe calls this every
+    /// two seconds.
+    pub async fn resolve_again(&self) {
+        self.resolve_again_with(async |host, port| {
+            tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host((host, port)))
+                .await
+                .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?
+                .map(Iterator::collect)
+        })
+        .await;
     }
 
-    /// Every replica's channel, in the order given.
+    /// [`Self::resolve_again`] with `resolve` for the system's resolver.
+    pub async fn resolve_again_with(
+        &self,
+        resolve: impl AsyncFn(&str, u16) -> std::io::Result<Vec<SocketAddr>>,
+    ) {
+        let inner = &self.inner;
+        let current = inner.replicas.load_full();
+        let mut next: Vec<Arc<Replica>> = Vec::with_capacity(current.len());
+        for url in &inner.urls {
+            let had = || current.iter().filter(|r| r.url == *url).cloned();
+            let Some((host, port)) = host_name(url) else {
+                next.extend(had());
+                continue;
+            };
+            let mut addrs = match resolve(&host, port).await {
+                Ok(addrs) if !addrs.is_empty() => addrs,
+                Ok(_) => {
+                    tracing::warn!(control_plane = %url, "resolves to no address; keeping its replicas");
+                    next.extend(had());
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!(control_plane = %url, error = %e, "cannot be resolved; keeping its replicas");
+                    next.extend(had());
+                    continue;
+                }
+            };
+            addrs.sort_unstable();
+            addrs.dedup();
+            for addr in addrs {
+                if let Some(kept) = had().find(|r| r.addr == Some(addr)) {
+                    next.push(kept);
+                    continue;
+                }
+                match Replica::new(url, Some(addr), &inner.credentials, inner.ping) {
+                    Ok(r) => next.push(Arc::new(r)),
+                    // The URL made a valid endpoint at start; it still does.
+                    Err(e) => {
+                        tracing::warn!(control_plane = %url, %addr, error = %e, "cannot make a channel")
+                    }
+                }
+            }
+        }
+        let same = next.len() == current.len()
+            && next
+                .iter()
+                .zip(current.iter())
+                .all(|(a, b)| Arc::ptr_eq(a, b));
+        if same || next.is_empty() {
+            return;
+        }
+        let addrs: Vec<String> = next
+            .iter()
+            .map(|r| match r.addr {
+                Some(a) => format!("{} at {a}", r.url),
+                None => r.url.clone(),
+            })
+            .collect();
+        tracing::info!(replicas = ?addrs, "control-plane replicas");
+        inner.replicas.store(Arc::new(next));
+    }
+
+    /// The channel of the first URL, by name (the lease watch uses it; with several
+    /// replicas, `--database` turns leases off).
+    pub fn channel(&self) -> CpChannel {
+        self.inner.first.clone()
+    }
+
+    /// Every replica's channel, in order (names' addresses in address order).
     pub fn channels(&self) -> Vec<CpChannel> {
-        self.replicas.iter().map(|r| r.channel.clone()).collect()
+        self.inner
+            .replicas
+            .load()
+            .iter()
+            .map(|r| r.channel.clone())
+            .collect()
+    }
+
+    /// The address each replica is pinned to (`None`: resolved per connection), in
+    /// the order of [`Self::channels`].
+    pub fn addresses(&self) -> Vec<Option<SocketAddr>> {
+        self.inner.replicas.load().iter().map(|r| r.addr).collect()
     }
 
     /// The replica for the next attempt: the next one in turn that is not passed
     /// over (when all are: the next one in turn).
-    fn pick(&self) -> &Replica {
-        let n = self.replicas.len();
+    fn pick(&self) -> Arc<Replica> {
+        let replicas = self.inner.replicas.load();
+        let n = replicas.len();
         let start = if n > 1 {
-            self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            self.inner.next.fetch_add(1, Ordering::Relaxed)
         } else {
             0
         };
         let now = tokio::time::Instant::now();
         let i = (0..n)
             .map(|i| (start + i) % n)
-            .find(|&i| !self.replicas[i].is_down(now))
+            .find(|&i| !replicas[i].is_down(now))
             .unwrap_or(start % n);
-        &self.replicas[i]
+        Arc::clone(&replicas[i])
     }
 }
 
 impl ControlPlane for GrpcControlPlane {
     fn resume_actor(&self, req: ResumeRequest) -> ResumeFuture<'_> {
         let replica = self.pick();
+        let several = self.inner.replicas.load().len() > 1;
         let mut client = replica.client.clone();
         Box::pin(async move {
             let mut request = tonic::Request::new(ateapi::ResumeActorRequest {
@@ -367,7 +528,7 @@ impl ControlPlane for GrpcControlPlane {
             // A replica that could not be reached (or never answered), or that
             // answered `Unavailable` itself (its database write failed, it is
             // stopping), is passed over for a while: the others may serve.
-            if self.replicas.len() > 1 {
+            if several {
                 let refused = matches!(&result, Err(e) if e.code() == Code::Unavailable);
                 replica.mark(unreachable || refused);
             }
@@ -443,6 +604,20 @@ mod tests {
         assert_eq!(wire_lease(d(0)), None);
         assert_eq!(wire_lease(d(-1)), None);
         assert_eq!(wire_lease(None), None);
+    }
+
+    #[test]
+    fn only_host_names_are_resolved_into_replicas() {
+        assert_eq!(
+            host_name("http://cp.valet.svc:7070"),
+            Some(("cp.valet.svc".to_owned(), 7070))
+        );
+        assert_eq!(
+            host_name("https://localhost:1"),
+            Some(("localhost".to_owned(), 1))
+        );
+        assert_eq!(host_name("http://127.0.0.1:7070"), None);
+        assert_eq!(host_name("http://[::1]:7070"), None);
     }
 
     #[test]

@@ -91,16 +91,17 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Probes the control plane every [`PROBE_INTERVAL`] (a cheap read) and records whether
 /// it answers in the health, the `atenet.router.control_plane.reachable` gauge and one
 /// log line per change; any gRPC answer, even an error, means it is reachable. With
-/// several replicas, reachable means one of them answers.
+/// several replicas, reachable means one of them answers. Before each probe, the
+/// `--control-plane` host names are resolved again (a name with several addresses is
+/// a replica per address).
 pub(crate) fn spawn_probe(
     url: String,
-    channels: Vec<valet_proto::auth::CpChannel>,
+    cp: valet_router::GrpcControlPlane,
     router: Router,
     health: Arc<Health>,
     stop: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let clients: Vec<_> = channels.into_iter().map(ControlClient::new).collect();
         let mut known = None;
         let mut tick = tokio::time::interval(PROBE_INTERVAL);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -109,8 +110,13 @@ pub(crate) fn spawn_probe(
                 () = stop.cancelled() => return,
                 _ = tick.tick() => {}
             }
+            tokio::select! {
+                () = cp.resolve_again() => {}
+                () = stop.cancelled() => return,
+            }
             let mut reachable = false;
-            for client in &clients {
+            for channel in cp.channels() {
+                let client = ControlClient::new(channel);
                 let mut probe = tonic::Request::new(());
                 probe.set_timeout(PROBE_TIMEOUT);
                 let mut client = client.clone();

@@ -69,7 +69,7 @@ impl RunningRouter {
         )
         .map_err(|e| format!("--control-plane={}: {e}", config.control_plane()))?;
         let channel = cp.channel();
-        let channels_for_probe = cp.channels();
+        let cp_for_probe = cp.clone();
         // Every port first: a bind that fails leaves nothing running (no lease watch).
         let bound = |flag: &'static str, addr: Option<SocketAddr>| async move {
             match addr {
@@ -136,7 +136,7 @@ impl RunningRouter {
         });
         let probe = admin::spawn_probe(
             config.control_plane().to_owned(),
-            channels_for_probe,
+            cp_for_probe,
             router.clone(),
             Arc::clone(&health),
             stop_admin.clone(),

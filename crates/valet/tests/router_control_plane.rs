@@ -326,6 +326,90 @@ async fn a_replica_that_answers_unavailable_is_left_for_the_next() {
     s.cluster.shutdown().await;
 }
 
+/// A `--control-plane` host name with several addresses (a headless Service) is a
+/// replica per address, each connected under the name: attempts are spread over them
+/// and one refusing is left for the next. A name that cannot be resolved keeps its
+/// replicas; one that resolves to fewer addresses drops the others. Before, the name
+/// was one replica, whatever it resolved to.
+#[tokio::test]
+async fn a_name_with_several_addresses_is_a_replica_per_address() {
+    use std::net::SocketAddr;
+    use valet_router::ControlPlane as _;
+    let s = setup(&[]).await;
+    let at = |url: &str| -> SocketAddr { url.strip_prefix("http://").unwrap().parse().unwrap() };
+    let refusing = at(&common::netfault::unavailable_server().await);
+    let live = at(&s.cluster.url());
+    // `.invalid` never resolves through the system's resolver.
+    let cp = GrpcControlPlane::replicas(
+        &["http://replicas.invalid:7070".to_owned()],
+        &Default::default(),
+        None,
+    )
+    .unwrap();
+    let attempt = || {
+        cp.resume_actor(valet_router::control::ResumeRequest {
+            actor: "demo/p1".parse().unwrap(),
+            wait_for_capacity: None,
+            timeout: WAIT,
+            lease_holder: None,
+        })
+    };
+    let outcome = |r: Result<valet_router::control::Resumed, valet_router::ResumeError>| match r {
+        Ok(r) => format!("status {}", r.actor.status),
+        Err(e) => format!("{:?}: {}", e.code(), e.message()),
+    };
+    assert_eq!(cp.addresses(), [None], "by name until resolved");
+    assert_eq!(
+        attempt().await.unwrap_err().code(),
+        tonic::Code::Unavailable
+    );
+
+    let resolved = std::sync::Mutex::new(Ok(vec![live, refusing, live]));
+    let resolve = async |host: &str, port: u16| {
+        assert_eq!((host, port), ("replicas.invalid", 7070));
+        match &*resolved.lock().unwrap() {
+            Ok(addrs) => Ok(addrs.clone()),
+            Err(()) => Err(std::io::Error::other("no such name")),
+        }
+    };
+    cp.resolve_again_with(resolve).await;
+    let mut both = vec![Some(live), Some(refusing)];
+    both.sort_unstable();
+    assert_eq!(cp.addresses(), both, "one replica per address, once each");
+    let mut seen = vec![outcome(attempt().await), outcome(attempt().await)];
+    seen.sort_unstable();
+    let running = format!("status {}", ateapi::actor::Status::Running as i32);
+    assert_eq!(
+        seen,
+        [
+            "Unavailable: the database write failed".to_owned(),
+            running.clone()
+        ],
+        "two attempts, one on each address"
+    );
+    assert_eq!(
+        outcome(attempt().await),
+        running,
+        "the refusing one is passed over"
+    );
+
+    *resolved.lock().unwrap() = Err(());
+    cp.resolve_again_with(resolve).await;
+    assert_eq!(
+        cp.addresses(),
+        both,
+        "kept while the name cannot be resolved"
+    );
+
+    *resolved.lock().unwrap() = Ok(vec![live]);
+    cp.resolve_again_with(resolve).await;
+    assert_eq!(cp.addresses(), [Some(live)]);
+    for _ in 0..3 {
+        assert_eq!(outcome(attempt().await), running);
+    }
+    s.cluster.shutdown().await;
+}
+
 /// `--control-plane-ping-interval`: the router pings an idle control plane at that
 /// interval, and with 0 sends it nothing between calls (a grpc-go server closes a
 /// connection that pings while no call is open). Before, it pinged every 2 s, always.

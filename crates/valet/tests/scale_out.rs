@@ -847,6 +847,14 @@ async fn a_router_with_a_replica_list_is_reachable_through_any_replica() {
             .await,
         1.0
     );
+    // A host name (resolved by the router, each address a replica) works as well.
+    let by_name = self::router(&format!("http://localhost:{}", cp.addr.port()), "5s").await;
+    let admin = by_name.addrs["admin"];
+    eventually("the router reaches the replica by name", WITHIN, || async {
+        let (s, body) = http_get(admin, "/statusz?format=json", &[]).await;
+        (s == 200 && body.contains("\"control_plane_reachable\": true")).then_some(())
+    })
+    .await;
 }
 
 /// `valet load scenario overflow --cluster`: two replicas on a throwaway PostgreSQL
