@@ -380,12 +380,25 @@ impl tower_service::Service<Uri> for CpConnector {
     }
 
     fn call(&mut self, uri: Uri) -> Self::Future {
-        let tcp_uri = match self.to {
-            // An address with a port is always a valid authority.
-            Some(to) => Uri::try_from(format!("http://{to}")).unwrap_or_else(|_| uri.clone()),
-            None => uri.clone(),
+        // Pinned: that address first; refused (or not a valid authority: an IPv6
+        // address with a zone), the URI's host as resolved now.
+        let pinned = self
+            .to
+            .and_then(|to| Uri::try_from(format!("http://{to}")).ok())
+            .map(|to| tower_service::Service::call(&mut self.http, to));
+        let mut http = self.http.clone();
+        let by_name = uri.clone();
+        let connect = async move {
+            if let Some(pinned) = pinned {
+                match pinned.await {
+                    Ok(tcp) => return Ok(tcp),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "pinned address refused; connecting by name")
+                    }
+                }
+            }
+            tower_service::Service::call(&mut http, by_name).await
         };
-        let connect = tower_service::Service::call(&mut self.http, tcp_uri);
         let tls = self.tls.clone();
         Box::pin(async move {
             let tcp = connect.await?.into_inner();

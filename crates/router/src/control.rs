@@ -248,7 +248,16 @@ struct Inner {
     next: AtomicUsize,
     /// The first URL's channel by name (the lease watch's).
     first: CpChannel,
+    /// The system resolver's lookup of every listed name, while it runs (on a
+    /// blocking thread, which no timeout can stop): one at a time, so a resolver that
+    /// hangs holds one thread, not one per probe.
+    lookup: std::sync::Mutex<Option<tokio::task::JoinHandle<Vec<Resolved>>>>,
+    /// Per URL, why its name could not be resolved the last time (said once per change).
+    unresolved: std::sync::Mutex<Vec<Option<String>>>,
 }
+
+/// What one name resolved to.
+type Resolved = std::io::Result<Vec<SocketAddr>>;
 
 #[derive(Debug)]
 struct Replica {
@@ -358,6 +367,8 @@ impl GrpcControlPlane {
                 replicas: ArcSwap::from_pointee(replicas),
                 next: AtomicUsize::new(0),
                 first,
+                lookup: std::sync::Mutex::new(None),
+                unresolved: std::sync::Mutex::new(vec![None; urls.len()]),
             }),
         })
     }
@@ -365,50 +376,116 @@ impl GrpcControlPlane {
     /// Resolves every listed host name again, with the system's resolver: a name
     /// with several addresses (a headless Service: one per replica) is one replica
     /// per address, each connected to its address under the name (`:authority`, the
-    /// certificate's name). A name that cannot be resolved now keeps the replicas it
-    /// had (at first: itself, resolved per connection). Replicas whose address stays
-    /// keep their connection and their pass-over. The router's probe calls this every
-    /// two seconds.
+    /// certificate's name); a connection its address refuses goes to the name's other
+    /// addresses instead (a name of a dual-stack host whose server listens on one
+    /// family, an address already gone). A name that cannot be resolved now keeps the
+    /// replicas it had (at first: itself, resolved per connection). Replicas whose
+    /// address stays keep their connection and their pass-over; an address reached
+    /// through two listed URLs is one replica. The router's probe calls this every two
+    /// seconds. The lookup runs on a blocking thread and is waited for at most
+    /// [`RESOLVE_TIMEOUT`]; one still running is waited for again by the next call,
+    /// never started twice.
     pub async fn resolve_again(&self) {
-        self.resolve_again_with(async |host, port| {
-            tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host((host, port)))
-                .await
-                .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?
-                .map(Iterator::collect)
-        })
-        .await;
+        let names: Vec<(String, u16)> = self
+            .inner
+            .urls
+            .iter()
+            .filter_map(|u| host_name(u))
+            .collect();
+        if names.is_empty() {
+            return;
+        }
+        let running = self
+            .inner
+            .lookup
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        let mut lookup = running.unwrap_or_else(|| {
+            tokio::task::spawn_blocking(move || {
+                names
+                    .iter()
+                    .map(|(host, port)| {
+                        std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), *port))
+                            .map(Iterator::collect)
+                    })
+                    .collect()
+            })
+        });
+        let results = match tokio::time::timeout(RESOLVE_TIMEOUT, &mut lookup).await {
+            Ok(Ok(results)) => results,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "the control plane's name lookup failed");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!("the control plane's name lookup is still running");
+                *self
+                    .inner
+                    .lookup
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(lookup);
+                return;
+            }
+        };
+        let mut results = results.into_iter();
+        self.apply(|_, _| results.next().unwrap_or_else(|| Ok(Vec::new())));
     }
 
-    /// [`Self::resolve_again`] with `resolve` for the system's resolver.
-    pub async fn resolve_again_with(
-        &self,
-        resolve: impl AsyncFn(&str, u16) -> std::io::Result<Vec<SocketAddr>>,
-    ) {
+    /// [`Self::resolve_again`] with `resolve` in place of the system's resolver.
+    pub async fn resolve_again_with(&self, resolve: impl AsyncFn(&str, u16) -> Resolved) {
+        let mut results = Vec::new();
+        for (host, port) in self.inner.urls.iter().filter_map(|u| host_name(u)) {
+            results.push(resolve(&host, port).await);
+        }
+        let mut results = results.into_iter();
+        self.apply(|_, _| results.next().unwrap_or_else(|| Ok(Vec::new())));
+    }
+
+    /// Rebuilds the replica set from what each listed name resolved to (`resolved`,
+    /// called once per name, in the order of the URLs).
+    fn apply(&self, mut resolved: impl FnMut(&str, u16) -> Resolved) {
         let inner = &self.inner;
         let current = inner.replicas.load_full();
         let mut next: Vec<Arc<Replica>> = Vec::with_capacity(current.len());
-        for url in &inner.urls {
+        let mut pinned = std::collections::HashSet::new();
+        let mut unresolved = inner
+            .unresolved
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for (i, url) in inner.urls.iter().enumerate() {
             let had = || current.iter().filter(|r| r.url == *url).cloned();
             let Some((host, port)) = host_name(url) else {
                 next.extend(had());
                 continue;
             };
-            let mut addrs = match resolve(&host, port).await {
-                Ok(addrs) if !addrs.is_empty() => addrs,
-                Ok(_) => {
-                    tracing::warn!(control_plane = %url, "resolves to no address; keeping its replicas");
-                    next.extend(had());
-                    continue;
+            let why = match resolved(&host, port) {
+                Ok(addrs) if addrs.is_empty() => Err("it resolves to no address".to_owned()),
+                Ok(addrs) => Ok(addrs),
+                Err(e) => Err(e.to_string()),
+            };
+            let mut addrs = match why {
+                Ok(addrs) => {
+                    if unresolved[i].take().is_some() {
+                        tracing::info!(control_plane = %url, "resolved again");
+                    }
+                    addrs
                 }
-                Err(e) => {
-                    tracing::warn!(control_plane = %url, error = %e, "cannot be resolved; keeping its replicas");
-                    next.extend(had());
+                Err(why) => {
+                    if unresolved[i].as_ref() != Some(&why) {
+                        tracing::warn!(control_plane = %url, error = %why, "cannot be resolved; keeping its replicas");
+                        unresolved[i] = Some(why);
+                    }
+                    next.extend(had().filter(|r| r.addr.is_none_or(|a| pinned.insert(a))));
                     continue;
                 }
             };
             addrs.sort_unstable();
             addrs.dedup();
             for addr in addrs {
+                if !pinned.insert(addr) {
+                    continue;
+                }
                 if let Some(kept) = had().find(|r| r.addr == Some(addr)) {
                     next.push(kept);
                     continue;
@@ -417,11 +494,12 @@ impl GrpcControlPlane {
                     Ok(r) => next.push(Arc::new(r)),
                     // The URL made a valid endpoint at start; it still does.
                     Err(e) => {
-                        tracing::warn!(control_plane = %url, %addr, error = %e, "cannot make a channel")
+                        tracing::warn!(control_plane = %url, %addr, error = %e, "cannot make a channel");
                     }
                 }
             }
         }
+        drop(unresolved);
         let same = next.len() == current.len()
             && next
                 .iter()
@@ -464,8 +542,8 @@ impl GrpcControlPlane {
     }
 
     /// The replica for the next attempt: the next one in turn that is not passed
-    /// over (when all are: the next one in turn).
-    fn pick(&self) -> Arc<Replica> {
+    /// over (when all are: the next one in turn); and whether there are several.
+    fn pick(&self) -> (Arc<Replica>, bool) {
         let replicas = self.inner.replicas.load();
         let n = replicas.len();
         let start = if n > 1 {
@@ -478,14 +556,13 @@ impl GrpcControlPlane {
             .map(|i| (start + i) % n)
             .find(|&i| !replicas[i].is_down(now))
             .unwrap_or(start % n);
-        Arc::clone(&replicas[i])
+        (Arc::clone(&replicas[i]), n > 1)
     }
 }
 
 impl ControlPlane for GrpcControlPlane {
     fn resume_actor(&self, req: ResumeRequest) -> ResumeFuture<'_> {
-        let replica = self.pick();
-        let several = self.inner.replicas.load().len() > 1;
+        let (replica, several) = self.pick();
         let mut client = replica.client.clone();
         Box::pin(async move {
             let mut request = tonic::Request::new(ateapi::ResumeActorRequest {
@@ -604,6 +681,67 @@ mod tests {
         assert_eq!(wire_lease(d(0)), None);
         assert_eq!(wire_lease(d(-1)), None);
         assert_eq!(wire_lease(None), None);
+    }
+
+    fn addr(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    /// A replica passed over stays passed over when the set is rebuilt around it, and
+    /// an address reached through two listed URLs is one replica. (Channels connect
+    /// lazily: nothing here touches the network.)
+    #[tokio::test(start_paused = true)]
+    async fn a_rebuilt_set_keeps_each_replicas_pass_over_and_each_address_once() {
+        let cp = GrpcControlPlane::replicas(
+            &[
+                "http://a.invalid:7070".to_owned(),
+                "http://b.invalid:7070".to_owned(),
+            ],
+            &ClientCredentials::default(),
+            None,
+        )
+        .unwrap();
+        let (a1, a2, b1) = (
+            addr("10.0.0.1:7070"),
+            addr("10.0.0.2:7070"),
+            addr("10.0.0.3:7070"),
+        );
+        cp.resolve_again_with(async |host, _| {
+            Ok(if host == "a.invalid" {
+                vec![a2, a1]
+            } else {
+                vec![b1, a1]
+            })
+        })
+        .await;
+        assert_eq!(cp.addresses(), [Some(a1), Some(a2), Some(b1)]);
+        let held = cp.inner.replicas.load()[1].clone();
+        held.mark(true);
+
+        let a3 = addr("10.0.0.0:7070");
+        cp.resolve_again_with(async |host, _| {
+            Ok(if host == "a.invalid" {
+                vec![a1, a2, a3]
+            } else {
+                vec![b1]
+            })
+        })
+        .await;
+        assert_eq!(cp.addresses(), [Some(a3), Some(a1), Some(a2), Some(b1)]);
+        assert!(Arc::ptr_eq(&cp.inner.replicas.load()[2], &held), "kept");
+        let picked: Vec<_> = (0..8).map(|_| cp.pick().0.addr).collect();
+        assert!(!picked.contains(&Some(a2)), "{picked:?}");
+        assert!(
+            picked.contains(&Some(a3)) && picked.contains(&Some(b1)),
+            "{picked:?}"
+        );
+
+        tokio::time::advance(FAILOVER_HOLD).await;
+        let picked: Vec<_> = (0..8).map(|_| cp.pick().0.addr).collect();
+        assert!(
+            picked.contains(&Some(a2)),
+            "back after the hold: {picked:?}"
+        );
     }
 
     #[test]

@@ -410,6 +410,43 @@ async fn a_name_with_several_addresses_is_a_replica_per_address() {
     s.cluster.shutdown().await;
 }
 
+/// A replica pinned to an address that refuses connections (a dual-stack name whose
+/// server listens on one family, or an address already gone) connects by its name
+/// instead. Before, each of its attempts failed until the next resolution.
+#[tokio::test]
+async fn a_pinned_address_that_refuses_falls_back_to_the_name() {
+    use valet_router::ControlPlane as _;
+    let s = setup(&[]).await;
+    let live: std::net::SocketAddr = s
+        .cluster
+        .url()
+        .strip_prefix("http://")
+        .unwrap()
+        .parse()
+        .unwrap();
+    // 127.0.0.2 is loopback too, and nothing listens on the port there.
+    let refused = std::net::SocketAddr::from(([127, 0, 0, 2], live.port()));
+    let cp = GrpcControlPlane::replicas(
+        &[format!("http://localhost:{}", live.port())],
+        &Default::default(),
+        None,
+    )
+    .unwrap();
+    cp.resolve_again_with(async |_, _| Ok(vec![refused])).await;
+    assert_eq!(cp.addresses(), [Some(refused)]);
+    let resumed = cp
+        .resume_actor(valet_router::control::ResumeRequest {
+            actor: "demo/p1".parse().unwrap(),
+            wait_for_capacity: None,
+            timeout: WAIT,
+            lease_holder: None,
+        })
+        .await
+        .expect("served through the name");
+    assert_eq!(resumed.actor.status, ateapi::actor::Status::Running as i32);
+    s.cluster.shutdown().await;
+}
+
 /// `--control-plane-ping-interval`: the router pings an idle control plane at that
 /// interval, and with 0 sends it nothing between calls (a grpc-go server closes a
 /// connection that pings while no call is open). Before, it pinged every 2 s, always.

@@ -847,12 +847,35 @@ async fn a_router_with_a_replica_list_is_reachable_through_any_replica() {
             .await,
         1.0
     );
-    // A host name (resolved by the router, each address a replica) works as well.
-    let by_name = self::router(&format!("http://localhost:{}", cp.addr.port()), "5s").await;
+    // A host name works as well: the router's probe resolves it, and each address
+    // is a replica connected under the name.
+    let port = cp.addr.port();
+    let by_name = Proc::start_logged(
+        "admin",
+        &[
+            "router",
+            "--listen",
+            "127.0.0.1:0",
+            "--extproc-listen",
+            "",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--control-plane",
+            &format!("http://localhost:{port}"),
+        ],
+    )
+    .await;
     let admin = by_name.addrs["admin"];
     eventually("the router reaches the replica by name", WITHIN, || async {
         let (s, body) = http_get(admin, "/statusz?format=json", &[]).await;
         (s == 200 && body.contains("\"control_plane_reachable\": true")).then_some(())
+    })
+    .await;
+    eventually("the name is resolved into replicas", WITHIN, || async {
+        let logs = by_name.logs();
+        (logs.contains("control-plane replicas")
+            && logs.contains(&format!("http://localhost:{port} at 127.0.0.1:{port}")))
+        .then_some(())
     })
     .await;
 }

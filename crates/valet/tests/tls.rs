@@ -262,6 +262,76 @@ async fn server_verified_tls_serves_with_and_without_client_certificates() {
     );
 }
 
+/// A replica pinned to one address of its URL's host name keeps the name for TLS: the
+/// control plane's certificate names only `replicas.invalid`, and the call connected
+/// to 127.0.0.1 is verified against that name (a server's answer, `NotFound`, not a
+/// handshake failure).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_replica_checks_the_names_certificate() {
+    use valet_router::ControlPlane as _;
+    let pki = pki();
+    let authority = ca("valet names CA");
+    let (cert, key) = leaf(&authority, &["replicas.invalid"]);
+    let write = |name: &str, pem: &str| {
+        let p = pki.dir.path().join(name);
+        std::fs::write(&p, pem).unwrap();
+        p
+    };
+    let (ca_file, cert_file, key_file) = (
+        write("names-ca.pem", &authority.as_ref().pem()),
+        write("names.pem", &cert),
+        write("names.key", &key),
+    );
+    pki.extra_keys.lock().unwrap().push(key);
+    let data = pki.dir.path().join("names-data");
+    let cp = Proc::start_logged(
+        "control-plane",
+        &[
+            "control-plane",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            s(&data),
+            "--tls-cert-file",
+            s(&cert_file),
+            "--tls-key-file",
+            s(&key_file),
+        ],
+    )
+    .await;
+    let files = ClientTlsFiles {
+        ca: ca_file,
+        identity: None,
+        server_name: None,
+    };
+    let creds = ClientCredentials::tls(&files, None).unwrap();
+    let port = cp.addr.port();
+    let client = valet_router::GrpcControlPlane::replicas(
+        &[format!("https://replicas.invalid:{port}")],
+        &creds,
+        None,
+    )
+    .unwrap();
+    client
+        .resolve_again_with(async |_, port| Ok(vec![([127, 0, 0, 1], port).into()]))
+        .await;
+    let answer = client
+        .resume_actor(valet_router::ResumeRequest {
+            actor: "demo/p1".parse().unwrap(),
+            wait_for_capacity: None,
+            timeout: WITHIN,
+            lease_holder: None,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        answer.code(),
+        tonic::Code::NotFound,
+        "the server answered: {}",
+        answer.message()
+    );
+}
+
 impl Pki {
     /// Client certificates are issued by the same CA here.
     fn client_ca(&self) -> PathBuf {
