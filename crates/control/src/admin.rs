@@ -209,7 +209,7 @@ async fn readyz(State(slot): State<PlaneSlot>) -> Response {
     let Some(plane) = slot.get() else {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
-            "not ready: standby, waiting to become the active control plane\n",
+            "not ready: not serving yet (joining the database, or a standby waiting to become active)\n",
         )
             .into_response();
     };

@@ -428,8 +428,8 @@ impl ClusterStore {
         let db = Db::new(pool, database.clone(), lost.clone());
         let (tx, rx) = mpsc::channel(EVENTS);
         let overflowed = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        heartbeat(Arc::downgrade(&session), me, lost.clone(), database.clone());
-        listen(config, database, tx, Arc::clone(&overflowed), lost);
+        spawn_heartbeat(Arc::downgrade(&session), me, lost.clone(), database.clone());
+        spawn_listen(config, database, tx, Arc::clone(&overflowed), lost);
         Ok(Self {
             inner: Arc::new(Inner {
                 db,
@@ -1534,7 +1534,12 @@ async fn attached_here(
 /// Renews replica `me`'s heartbeat every [`HEARTBEAT`] on its own session; when that
 /// fails, takes [`HEARTBEAT_TIMEOUT`], or finds the replica declared dead, cancels
 /// `lost` (the replica stops serving). Ends with the store or once `lost` is cancelled.
-fn heartbeat(session: std::sync::Weak<Client>, me: i64, lost: CancellationToken, database: String) {
+fn spawn_heartbeat(
+    session: std::sync::Weak<Client>,
+    me: i64,
+    lost: CancellationToken,
+    database: String,
+) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(HEARTBEAT);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -1568,7 +1573,7 @@ fn heartbeat(session: std::sync::Weak<Client>, me: i64, lost: CancellationToken,
 /// Listens for announcements on a session of its own, connecting again (0.5 s
 /// doubling to 5 s between tries) whenever it ends, and sends [`Event::Resync`] after
 /// every connect. Ends once `lost` is cancelled or the plane stops taking events.
-fn listen(
+fn spawn_listen(
     config: Config,
     database: String,
     tx: mpsc::Sender<Event>,

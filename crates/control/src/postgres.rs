@@ -332,9 +332,13 @@ pub(crate) struct Session {
 
 impl Session {
     /// Connects to `url`, refuses a schema newer than this binary's at once (before
-    /// any wait: migrating waits for the active lock, so a new version never changes
-    /// the schema under an older replica that holds it), and takes the active lock
-    /// `locking` (logging `waiting` while one of the other kind holds it).
+    /// any wait), and takes the active lock `locking` (logging `waiting` while one of
+    /// the other kind holds it). With `Locking::Exclusive` (one active replica),
+    /// migrating waits for the active lock, so a new version never changes the schema
+    /// under an older replica that holds it. With `Locking::Shared` (all active) it
+    /// does not: a new version's replica migrates beside older ones still serving, so
+    /// every migration must keep the previous version's reads and writes working
+    /// (add, never rename or drop; deploy/README.md says so).
     pub(crate) async fn open(
         url: &str,
         locking: Locking,
@@ -1091,6 +1095,9 @@ impl Store for PostgresStore {
     }
 }
 
+/// Writes `row` as the one active control plane: with no other replica, no
+/// operation of one holds it (`op_replica` NULL, whatever a row read from a database
+/// that several replicas served still carried).
 pub(crate) async fn put_actor(
     c: &impl GenericClient,
     row: &ActorRow,
@@ -1099,7 +1106,7 @@ pub(crate) async fn put_actor(
     c.execute(
         "INSERT INTO actors (atespace, name, uid, template_namespace, template, pool, status, \
          version, worker, selector, revert_pending, op_replica) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, NULL) \
          ON CONFLICT (atespace, name) DO UPDATE SET uid = excluded.uid, \
          template_namespace = excluded.template_namespace, template = excluded.template, \
          pool = excluded.pool, status = excluded.status, version = excluded.version, \
@@ -1117,7 +1124,6 @@ pub(crate) async fn put_actor(
             &row.worker,
             &selector,
             &row.revert_pending,
-            &row.op_replica,
         ],
     )
     .await

@@ -255,6 +255,32 @@ impl FakeWorker {
         Self::join(plane, id, pool, app, None, true, 0).map(|(w, _)| w)
     }
 
+    /// [`Self::attach`] through the path a worker's attach stream takes: with several
+    /// replicas (a plane on a `ClusterStore`), the attachment, and whether it keeps
+    /// `hosting`, is written to the store first.
+    ///
+    /// # Errors
+    /// The plane's refusal of the join.
+    pub async fn attach_recorded(
+        plane: &Plane,
+        id: &str,
+        pool: &str,
+        app: SocketAddr,
+        hosting: Option<&ActorKey>,
+    ) -> Result<(Self, bool), Status> {
+        let (join, link, rx) = Self::join_message(id, pool, app, hosting, false, 0);
+        let kept = plane.worker_attached(&join, Arc::clone(&link)).await?;
+        Ok((
+            Self {
+                plane: plane.clone(),
+                id: id.to_owned(),
+                link,
+                rx,
+            },
+            kept,
+        ))
+    }
+
     fn join(
         plane: &Plane,
         id: &str,
@@ -264,6 +290,32 @@ impl FakeWorker {
         draining: bool,
         incarnation: u64,
     ) -> Result<(Self, bool), Status> {
+        let (join, link, rx) = Self::join_message(id, pool, app, hosting, draining, incarnation);
+        let kept = plane.worker_joined(&join, Arc::clone(&link))?;
+        Ok((
+            Self {
+                plane: plane.clone(),
+                id: id.to_owned(),
+                link,
+                rx,
+            },
+            kept,
+        ))
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn join_message(
+        id: &str,
+        pool: &str,
+        app: SocketAddr,
+        hosting: Option<&ActorKey>,
+        draining: bool,
+        incarnation: u64,
+    ) -> (
+        wk::Join,
+        Arc<WorkerLink>,
+        mpsc::Receiver<Result<WorkerCommand, Status>>,
+    ) {
         let (tx, rx) = mpsc::channel(64);
         let link = Arc::new(WorkerLink::new(tx));
         let join = wk::Join {
@@ -278,16 +330,7 @@ impl FakeWorker {
             draining,
             incarnation,
         };
-        let kept = plane.worker_joined(&join, Arc::clone(&link))?;
-        Ok((
-            Self {
-                plane: plane.clone(),
-                id: id.to_owned(),
-                link,
-                rx,
-            },
-            kept,
-        ))
+        (join, link, rx)
     }
 
     /// The next command; `None` once the plane ended the stream (it told the worker to

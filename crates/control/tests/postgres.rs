@@ -132,9 +132,18 @@ async fn the_record_survives_a_reopen_and_batches_are_transactions() {
     let mut p1 = row("p1");
     p1.version = 2;
     assert!(store.write(Batch::put([p1, on("p3", "w1")])).await.is_err());
-    // A worker handed from one actor to another in one batch, in either order.
+    // A worker handed from one actor to another in one batch, in either order. A
+    // row read from a database several replicas served may still name one's
+    // operation: the one active replica writes none (else the replicas, once back,
+    // would take it as held by that one forever).
     store
-        .write(Batch::put([on("p1", "w1"), row("p2")]))
+        .write(Batch::put([
+            on("p1", "w1"),
+            ActorRow {
+                op_replica: Some(7),
+                ..row("p2")
+            },
+        ]))
         .await
         .unwrap();
     drop(store);

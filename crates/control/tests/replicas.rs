@@ -606,3 +606,68 @@ async fn waiters_on_both_replicas_are_served_in_arrival_order() {
     b.served.stop().await;
     a.served.stop().await;
 }
+
+/// A worker whose stream ended during its actor's checkpoint attaches again
+/// (to the same replica) still hosting it: on a plane over PostgreSQL it keeps the
+/// actor, and the checkpoint goes over the new stream. Before, the store's keep
+/// check (RUNNING only) failed, the worker was told to evict the actor, and the
+/// checkpoint lost its state since the last snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_back_during_its_checkpoint_keeps_the_actor_on_a_replica() {
+    use valet_control::ActorKey;
+    use valet_control::testing::FakeWorker;
+    use valet_proto::worker::worker_command::Command;
+    common::log_if_asked();
+    let pg = TempPostgres::start_async().await;
+    let store = Arc::new(ClusterStore::join(&pg.url()).await.unwrap());
+    let plane = Plane::open_cluster(store, PlaneConfig::default())
+        .await
+        .unwrap();
+    let a = ActorKey::new("demo", "a").unwrap();
+    plane.create_atespace("demo").await.unwrap();
+    plane
+        .create_actor(a.clone(), "default", "counter", Vec::new())
+        .await
+        .unwrap();
+    // The app port accepts connections: the worker's process is alive.
+    let app = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = app.local_addr().unwrap();
+    let (mut w, _) = FakeWorker::attach_recorded(&plane, "w1", "counter", addr, None)
+        .await
+        .unwrap();
+    let resume = {
+        let (plane, a) = (plane.clone(), a.clone());
+        tokio::spawn(async move { plane.resume_actor(a, None).await })
+    };
+    let restore = w.next().await.unwrap();
+    assert!(matches!(restore.command, Command::Restore(_)));
+    w.answer(restore.id, Ok(()));
+    resume.await.unwrap().unwrap();
+
+    // The stream ends with the checkpoint sent on it, unanswered (SUSPENDING is
+    // recorded, with the worker attached here).
+    let suspend = {
+        let (plane, a) = (plane.clone(), a.clone());
+        tokio::spawn(async move { plane.suspend_actor(a).await })
+    };
+    let first = w.next().await.unwrap();
+    assert!(matches!(first.command, Command::Checkpoint(_)), "{first:?}");
+    w.leave();
+    assert!(
+        plane
+            .wait_until(WAIT, |p| p.checkpoint_awaits_worker("demo", "a"))
+            .await,
+        "the checkpoint waits for the worker"
+    );
+    let (mut w, kept) = FakeWorker::attach_recorded(&plane, "w1", "counter", addr, Some(&a))
+        .await
+        .unwrap();
+    assert!(kept, "kept for the checkpoint");
+    let c = w.next().await.unwrap();
+    assert!(matches!(c.command, Command::Checkpoint(_)), "{c:?}");
+    w.answer(c.id, Ok(()));
+    let done = suspend.await.unwrap().unwrap();
+    assert_eq!(done.status, ateapi::actor::Status::Suspended as i32);
+    assert_eq!(plane.pool("counter"), (1, 1), "the worker is free again");
+    plane.close().await;
+}

@@ -52,7 +52,7 @@ pub struct ClusterOpts {
 
 /// The running processes.
 pub struct Processes {
-    /// The replicas' gRPC URLs, the active one first.
+    /// The replicas' gRPC URLs, in the order they were started.
     pub replicas: Vec<String>,
     /// The routers' HTTP addresses.
     pub routers: Vec<SocketAddr>,

@@ -718,8 +718,8 @@ pub(crate) struct ControlPlaneArgs {
     pub(crate) data_dir: PathBuf,
 
     /// PostgreSQL instead of the embedded database: postgres://USER[:PASSWORD]@HOST[:PORT]/DB
-    /// (docs/scale-out.md). Every control plane started on it serves (see
-    /// --active-replicas). Needs --route-lease 0, which it sets unless --route-lease is
+    /// (docs/scale-out.md). Every control plane started on it serves, or one at a time
+    /// with --active-replicas one. Needs --route-lease 0, which it sets unless --route-lease is
     /// given.
     #[arg(
         long,

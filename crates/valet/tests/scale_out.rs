@@ -880,9 +880,8 @@ async fn a_router_with_a_replica_list_is_reachable_through_any_replica() {
     .await;
 }
 
-/// `valet load scenario overflow --cluster`: two replicas on a throwaway PostgreSQL
-/// (started by the scenario, which checks that the first is active and the second a
-/// standby), 16 workers and two routers, all processes; requests alternate between the
+/// `valet load scenario overflow --cluster`: two replicas on a throwaway PostgreSQL,
+/// both serving (started by the scenario), 16 workers and two routers, all processes; requests alternate between the
 /// routers. The first burst's counts match the single-process run (14 of 32 served,
 /// 18 × 503 into 14 free places); more are served once 16 are freed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

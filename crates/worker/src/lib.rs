@@ -509,6 +509,42 @@ fn first_replica(id: &str, n: usize) -> usize {
     usize::try_from(hash % n.max(1) as u64).unwrap_or(0)
 }
 
+/// Which control-plane replica a worker attaches to next: after an attachment fails
+/// or ends, the next one; a pause once every one was tried since the last pause,
+/// wherever the rotation started.
+#[derive(Debug)]
+struct Rotation {
+    n: usize,
+    next: usize,
+    tried: usize,
+}
+
+impl Rotation {
+    fn starting_at(first: usize, n: usize) -> Self {
+        Self {
+            n: n.max(1),
+            next: first,
+            tried: 0,
+        }
+    }
+
+    /// The replica to try now.
+    fn current(&self) -> usize {
+        self.next % self.n
+    }
+
+    /// Moves on after a try; whether to pause first (every replica was tried).
+    fn advance(&mut self) -> bool {
+        self.next = (self.next + 1) % self.n;
+        self.tried += 1;
+        if self.tried < self.n {
+            return false;
+        }
+        self.tried = 0;
+        true
+    }
+}
+
 impl Agent {
     async fn run(
         self,
@@ -521,9 +557,10 @@ impl Agent {
         // one, at once; after every one was tried, wait (backing off) first. The first
         // is chosen by the worker's id, so that a pool's workers spread over replicas
         // that all serve.
-        let mut next = first_replica(&self.id, endpoints.len());
+        let mut turn =
+            Rotation::starting_at(first_replica(&self.id, endpoints.len()), endpoints.len());
         loop {
-            let endpoint = &endpoints[next % endpoints.len()];
+            let endpoint = &endpoints[turn.current()];
             let attached = tokio::select! {
                 () = stop.cancelled() => return,
                 r = self.attach_once(endpoint, &credentials, &stop) => r,
@@ -549,8 +586,7 @@ impl Agent {
             if stop.is_cancelled() {
                 return;
             }
-            next += 1;
-            if !next.is_multiple_of(endpoints.len()) {
+            if !turn.advance() {
                 continue;
             }
             // Jittered (half to the whole backoff): workers that lost one control
@@ -986,6 +1022,22 @@ fn take_snapshot(dir: &Path, full: bool, memory: u64) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A worker that starts on the second of two replicas tries the first at once when
+    /// the second fails, and pauses only once both were tried. Before, it paused after
+    /// trying only the second (the pause came at each pass over index 0).
+    #[test]
+    fn every_replica_is_tried_before_a_pause_wherever_the_rotation_starts() {
+        let mut turn = Rotation::starting_at(1, 2);
+        let mut seen = Vec::new();
+        for _ in 0..4 {
+            let at = turn.current();
+            seen.push((at, turn.advance()));
+        }
+        assert_eq!(seen, [(1, false), (0, true), (1, false), (0, true)]);
+        let mut one = Rotation::starting_at(0, 1);
+        assert_eq!((one.current(), one.advance()), (0, true));
+    }
 
     /// A pool's workers spread over the replicas they list (each starts with the one
     /// its id picks), and one replica is always the first.

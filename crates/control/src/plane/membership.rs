@@ -162,7 +162,14 @@ impl Plane {
                     debug_assert!(freed.is_empty());
                     false
                 }
-                None => keep.is_some(),
+                // Not kept by the record. Unless it is SUSPENDING with its checkpoint
+                // (an operation of this replica) waiting for this attach: only that
+                // operation changes its record, so memory decides (below). Before,
+                // such a worker was told to drop the actor, and the checkpoint lost
+                // the actor's state since its last snapshot.
+                None => keep
+                    .as_ref()
+                    .is_some_and(|k| !st.awaiting_worker.contains(k)),
             }
         };
         let joined = self.join_worker(join, link, veto, attach);

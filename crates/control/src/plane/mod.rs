@@ -816,6 +816,11 @@ impl Plane {
             .and_then(|r| ateapi::actor::Status::try_from(r.status.wire()).ok())
     }
 
+    /// Whether a checkpoint of `atespace/name` waits for its worker to attach again.
+    pub fn checkpoint_awaits_worker(&self, atespace: &str, name: &str) -> bool {
+        ActorKey::new(atespace, name).is_ok_and(|k| self.lock().awaiting_worker.contains(&k))
+    }
+
     /// Whether an operation holds `atespace/name` now.
     pub fn is_busy(&self, atespace: &str, name: &str) -> bool {
         ActorKey::new(atespace, name)
@@ -890,6 +895,7 @@ impl Plane {
     /// `timeout`; then every attached worker is told to detach (it keeps its actor
     /// running and re-attaches when a control plane comes back on the same data dir).
     pub async fn shutdown(&self, timeout: Duration) {
+        let until = tokio::time::Instant::now() + timeout;
         self.inner.shutdown.cancel();
         self.inner.chores.close();
         self.inner.chores.wait().await;
@@ -918,7 +924,16 @@ impl Plane {
         }
         self.detach_workers();
         self.close_watches();
-        self.unfollow().await;
+        // Forwarded suspends carried out here still write their answers: within what
+        // is left of the timeout (at least a second), never past it for long.
+        let left = until
+            .saturating_duration_since(tokio::time::Instant::now())
+            .max(UNFOLLOW_GRACE);
+        if tokio::time::timeout(left, self.unfollow()).await.is_err() {
+            tracing::warn!(
+                "work for the other replicas still in progress after the shutdown timeout; stopping anyway"
+            );
+        }
     }
 
     /// Stops following the other replicas, once nothing in progress needs it.
@@ -996,3 +1011,7 @@ pub(crate) fn slot_of(key: &ActorKey, row: &ActorRow) -> wk::ActorSlot {
 }
 
 pub(crate) use model::{aborted, crashed, no_room, not_found};
+
+/// How long a shutdown waits at least for the work it does for other replicas
+/// (forwarded suspends' answers) once its operations ended.
+const UNFOLLOW_GRACE: Duration = Duration::from_secs(1);
