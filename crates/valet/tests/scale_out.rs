@@ -154,6 +154,15 @@ fn ids_attaching_first(n: usize) -> Vec<String> {
         .collect()
 }
 
+/// How a replica is stopped.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    /// SIGKILL: declared dead by the other after 5 s without a heartbeat.
+    Kill,
+    /// SIGTERM: it answers its waiters `Unavailable`, declares itself gone, exits 0.
+    Term,
+}
+
 /// Two replicas serve together; one is SIGKILLed while requests wait for capacity
 /// (parked in the router, their attempts waiting on both replicas) and while both
 /// workers are attached to it. The workers re-attach to the other replica keeping
@@ -162,12 +171,23 @@ fn ids_attaching_first(n: usize) -> Vec<String> {
 /// declared so, and nothing acknowledged is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_replica_s_parked_requests_are_served_through_the_other() {
+    one_replica_stops_mid_parking(Stop::Kill).await;
+}
+
+/// The same with SIGTERM (a rolling update's stop): the replica exits 0 having
+/// declared itself gone, and the rest goes as after SIGKILL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminated_serving_replica_s_parked_requests_are_served_through_the_other() {
+    one_replica_stops_mid_parking(Stop::Term).await;
+}
+
+async fn one_replica_stops_mid_parking(stop: Stop) {
     let pg = TempPostgres::start_async().await;
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("unused");
     let data = data.to_str().unwrap();
     let url = pg.url();
-    let (doomed, survivor) = both_serving(&url, data).await;
+    let (mut doomed, survivor) = both_serving(&url, data).await;
     let replicas = format!("http://{},http://{}", doomed.addr, survivor.addr);
     let ids = ids_attaching_first(2);
     let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
@@ -222,7 +242,13 @@ async fn a_killed_replica_s_parked_requests_are_served_through_the_other() {
         (n == 2.0).then_some(())
     })
     .await;
-    doomed.kill().await;
+    match stop {
+        Stop::Kill => doomed.kill().await,
+        Stop::Term => {
+            doomed.terminate();
+            assert_eq!(doomed.exit_code(WITHIN).await, Some(0), "a clean exit");
+        }
+    }
 
     // The workers attach to the survivor, keeping their actors.
     eventually(
@@ -246,13 +272,30 @@ async fn a_killed_replica_s_parked_requests_are_served_through_the_other() {
         assert_eq!(status, 200, "served through the other replica: {body}");
         assert!(body.contains("memory count: 1"), "{body}");
     }
-    eventually("the killed replica is declared dead", WITHIN, || async {
-        survivor
-            .logs()
-            .contains("declared a silent replica dead")
-            .then_some(())
-    })
-    .await;
+    if stop == Stop::Kill {
+        eventually("the killed replica is declared dead", WITHIN, || async {
+            survivor
+                .logs()
+                .contains("declared a silent replica dead")
+                .then_some(())
+        })
+        .await;
+    }
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let task = tokio::spawn(conn);
+    let dead: bool = client
+        .query_one("SELECT dead FROM valet_replicas WHERE id = 1", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        dead,
+        "the stopped replica's row is dead (its writes fenced)"
+    );
+    drop(client);
+    let _ = task.await;
     // Nothing acknowledged was lost.
     let actors = c
         .clone()
