@@ -994,6 +994,68 @@ async fn the_overflow_scenario_runs_on_a_cluster_of_processes() {
     );
 }
 
+/// `valet load scenario timeline --cluster`: the same processes with two workers;
+/// the full pool's nine requests get 503 at their budget, the parked one is served
+/// once a worker is freed, and requests went through both routers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_timeline_scenario_runs_on_a_cluster_of_processes() {
+    let out = tempfile::tempdir().unwrap();
+    let run = tokio::process::Command::new(env!("CARGO_BIN_EXE_valet"))
+        .args([
+            "load",
+            "scenario",
+            "timeline",
+            "--cluster",
+            "--capacity-wait",
+            "on",
+            "--budget",
+            "3s",
+            "--restore-delay",
+            "10ms",
+            "--out",
+        ])
+        .arg(out.path())
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let o = tokio::time::timeout(Duration::from_secs(180), run)
+        .await
+        .expect("the scenario ends")
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(stdout.contains("cluster: 2 workers; replicas "), "{stdout}");
+    assert!(stdout.contains("(all active)"), "{stdout}");
+    assert!(stdout.contains("full pool: 9 returned 503"), "{stdout}");
+    let served = stdout.lines().any(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        f.len() > 3 && f[..3] == ["p3-served-after-park", "demo/p3", "200"]
+    });
+    assert!(served, "the parked request is served: {stdout}");
+    let counted: Vec<u64> = stdout
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("requests each router counted (atenet_router_requests_total): ")
+        })
+        .unwrap_or_else(|| panic!("no per-router counts: {stdout}"))
+        .split(", ")
+        .filter_map(|r| r.rsplit(": ").next()?.parse().ok())
+        .collect();
+    assert!(
+        counted.len() == 2 && counted.iter().all(|&n| n > 0),
+        "both routers took requests: {stdout}"
+    );
+    assert!(
+        out.path()
+            .join("timeline-cluster-capacity-wait-on.csv")
+            .exists()
+    );
+}
+
 /// SIGTERM of the active replica while a request waits for capacity on it: the
 /// replica answers its waiter `Unavailable`, exits 0 and releases the database; the
 /// standby takes over, the workers re-attach with their actors, and the parked
