@@ -691,7 +691,15 @@ impl Plane {
             // the settler would take back to its last snapshot, evicting it with its
             // requests in flight and everything it did since.
             let Some(freed) = self.write_until_landed(Batch::put([back])).await else {
-                return Checkpointed::Failed(shutting_down());
+                // The plane stops, or another replica changed the record (its to
+                // settle now).
+                return Checkpointed::Failed(if self.is_shutting_down() {
+                    shutting_down()
+                } else {
+                    Status::aborted(
+                        "the actor's record changed on another control-plane replica; try again",
+                    )
+                });
             };
             drop(op);
             self.hand_off_all(freed);
