@@ -22,6 +22,9 @@
 //! A replica that holds the database alone (`--active-replicas one`,
 //! [`crate::PostgresStore`]) takes the active advisory lock exclusively; replicas of
 //! this kind take it shared, so the two kinds never write one database together.
+//!
+//! [`HEARTBEAT`]: crate::postgres::HEARTBEAT
+//! [`HEARTBEAT_TIMEOUT`]: crate::postgres::HEARTBEAT_TIMEOUT
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -32,8 +35,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::model::{ActorKey, ActorStatus};
 use crate::postgres::{
-    ACTOR_COLUMNS, Db, HEARTBEAT, HEARTBEAT_TIMEOUT, Locking, SELECT_ACTOR, Session,
-    TAKE_OVER_WITHIN, WRITE_WITHIN, actor_of, build_pool, migrate, store_error, why,
+    ACTOR_COLUMNS, Db, Locking, SELECT_ACTOR, Session, TAKE_OVER_WITHIN, WRITE_WITHIN, actor_of,
+    build_pool, migrate, spawn_heartbeat, store_error,
 };
 use crate::store::{ActorRow, Batch, Loaded, Store, StoreError, StoreFuture};
 
@@ -428,7 +431,25 @@ impl ClusterStore {
         let db = Db::new(pool, database.clone(), lost.clone());
         let (tx, rx) = mpsc::channel(EVENTS);
         let overflowed = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        spawn_heartbeat(Arc::downgrade(&session), me, lost.clone(), database.clone());
+        // Renews this replica's heartbeat with the database's clock, on its own session.
+        spawn_heartbeat(
+            Arc::downgrade(&session),
+            lost.clone(),
+            database.clone(),
+            "heartbeat failed: stopping serving",
+            move |c| {
+                Box::pin(async move {
+                    let renewed = c
+                        .execute(
+                            "UPDATE valet_replicas SET heartbeat_at = now() WHERE id = $1 AND NOT dead",
+                            &[&me],
+                        )
+                        .await?;
+                    Ok((renewed != 1)
+                        .then(|| format!("replica {me}: another replica declared this one dead")))
+                })
+            },
+        );
         spawn_listen(config, database, tx, Arc::clone(&overflowed), lost);
         Ok(Self {
             inner: Arc::new(Inner {
@@ -1529,45 +1550,6 @@ async fn attached_here(
         .prepare_cached("SELECT 1 FROM valet_workers WHERE id = $1 AND replica = $2 FOR SHARE")
         .await?;
     Ok(tx.query_opt(&attached, &[&worker, &me]).await?.is_some())
-}
-
-/// Renews replica `me`'s heartbeat every [`HEARTBEAT`] on its own session; when that
-/// fails, takes [`HEARTBEAT_TIMEOUT`], or finds the replica declared dead, cancels
-/// `lost` (the replica stops serving). Ends with the store or once `lost` is cancelled.
-fn spawn_heartbeat(
-    session: std::sync::Weak<Client>,
-    me: i64,
-    lost: CancellationToken,
-    database: String,
-) {
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(HEARTBEAT);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                () = lost.cancelled() => return,
-                _ = tick.tick() => {}
-            }
-            let Some(c) = session.upgrade() else { return };
-            let why = match tokio::time::timeout(
-                HEARTBEAT_TIMEOUT,
-                c.execute(
-                    "UPDATE valet_replicas SET heartbeat_at = now() WHERE id = $1 AND NOT dead",
-                    &[&me],
-                ),
-            )
-            .await
-            {
-                Ok(Ok(1)) => continue,
-                Ok(Ok(_)) => "another replica declared this one dead".to_owned(),
-                Ok(Err(e)) => why(&e),
-                Err(_) => format!("no answer within {HEARTBEAT_TIMEOUT:?}"),
-            };
-            tracing::error!(%database, replica = me, %why, "heartbeat failed: stopping serving");
-            lost.cancel();
-            return;
-        }
-    });
 }
 
 /// Listens for announcements on a session of its own, connecting again (0.5 s

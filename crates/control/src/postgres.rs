@@ -569,11 +569,22 @@ impl PostgresStore {
             .map_err(err)?;
         tracing::info!(%database, epoch, "active on the database");
         let client = std::sync::Arc::new(client);
-        heartbeat(
+        // On the lock's own connection: this replica's epoch is still the current one.
+        spawn_heartbeat(
             std::sync::Arc::downgrade(&client),
-            epoch,
             lost.clone(),
             database.clone(),
+            "no longer sure to be the active control plane",
+            move |c| {
+                Box::pin(async move {
+                    let row = c
+                        .query_one("SELECT epoch FROM valet_active WHERE id = 1", &[])
+                        .await?;
+                    let now: i64 = row.get(0);
+                    Ok((now != epoch)
+                        .then(|| format!("another control plane took over (epoch {now})")))
+                })
+            },
         );
         let pool = build_pool(config, &database)?;
         Ok(Self {
@@ -853,15 +864,21 @@ fn connection_failed(e: &tokio_postgres::Error) -> bool {
     }
 }
 
-/// Checks, every [`HEARTBEAT`], on the lock's own connection, that this replica's
-/// epoch is still the current one; when it is not, or the check fails or takes longer
-/// than [`HEARTBEAT_TIMEOUT`], cancels `lost` (the replica stops). Ends with the store
-/// (its client dropped) or once `lost` is cancelled.
-fn heartbeat(
+/// One liveness check of a replica on its own session: `Ok(None)` while it may go on
+/// serving, `Ok(Some(why))` once it may not.
+pub(crate) type Check =
+    std::pin::Pin<Box<dyn Future<Output = Result<Option<String>, tokio_postgres::Error>> + Send>>;
+
+/// Runs `check` on `client` every [`HEARTBEAT`]; when it says why the replica must
+/// stop, fails, or takes longer than [`HEARTBEAT_TIMEOUT`], logs `stopping` with the
+/// reason and cancels `lost` (the replica stops). Ends with the store (its client
+/// dropped) or once `lost` is cancelled.
+pub(crate) fn spawn_heartbeat(
     client: std::sync::Weak<Client>,
-    epoch: i64,
     lost: CancellationToken,
     database: String,
+    stopping: &'static str,
+    check: impl Fn(std::sync::Arc<Client>) -> Check + Send + 'static,
 ) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(HEARTBEAT);
@@ -872,17 +889,13 @@ fn heartbeat(
                 _ = tick.tick() => {}
             }
             let Some(c) = client.upgrade() else { return };
-            let check = c.query_one("SELECT epoch FROM valet_active WHERE id = 1", &[]);
-            let why = match tokio::time::timeout(HEARTBEAT_TIMEOUT, check).await {
-                Ok(Ok(row)) if row.get::<_, i64>(0) == epoch => continue,
-                Ok(Ok(row)) => format!(
-                    "another control plane took over (epoch {})",
-                    row.get::<_, i64>(0)
-                ),
+            let why = match tokio::time::timeout(HEARTBEAT_TIMEOUT, check(c)).await {
+                Ok(Ok(None)) => continue,
+                Ok(Ok(Some(why))) => why,
                 Ok(Err(e)) => why(&e),
                 Err(_) => format!("no answer within {HEARTBEAT_TIMEOUT:?}"),
             };
-            tracing::error!(%database, %why, "no longer sure to be the active control plane");
+            tracing::error!(%database, %why, "{stopping}");
             lost.cancel();
             return;
         }

@@ -270,15 +270,7 @@ impl FakeWorker {
     ) -> Result<(Self, bool), Status> {
         let (join, link, rx) = Self::join_message(id, pool, app, hosting, false, 0);
         let kept = plane.worker_attached(&join, Arc::clone(&link)).await?;
-        Ok((
-            Self {
-                plane: plane.clone(),
-                id: id.to_owned(),
-                link,
-                rx,
-            },
-            kept,
-        ))
+        Ok((Self::on(plane, id, link, rx), kept))
     }
 
     fn join(
@@ -292,15 +284,21 @@ impl FakeWorker {
     ) -> Result<(Self, bool), Status> {
         let (join, link, rx) = Self::join_message(id, pool, app, hosting, draining, incarnation);
         let kept = plane.worker_joined(&join, Arc::clone(&link))?;
-        Ok((
-            Self {
-                plane: plane.clone(),
-                id: id.to_owned(),
-                link,
-                rx,
-            },
-            kept,
-        ))
+        Ok((Self::on(plane, id, link, rx), kept))
+    }
+
+    fn on(
+        plane: &Plane,
+        id: &str,
+        link: Arc<WorkerLink>,
+        rx: mpsc::Receiver<Result<WorkerCommand, Status>>,
+    ) -> Self {
+        Self {
+            plane: plane.clone(),
+            id: id.to_owned(),
+            link,
+            rx,
+        }
     }
 
     #[allow(clippy::type_complexity)]

@@ -923,18 +923,14 @@ async fn a_router_with_a_replica_list_is_reachable_through_any_replica() {
     .await;
 }
 
-/// `valet load scenario overflow --cluster`: two replicas on a throwaway PostgreSQL,
-/// both serving (started by the scenario), 16 workers and two routers, all processes; requests alternate between the
-/// routers. The first burst's counts match the single-process run (14 of 32 served,
-/// 18 × 503 into 14 free places); more are served once 16 are freed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_overflow_scenario_runs_on_a_cluster_of_processes() {
-    let out = tempfile::tempdir().unwrap();
+/// Runs `valet load scenario <scenario> --cluster` (capacity wait on, a 3 s budget,
+/// 10 ms restores) with its records in `out`; its output, once it succeeded.
+async fn cluster_scenario(scenario: &str, out: &std::path::Path) -> String {
     let run = tokio::process::Command::new(env!("CARGO_BIN_EXE_valet"))
         .args([
             "load",
             "scenario",
-            "overflow",
+            scenario,
             "--cluster",
             "--capacity-wait",
             "on",
@@ -944,7 +940,7 @@ async fn the_overflow_scenario_runs_on_a_cluster_of_processes() {
             "10ms",
             "--out",
         ])
-        .arg(out.path())
+        .arg(out)
         .stdin(Stdio::null())
         .kill_on_drop(true)
         .output();
@@ -952,12 +948,23 @@ async fn the_overflow_scenario_runs_on_a_cluster_of_processes() {
         .await
         .expect("the scenario ends")
         .unwrap();
-    let stdout = String::from_utf8_lossy(&o.stdout);
+    let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
     assert!(
         o.status.success(),
         "{stdout}\n{}",
         String::from_utf8_lossy(&o.stderr)
     );
+    stdout
+}
+
+/// `valet load scenario overflow --cluster`: two replicas on a throwaway PostgreSQL,
+/// both serving (started by the scenario), 16 workers and two routers, all processes; requests alternate between the
+/// routers. The first burst's counts match the single-process run (14 of 32 served,
+/// 18 × 503 into 14 free places); more are served once 16 are freed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_overflow_scenario_runs_on_a_cluster_of_processes() {
+    let out = tempfile::tempdir().unwrap();
+    let stdout = cluster_scenario("overflow", out.path()).await;
     assert!(
         stdout.contains("cluster: 16 workers; replicas "),
         "{stdout}"
@@ -1000,34 +1007,7 @@ async fn the_overflow_scenario_runs_on_a_cluster_of_processes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_timeline_scenario_runs_on_a_cluster_of_processes() {
     let out = tempfile::tempdir().unwrap();
-    let run = tokio::process::Command::new(env!("CARGO_BIN_EXE_valet"))
-        .args([
-            "load",
-            "scenario",
-            "timeline",
-            "--cluster",
-            "--capacity-wait",
-            "on",
-            "--budget",
-            "3s",
-            "--restore-delay",
-            "10ms",
-            "--out",
-        ])
-        .arg(out.path())
-        .stdin(Stdio::null())
-        .kill_on_drop(true)
-        .output();
-    let o = tokio::time::timeout(Duration::from_secs(180), run)
-        .await
-        .expect("the scenario ends")
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(
-        o.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    let stdout = cluster_scenario("timeline", out.path()).await;
     assert!(stdout.contains("cluster: 2 workers; replicas "), "{stdout}");
     assert!(stdout.contains("(all active)"), "{stdout}");
     assert!(stdout.contains("full pool: 9 returned 503"), "{stdout}");
