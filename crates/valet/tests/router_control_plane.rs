@@ -15,6 +15,16 @@ use valet_router::{Decision, GrpcControlPlane, Metrics, Router, RouterArgs};
 
 const WAIT: Duration = Duration::from_secs(10);
 
+/// One `ResumeActor` attempt for `demo/p1` with no capacity wait, within `timeout`.
+fn p1_attempt(timeout: Duration) -> valet_router::control::ResumeRequest {
+    valet_router::control::ResumeRequest {
+        actor: "demo/p1".parse().unwrap(),
+        wait_for_capacity: None,
+        timeout,
+        lease_holder: None,
+    }
+}
+
 struct Setup {
     cluster: Cluster,
     plane: Plane,
@@ -272,12 +282,7 @@ async fn an_attempt_no_one_answers_is_always_deadline_exceeded() {
     let mut codes = std::collections::BTreeMap::new();
     for _ in 0..60 {
         let e = cp
-            .resume_actor(valet_router::control::ResumeRequest {
-                actor: "demo/p1".parse().unwrap(),
-                wait_for_capacity: None,
-                timeout: Duration::from_millis(20),
-                lease_holder: None,
-            })
+            .resume_actor(p1_attempt(Duration::from_millis(20)))
             .await
             .unwrap_err();
         *codes.entry(format!("{:?}", e.code())).or_insert(0) += 1;
@@ -306,14 +311,7 @@ async fn a_replica_that_answers_unavailable_is_left_for_the_next() {
         config.control_plane_ping_interval(),
     )
     .unwrap();
-    let attempt = || {
-        cp.resume_actor(valet_router::control::ResumeRequest {
-            actor: "demo/p1".parse().unwrap(),
-            wait_for_capacity: None,
-            timeout: WAIT,
-            lease_holder: None,
-        })
-    };
+    let attempt = || cp.resume_actor(p1_attempt(WAIT));
     let first = attempt().await.unwrap_err();
     assert_eq!(
         (first.code(), first.message()),
@@ -346,14 +344,7 @@ async fn a_name_with_several_addresses_is_a_replica_per_address() {
         None,
     )
     .unwrap();
-    let attempt = || {
-        cp.resume_actor(valet_router::control::ResumeRequest {
-            actor: "demo/p1".parse().unwrap(),
-            wait_for_capacity: None,
-            timeout: WAIT,
-            lease_holder: None,
-        })
-    };
+    let attempt = || cp.resume_actor(p1_attempt(WAIT));
     let outcome = |r: Result<valet_router::control::Resumed, valet_router::ResumeError>| match r {
         Ok(r) => format!("status {}", r.actor.status),
         Err(e) => format!("{:?}: {}", e.code(), e.message()),
@@ -435,12 +426,7 @@ async fn a_pinned_address_that_refuses_falls_back_to_the_name() {
     cp.resolve_again_with(async |_, _| Ok(vec![refused])).await;
     assert_eq!(cp.addresses(), [Some(refused)]);
     let resumed = cp
-        .resume_actor(valet_router::control::ResumeRequest {
-            actor: "demo/p1".parse().unwrap(),
-            wait_for_capacity: None,
-            timeout: WAIT,
-            lease_holder: None,
-        })
+        .resume_actor(p1_attempt(WAIT))
         .await
         .expect("served through the name");
     assert_eq!(resumed.actor.status, ateapi::actor::Status::Running as i32);
@@ -475,14 +461,7 @@ async fn an_idle_control_plane_is_pinged_as_configured() {
                 config.control_plane_ping_interval(),
             )
             .unwrap();
-            let answered = cp
-                .resume_actor(valet_router::control::ResumeRequest {
-                    actor: "demo/p1".parse().unwrap(),
-                    wait_for_capacity: None,
-                    timeout: WAIT,
-                    lease_holder: None,
-                })
-                .await;
+            let answered = cp.resume_actor(p1_attempt(WAIT)).await;
             assert!(answered.is_err(), "the server answers UNAVAILABLE");
             let before = sent.load(Ordering::Relaxed);
             assert!(before > 0, "the call went through the proxy");
