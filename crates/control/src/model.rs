@@ -1,7 +1,6 @@
 //! Names, templates and the protobuf views of the control plane's records.
 
 use std::fmt;
-use std::str::FromStr;
 
 use tonic::Status;
 use tonic_types::{ErrorDetails, StatusExt};
@@ -66,15 +65,8 @@ impl fmt::Display for ActorKey {
 /// # Errors
 /// `InvalidArgument` naming `what`, the value and the rule.
 pub fn check_name(what: &str, value: &str) -> Result<(), Status> {
-    let rule = "must be 1-63 characters of a-z, 0-9 and '-', not starting or ending with '-'";
-    let ok = !value.is_empty()
-        && value.len() <= 63
-        && value
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !value.starts_with('-')
-        && !value.ends_with('-');
-    if ok {
+    let rule = valet_template::LABEL_RULE;
+    if valet_template::is_label(value) {
         Ok(())
     } else {
         Err(Status::invalid_argument(format!(
@@ -94,86 +86,7 @@ pub(crate) fn shown(value: &str) -> std::borrow::Cow<'_, str> {
     }
 }
 
-/// An actor template: the pool its actors run in (named like the template) and the
-/// kind of snapshot a suspend takes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Template {
-    name: String,
-    full_snapshot: bool,
-    app: String,
-}
-
-/// The apps a reference worker can run.
-pub const APPS: &[&str] = &["counter", "echo"];
-
-impl Template {
-    /// The demo app's template: pool `counter`, data snapshots (the upstream demo's
-    /// default: a suspend keeps the file counter, not the memory count).
-    pub fn counter() -> Self {
-        Self {
-            name: "counter".into(),
-            full_snapshot: false,
-            app: "counter".into(),
-        }
-    }
-
-    /// A template whose app streams request bodies back and echoes WebSocket messages
-    /// (pool `echo`), for data-plane tests.
-    pub fn echo() -> Self {
-        Self {
-            name: "echo".into(),
-            full_snapshot: false,
-            app: "echo".into(),
-        }
-    }
-
-    /// The app its actors run.
-    pub fn app(&self) -> &str {
-        &self.app
-    }
-
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
-    /// The pool its actors run in.
-    pub fn pool(&self) -> &str {
-        &self.name
-    }
-
-    pub fn full_snapshot(&self) -> bool {
-        self.full_snapshot
-    }
-}
-
-/// `NAME[:data|full[:APP]]`: the snapshot a suspend takes (data) and the app (counter).
-impl FromStr for Template {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let mut parts = s.split(':');
-        let name = parts.next().unwrap_or_default();
-        let kind = parts.next().unwrap_or("data");
-        let app = parts.next().unwrap_or("counter");
-        if parts.next().is_some() {
-            return Err(format!("template {s:?}: want NAME[:data|full[:APP]]"));
-        }
-        check_name("template", name).map_err(|e| e.message().to_owned())?;
-        let full_snapshot = match kind {
-            "data" => false,
-            "full" => true,
-            other => return Err(format!("snapshot kind {other:?} must be data or full")),
-        };
-        if !APPS.contains(&app) {
-            return Err(format!("app {app:?} must be one of {}", APPS.join(", ")));
-        }
-        Ok(Self {
-            name: name.to_owned(),
-            full_snapshot,
-            app: app.to_owned(),
-        })
-    }
-}
+pub use valet_template::Template;
 
 /// An actor's status as the plane keeps it. The number (`ateapi.Actor.Status`) exists
 /// only on the wire and in the database.
@@ -296,18 +209,5 @@ mod tests {
             None,
             "PAUSING is never written here"
         );
-    }
-
-    #[test]
-    fn templates() {
-        assert_eq!("counter".parse::<Template>().unwrap(), Template::counter());
-        let t: Template = "big:full".parse().unwrap();
-        assert!(t.full_snapshot());
-        assert_eq!(t.pool(), "big");
-        assert!("big:half".parse::<Template>().is_err());
-        assert!("Big".parse::<Template>().is_err());
-        let e: Template = "e2:data:echo".parse().unwrap();
-        assert_eq!(e.app(), "echo");
-        assert!("e3:data:nope".parse::<Template>().is_err());
     }
 }

@@ -55,6 +55,7 @@ pub mod leases {
 }
 
 pub mod auth;
+pub mod units;
 pub mod reload;
 
 /// How long a worker's app keeps a connection that sends no request head, an idle

@@ -427,7 +427,7 @@ impl Plane {
         };
         let app = self
             .template(&row.template)
-            .map_or("counter", Template::app)
+            .map_or("counter", |t| t.builtin().map_or("", |b| b.name()))
             .to_owned();
         let cmd = Command::Restore(wk::Restore {
             actor: Some(slot_of(key, row)),
