@@ -64,6 +64,11 @@ pub struct ClusterConfig {
     /// TLS: the control plane's server settings and the workers' credentials; h2c
     /// when `None`.
     pub tls: Option<ClusterTls>,
+    /// The templates the control plane and the workers know (the plane's own list is
+    /// taken from here).
+    pub templates: valet_template::Templates,
+    /// The largest data directory a program's checkpoint snapshots.
+    pub snapshot_max_bytes: u64,
 }
 
 /// TLS inside the embedded cluster.
@@ -88,7 +93,17 @@ impl ClusterConfig {
             metrics_listen: None,
             shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
             tls: None,
+            templates: valet_template::Templates::builtin(),
+            snapshot_max_bytes: valet_worker::DEFAULT_SNAPSHOT_MAX_BYTES,
         }
+    }
+
+    /// Its pools' workers run `template`'s program or app: it is known to the control
+    /// plane and the workers, and `pool` (its name) gets `workers` workers.
+    pub fn with_template(mut self, template: valet_template::Template, workers: usize) -> Self {
+        self.pools = vec![PoolSpec::new(template.name(), workers)];
+        self.templates.insert(template);
+        self
     }
 }
 
@@ -125,7 +140,9 @@ impl Cluster {
     ///
     /// # Errors
     /// When a part cannot start, naming it.
-    pub async fn start_on(store: SqliteStore, config: ClusterConfig) -> Result<Self, String> {
+    pub async fn start_on(store: SqliteStore, mut config: ClusterConfig) -> Result<Self, String> {
+        config.plane.templates = config.templates.iter().cloned().collect();
+        config.plane.check_templates()?;
         // Every port first: nothing is running yet should one be taken.
         let listener = TcpListener::bind(config.listen)
             .await
@@ -200,6 +217,10 @@ impl Cluster {
                     restore_delay: config.restore_delay,
                     worker_id: Some(format!("{}-{i}", spec.id_prefix)),
                     advertise: None,
+                    templates: config.templates.clone(),
+                    run_dir: config.data_dir.join("run"),
+                    snapshot_max_bytes: config.snapshot_max_bytes,
+                    cgroup: None,
                 })
                 .await
                 .map_err(|e| e.to_string())?;

@@ -58,6 +58,10 @@ async fn spawn_worker(addr: std::net::SocketAddr, dir: &std::path::Path) -> Work
         restore_delay: Duration::ZERO,
         worker_id: None,
         advertise: None,
+        templates: Default::default(),
+        run_dir: dir.join("snapshots").with_file_name("run"),
+        snapshot_max_bytes: valet_worker::DEFAULT_SNAPSHOT_MAX_BYTES,
+        cgroup: None,
     })
     .await
     .unwrap()

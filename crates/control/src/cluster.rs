@@ -1440,7 +1440,7 @@ async fn write_batch(
                 row.key()
             )));
         }
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 12] = [
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 14] = [
             &row.atespace,
             &row.name,
             &row.uid,
@@ -1453,13 +1453,15 @@ async fn write_batch(
             &selector,
             &row.revert_pending,
             &held,
+            &row.snapshot,
+            &row.reason,
         ];
         let n = if row.version == 1 {
             tx.execute(
                 &tx.prepare_cached("INSERT INTO actors (atespace, name, uid, template_namespace, template, pool, status, \
-                 version, worker, selector, revert_pending, op_replica) \
+                 version, worker, selector, revert_pending, op_replica, snapshot, reason) \
                  SELECT $1::text, $2::text, $3::text, $4::text, $5::text, $6::text, $7::integer, \
-                 $8::bigint, $9::text, $10::text, $11::boolean, $12::bigint \
+                 $8::bigint, $9::text, $10::text, $11::boolean, $12::bigint, $13::text, $14::text \
                  WHERE EXISTS (SELECT 1 FROM atespaces WHERE name = $1) \
                  ON CONFLICT (atespace, name) DO NOTHING").await.map_err(&err)?,
                 &params,
@@ -1470,7 +1472,7 @@ async fn write_batch(
             tx.execute(
                 &tx.prepare_cached("UPDATE actors SET uid = $3, template_namespace = $4, template = $5, pool = $6, \
                  status = $7, version = $8, worker = $9, selector = $10, revert_pending = $11, \
-                 op_replica = $12 \
+                 op_replica = $12, snapshot = $13, reason = $14 \
                  WHERE atespace = $1 AND name = $2 AND version = $8::bigint - 1 AND uid = $3").await.map_err(&err)?,
                 &params,
             )

@@ -517,6 +517,15 @@ impl control_server::Control for ControlService {
             actor: Some(actor),
         }))
     }
+
+    async fn get_actor_logs(
+        &self,
+        r: Request<ateapi::GetActorLogsRequest>,
+    ) -> Res<ateapi::GetActorLogsResponse> {
+        let key = ActorKey::from_ref(r.get_ref().actor_ref.as_ref())?;
+        let (output, worker) = self.plane.actor_logs(&key).await?;
+        Ok(Response::new(ateapi::GetActorLogsResponse { output, worker }))
+    }
 }
 
 /// `valet.leases.Leases`: routers' watches of their route leases.
@@ -679,6 +688,9 @@ impl workers_server::Workers for WorkersService {
                     Ok(Some(wk::WorkerEvent {
                         event: Some(Event::Drain(_)),
                     })) => plane.worker_draining(&join.worker_id, &link),
+                    Ok(Some(wk::WorkerEvent {
+                        event: Some(Event::Exited(exited)),
+                    })) => plane.actor_exited(&join.worker_id, &link, &exited),
                     Ok(Some(wk::WorkerEvent {
                         event: Some(Event::Renew(renew)),
                     })) => {

@@ -29,6 +29,10 @@ pub(crate) enum LinkError {
     /// A checkpoint of an actor the worker does not host (it was told to drop it).
     #[error("{0}")]
     NotHosting(String),
+    /// A checkpoint that failed with the actor still served on the worker (its data
+    /// over the limit, a snapshot that could not be written).
+    #[error("{0}")]
+    StillRunning(String),
 }
 
 /// What the control plane sends on a worker's stream.
@@ -74,12 +78,13 @@ impl WorkerLink {
         self.close();
     }
 
-    /// Sends `command` and waits up to `timeout` for the worker's reply.
+    /// Sends `command` and waits up to `timeout` for the worker's reply: the reply
+    /// when it says the command succeeded.
     pub(crate) async fn call(
         &self,
         command: worker_command::Command,
         timeout: Duration,
-    ) -> Result<(), LinkError> {
+    ) -> Result<Reply, LinkError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (reply_tx, reply_rx) = oneshot::channel();
         match self.lock().as_mut() {
@@ -113,8 +118,9 @@ impl WorkerLink {
             }
         }
         match tokio::time::timeout_at(deadline, reply_rx).await {
-            Ok(Ok(reply)) if reply.ok => Ok(()),
+            Ok(Ok(reply)) if reply.ok => Ok(reply),
             Ok(Ok(reply)) if reply.busy => Err(LinkError::Busy),
+            Ok(Ok(reply)) if reply.still_running => Err(LinkError::StillRunning(reply.error)),
             Ok(Ok(reply)) if reply.not_hosting => Err(LinkError::NotHosting(reply.error)),
             Ok(Ok(reply)) => Err(LinkError::Failed(reply.error)),
             Ok(Err(_)) => Err(LinkError::Gone),

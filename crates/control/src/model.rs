@@ -76,6 +76,22 @@ pub fn check_name(what: &str, value: &str) -> Result<(), Status> {
     }
 }
 
+/// The longest crash reason kept on an actor's record.
+pub const REASON_MAX: usize = 4096;
+
+/// `reason` cut to at most [`REASON_MAX`] bytes (at a character boundary, keeping its
+/// end, where a program's last words are).
+pub fn bounded_reason(reason: &str) -> String {
+    if reason.len() <= REASON_MAX {
+        return reason.to_owned();
+    }
+    let mut from = reason.len() - (REASON_MAX - 3);
+    while !reason.is_char_boundary(from) {
+        from += 1;
+    }
+    format!("…{}", &reason[from..])
+}
+
 /// A client's value as an error message may repeat it: at most 64 characters, so that
 /// no answer grows with what a client sent.
 pub(crate) fn shown(value: &str) -> std::borrow::Cow<'_, str> {

@@ -180,6 +180,8 @@ const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
          message TEXT,
          actor BYTEA
      );",
+    "ALTER TABLE actors ADD COLUMN IF NOT EXISTS snapshot TEXT NOT NULL DEFAULT '';
+     ALTER TABLE actors ADD COLUMN IF NOT EXISTS reason TEXT NOT NULL DEFAULT '';",
 ];
 
 /// The control plane's record in PostgreSQL, one replica active at a time. Cheap to
@@ -1002,7 +1004,7 @@ pub(crate) async fn migrate(
 macro_rules! actor_columns {
     () => {
         "atespace, name, uid, template_namespace, template, pool, status, version, worker, \
-         selector, revert_pending, op_replica"
+         selector, revert_pending, op_replica, snapshot, reason"
     };
 }
 
@@ -1031,6 +1033,8 @@ pub(crate) fn actor_of(r: &tokio_postgres::Row, database: &str) -> Result<ActorR
         selector: crate::store::decode_selector(r.get(9)),
         revert_pending: r.get(10),
         op_replica: r.get(11),
+        snapshot: r.get(12),
+        reason: r.get(13),
     })
 }
 
@@ -1118,13 +1122,14 @@ pub(crate) async fn put_actor(
     let selector = crate::store::encode_selector(&row.selector);
     c.execute(
         "INSERT INTO actors (atespace, name, uid, template_namespace, template, pool, status, \
-         version, worker, selector, revert_pending, op_replica) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, NULL) \
+         version, worker, selector, revert_pending, op_replica, snapshot, reason) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, NULL, $12, $13) \
          ON CONFLICT (atespace, name) DO UPDATE SET uid = excluded.uid, \
          template_namespace = excluded.template_namespace, template = excluded.template, \
          pool = excluded.pool, status = excluded.status, version = excluded.version, \
          worker = excluded.worker, selector = excluded.selector, \
-         revert_pending = excluded.revert_pending, op_replica = excluded.op_replica",
+         revert_pending = excluded.revert_pending, op_replica = excluded.op_replica, \
+         snapshot = excluded.snapshot, reason = excluded.reason",
         &[
             &row.atespace,
             &row.name,
@@ -1137,6 +1142,8 @@ pub(crate) async fn put_actor(
             &row.worker,
             &selector,
             &row.revert_pending,
+            &row.snapshot,
+            &row.reason,
         ],
     )
     .await

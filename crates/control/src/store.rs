@@ -42,6 +42,13 @@ pub struct ActorRow {
     /// other status, and always with one control plane. Written by the store, from the
     /// status ([`ActorRow::held_by`]).
     pub op_replica: Option<i64>,
+    /// A program's last good snapshot (the id its worker's checkpoint named), which its
+    /// next restore unpacks; empty until its first checkpoint (and for built-in apps,
+    /// whose snapshot is their directory).
+    pub snapshot: String,
+    /// While CRASHED: why (a program's exit status, a failed restore or checkpoint,
+    /// with its last output). Empty in every other status.
+    pub reason: String,
 }
 
 impl ActorRow {
@@ -50,13 +57,23 @@ impl ActorRow {
         ActorKey::new(&self.atespace, &self.name).expect("stored names are valid")
     }
 
-    /// The same actor moved to `status` on `worker`, one version on.
+    /// The same actor moved to `status` on `worker`, one version on (a crash's reason
+    /// goes: see [`ActorRow::crashed`]).
     pub fn moved(&self, status: ActorStatus, worker: Option<String>) -> Self {
         Self {
             status,
             worker,
             version: self.version + 1,
+            reason: String::new(),
             ..self.clone()
+        }
+    }
+
+    /// The same actor CRASHED on no worker, one version on, for `reason`.
+    pub fn crashed(&self, reason: &str) -> Self {
+        Self {
+            reason: crate::model::bounded_reason(reason),
+            ..self.moved(ActorStatus::Crashed, None)
         }
     }
 
@@ -204,7 +221,9 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
 /// 4. `hosting_lease_bound`: the same for the hosting lease workers were told.
 /// 5. PostgreSQL: several replicas active at once (`valet_replicas`, `valet_workers`,
 ///    `valet_waiters`, `valet_forwards`, `actors.op_replica`); SQLite: nothing.
-pub const SCHEMA_VERSION: i64 = 5;
+/// 6. Programs as actors: `actors.snapshot` (a program's last good snapshot) and
+///    `actors.reason` (why a CRASHED actor crashed).
+pub const SCHEMA_VERSION: i64 = 6;
 
 /// SQLite's migrations: `SQLITE_MIGRATIONS[v - 1]` brings version `v - 1` to `v`.
 const SQLITE_MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
@@ -242,6 +261,8 @@ const SQLITE_MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
      ) STRICT;",
     // Replicas active together share PostgreSQL only: nothing changes here.
     "",
+    "ALTER TABLE actors ADD COLUMN snapshot TEXT NOT NULL DEFAULT '';
+     ALTER TABLE actors ADD COLUMN reason TEXT NOT NULL DEFAULT '';",
 ];
 
 /// Brings the SQLite database to [`SCHEMA_VERSION`] (`PRAGMA user_version`), each
@@ -492,19 +513,20 @@ impl SqliteStore {
 }
 
 const SELECT_ACTOR: &str = "SELECT atespace, name, uid, template_namespace, template, pool, \
-     status, version, worker, selector, revert_pending FROM actors";
+     status, version, worker, selector, revert_pending, snapshot, reason FROM actors";
 
 fn put_actor(c: &Connection, row: &ActorRow) -> rusqlite::Result<()> {
     let selector = encode_selector(&row.selector);
     c.execute(
         "INSERT INTO actors (atespace, name, uid, template_namespace, template, \
-         pool, status, version, worker, selector, revert_pending) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11) \
+         pool, status, version, worker, selector, revert_pending, snapshot, reason) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13) \
          ON CONFLICT (atespace, name) DO UPDATE SET uid = excluded.uid, \
          template_namespace = excluded.template_namespace, template = excluded.template, \
          pool = excluded.pool, status = excluded.status, version = excluded.version, \
          worker = excluded.worker, selector = excluded.selector, \
-         revert_pending = excluded.revert_pending",
+         revert_pending = excluded.revert_pending, snapshot = excluded.snapshot, \
+         reason = excluded.reason",
         params![
             row.atespace,
             row.name,
@@ -517,6 +539,8 @@ fn put_actor(c: &Connection, row: &ActorRow) -> rusqlite::Result<()> {
             row.worker,
             selector,
             row.revert_pending,
+            row.snapshot,
+            row.reason,
         ],
     )
     .map(drop)
@@ -590,6 +614,8 @@ fn row_to_actor(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawActor> {
             selector: decode_selector(&r.get::<_, String>(9)?),
             revert_pending: r.get(10)?,
             op_replica: None,
+            snapshot: r.get(11)?,
+            reason: r.get(12)?,
         },
         r.get(6)?,
     ))
@@ -629,6 +655,8 @@ mod tests {
             selector: vec![("workload".into(), "counter".into())],
             revert_pending: false,
             op_replica: None,
+            snapshot: String::new(),
+            reason: String::new(),
         }
     }
 

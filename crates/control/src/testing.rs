@@ -360,7 +360,46 @@ impl FakeWorker {
             error: result.err().unwrap_or_default().to_owned(),
             busy: false,
             not_hosting: false,
+            ..Default::default()
         });
+    }
+
+    /// Answers a checkpoint `id`: it failed with the actor still served (its data over
+    /// the limit, say).
+    pub fn answer_still_running(&self, id: u64, why: &str) {
+        self.link.deliver(wk::Reply {
+            id,
+            error: why.into(),
+            still_running: true,
+            ..Default::default()
+        });
+    }
+
+    /// Answers a program's checkpoint `id`: its snapshot is `snapshot`.
+    pub fn answer_snapshot(&self, id: u64, snapshot: &str) {
+        self.link.deliver(wk::Reply {
+            id,
+            ok: true,
+            snapshot: snapshot.into(),
+            ..Default::default()
+        });
+    }
+
+    /// Reports that hosted `actor`'s program exited with `status`.
+    pub fn exited(&self, actor: &ActorKey, status: &str) {
+        self.plane.actor_exited(
+            &self.id,
+            &self.link,
+            &wk::Exited {
+                actor: Some(wk::ActorSlot {
+                    atespace: actor.atespace().into(),
+                    name: actor.name().into(),
+                    snapshot_key: String::new(),
+                }),
+                status: status.into(),
+                output: "last words".into(),
+            },
+        );
     }
 
     /// Answers a policy's checkpoint `id`: the actor is busy.
@@ -371,6 +410,7 @@ impl FakeWorker {
             error: "the actor is busy".into(),
             busy: true,
             not_hosting: false,
+            ..Default::default()
         });
     }
 
@@ -382,6 +422,7 @@ impl FakeWorker {
             error: "worker does not host the actor".into(),
             busy: false,
             not_hosting: true,
+            ..Default::default()
         });
     }
 

@@ -118,6 +118,7 @@ async fn expect(w: &mut FakeWorker, what: &str) -> Received {
         Command::Welcome(_) => "welcome",
         Command::Renewed(_) => "renewed",
         Command::Drained(_) => "drained",
+        Command::Logs(_) => "logs",
     };
     assert_eq!(name, what, "{r:?}");
     r
@@ -348,6 +349,8 @@ fn running_on(name: &str, worker: &str) -> ActorRow {
         selector: Vec::new(),
         revert_pending: false,
         op_replica: None,
+        snapshot: String::new(),
+        reason: String::new(),
     }
 }
 

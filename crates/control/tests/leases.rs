@@ -490,6 +490,8 @@ async fn after_a_restart_a_worker_that_rejoined_and_was_cut_off_keeps_its_actor(
                 selector: Vec::new(),
                 revert_pending: false,
                 op_replica: None,
+                snapshot: String::new(),
+                reason: String::new(),
             }],
             ..Batch::default()
         })

@@ -24,6 +24,8 @@ fn row(name: &str) -> ActorRow {
         selector: vec![("workload".into(), "counter".into())],
         revert_pending: false,
         op_replica: None,
+        snapshot: String::new(),
+        reason: String::new(),
     }
 }
 
@@ -141,6 +143,8 @@ async fn the_record_survives_a_reopen_and_batches_are_transactions() {
             on("p1", "w1"),
             ActorRow {
                 op_replica: Some(7),
+                snapshot: String::new(),
+                reason: String::new(),
                 ..row("p2")
             },
         ]))

@@ -319,6 +319,10 @@ async fn a_real_worker_renews_its_rotated_token_and_stays_attached() {
         restore_delay: Duration::ZERO,
         worker_id: Some("w1".into()),
         advertise: None,
+        templates: Default::default(),
+        run_dir: s.dir.path().join("snapshots").with_file_name("run"),
+        snapshot_max_bytes: valet_worker::DEFAULT_SNAPSHOT_MAX_BYTES,
+        cgroup: None,
     })
     .await
     .unwrap();

@@ -129,6 +129,10 @@ pub async fn leases(opts: &LeaseOpts) -> Result<Report, String> {
                 restore_delay: Duration::ZERO,
                 worker_id: Some(format!("lease-echo-{i}")),
                 advertise: None,
+                templates: Default::default(),
+                run_dir: dir.path().join("snapshots").with_file_name("run"),
+                snapshot_max_bytes: valet_worker::DEFAULT_SNAPSHOT_MAX_BYTES,
+                cgroup: None,
             })
             .await
             .map_err(|e| e.to_string())?,

@@ -55,6 +55,7 @@ pub mod leases {
 }
 
 pub mod auth;
+pub mod hop;
 pub mod units;
 pub mod reload;
 

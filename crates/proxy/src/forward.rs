@@ -12,6 +12,7 @@ use hyper::body::Body as _;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioIo;
+use valet_proto::hop::{is_upgrade, strip_hop_by_hop};
 use valet_router::{CallerEnd, Denial, Route, Verdict};
 
 use crate::body::{Failure, RequestBody};
@@ -22,21 +23,6 @@ pub(crate) type Body = BoxBody<Bytes, hyper::Error>;
 
 /// The header naming the actor on every routed request.
 pub(crate) const ACTOR_REF: &str = "x-actor-ref";
-
-/// Headers that describe one hop, never forwarded (RFC 9110 §7.6.1).
-const HOP_BY_HOP: &[&str] = &[
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    // Connection-specific by RFC 9113 §3.2.1 (an h2c upgrade's settings).
-    "http2-settings",
-];
 
 /// Why a small body was not read whole.
 enum Unread {
@@ -119,35 +105,6 @@ fn names_h2c(upgrade: &HeaderValue) -> bool {
         .as_bytes()
         .split(|&b| b == b',')
         .any(|p| p.trim_ascii().eq_ignore_ascii_case(b"h2c"))
-}
-
-fn is_upgrade(headers: &HeaderMap) -> bool {
-    headers.contains_key(header::UPGRADE)
-        && headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .any(|v| {
-                v.split(',')
-                    .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
-            })
-}
-
-/// Removes hop-by-hop headers and those the `Connection` header names.
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
-    }
-    for name in HOP_BY_HOP {
-        headers.remove(*name);
-    }
 }
 
 /// The largest declared body of a request that may be sent again after the worker

@@ -761,7 +761,7 @@ impl RawLimits {
             ));
         }
         if let Some(cpu) = self.cpu
-            && !(cpu.is_finite() && cpu >= 0.01 && cpu <= 1024.0)
+            && !(cpu.is_finite() && (0.01..=1024.0).contains(&cpu))
         {
             return Err(format!("limits.cpu: {cpu} must be a number of CPUs from 0.01 to 1024"));
         }

@@ -662,15 +662,26 @@ pub(crate) struct UpArgs {
     #[arg(long, env = "VALET_IDLE_SUSPEND_AFTER", default_value = "5m", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) idle_suspend_after: Duration,
 
-    /// Declares an actor template: NAME, NAME:data or NAME:full (the snapshot a suspend
-    /// takes); `counter:full` makes the demo's actors keep their memory count.
-    #[arg(
-        long = "template",
-        env = "VALET_TEMPLATES",
-        value_delimiter = ',',
-        value_name = "NAME[:data|full]"
-    )]
-    pub(crate) templates: Vec<valet_control::Template>,
+    #[command(flatten)]
+    pub(crate) templates: TemplateArgs,
+
+    /// Run this program as the demo pool's actors instead of the counter (`'python3
+    /// app.py'`): split as a shell would, run from the current directory, with its port
+    /// in $PORT and its data directory in $VALET_DATA_DIR (`{port}` and `{data}` in it
+    /// are substituted too). It becomes template (and pool) `app`; for more settings
+    /// write a templates file (--templates).
+    #[arg(long, env = "VALET_APP", value_name = "COMMAND")]
+    pub(crate) app: Option<String>,
+
+    /// The template of the demo pool (its --workers workers, its --demo-actors):
+    /// `app` with --app, else `counter`; with --templates, any template of the file.
+    #[arg(long, env = "VALET_DEMO_TEMPLATE", value_name = "NAME")]
+    pub(crate) demo_template: Option<String>,
+
+    /// The largest data directory a program's checkpoint snapshots; a checkpoint of a
+    /// larger one is refused and the actor keeps running. Bytes, or with KiB, MiB, GiB.
+    #[arg(long, env = "VALET_SNAPSHOT_MAX_BYTES", default_value = DEFAULT_SNAPSHOT_MAX_BYTES, value_parser = valet_router::config::parse_bytes, value_name = "BYTES")]
+    pub(crate) snapshot_max_bytes: u64,
 
     #[command(flatten)]
     pub(crate) leases: LeaseArgs,
@@ -679,6 +690,52 @@ pub(crate) struct UpArgs {
     /// least this long, one per waiting actor; 0 turns it off.
     #[arg(long, env = "VALET_EVICT_IDLE_AFTER", default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) evict_idle_after: Duration,
+}
+
+/// Default `--snapshot-max-bytes`.
+pub(crate) const DEFAULT_SNAPSHOT_MAX_BYTES: &str = "1GiB";
+/// Default `valet worker --run-dir`.
+pub(crate) const DEFAULT_RUN_DIR: &str = "./valet-data/run";
+
+/// The actor templates a control plane (or `valet up`) knows.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct TemplateArgs {
+    /// A templates file (TOML): programs that run as actors, each a template whose pool
+    /// has its name (`[templates.NAME]` with command, dir, env, ready, start_timeout,
+    /// stop_signal, stop_grace, protocol, limits; see docs/apps.md). Workers of those
+    /// pools need the same file.
+    #[arg(long = "templates", env = "VALET_TEMPLATES_FILE", value_name = "FILE")]
+    pub(crate) file: Option<PathBuf>,
+
+    /// Declares a built-in app's template (its pool has the same name): NAME,
+    /// NAME:data or NAME:full (the snapshot a suspend takes), NAME:KIND:echo for the
+    /// echo app. `counter` (data) and `echo` are always known; `counter:full` makes the
+    /// demo's actors keep their memory count.
+    #[arg(
+        long = "template",
+        env = "VALET_TEMPLATES",
+        value_delimiter = ',',
+        value_name = "NAME[:data|full[:APP]]"
+    )]
+    pub(crate) builtin: Vec<valet_control::Template>,
+}
+
+impl TemplateArgs {
+    /// The templates: built-in ones, the file's, then the --template flags'.
+    ///
+    /// # Errors
+    /// The file's error, as an invalid configuration of --templates.
+    pub(crate) fn resolve(&self) -> Result<valet_template::Templates, String> {
+        let mut templates = match &self.file {
+            Some(f) => valet_template::Templates::load(f)
+                .map_err(|e| format!("invalid configuration: --templates={}: {}", f.display(), e.message))?,
+            None => valet_template::Templates::builtin(),
+        };
+        for t in &self.builtin {
+            templates.insert(t.clone());
+        }
+        Ok(templates)
+    }
 }
 
 /// Default `--metrics-listen` of `valet up`.
@@ -752,15 +809,8 @@ pub(crate) struct ControlPlaneArgs {
     )]
     pub(crate) capacity_wait: OnOff,
 
-    /// Declares an actor template (its pool has the same name): NAME, NAME:data or
-    /// NAME:full (the snapshot a suspend takes). `counter` (data) is always known.
-    #[arg(
-        long = "template",
-        env = "VALET_TEMPLATES",
-        value_delimiter = ',',
-        value_name = "NAME[:data|full]"
-    )]
-    pub(crate) templates: Vec<valet_control::Template>,
+    #[command(flatten)]
+    pub(crate) templates: TemplateArgs,
 
     /// How long a worker may take to restore an actor before it counts as crashed.
     #[arg(long, env = "VALET_RESTORE_TIMEOUT", default_value = "60s", value_parser = parse_duration, value_name = "DURATION")]
@@ -972,6 +1022,30 @@ pub(crate) struct WorkerArgs {
     #[arg(long, env = "VALET_RESTORE_DELAY", default_value = "0s", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) restore_delay: Duration,
 
+    /// The templates file (TOML) the control plane has: a pool whose template is a
+    /// program there runs that program for each actor (its command must be here and
+    /// executable, and its limits applicable: checked at the start).
+    #[arg(long = "templates", env = "VALET_TEMPLATES_FILE", value_name = "FILE")]
+    pub(crate) templates: Option<PathBuf>,
+
+    /// Where programs' live directories are (`<atespace>/<name>/data`, locked while a
+    /// program runs). Workers on one machine share it: a restore kills a program a
+    /// dead worker left, and a worker starting kills those of dead workers.
+    #[arg(long, env = "VALET_RUN_DIR", default_value = DEFAULT_RUN_DIR, value_name = "DIR")]
+    pub(crate) run_dir: PathBuf,
+
+    /// The largest data directory a program's checkpoint snapshots; a checkpoint of a
+    /// larger one is refused and the actor keeps running. Bytes, or with KiB, MiB, GiB.
+    #[arg(long, env = "VALET_SNAPSHOT_MAX_BYTES", default_value = DEFAULT_SNAPSHOT_MAX_BYTES, value_parser = valet_router::config::parse_bytes, value_name = "BYTES")]
+    pub(crate) snapshot_max_bytes: u64,
+
+    /// A cgroup v2 directory delegated to this worker (writable, with memory and cpu
+    /// in its cgroup.subtree_control): each program runs in a child cgroup of it with
+    /// the template's memory.max and cpu.max. Without it, limits.memory is an address
+    /// space limit and a template with limits.cpu is refused.
+    #[arg(long, env = "VALET_CGROUP", value_name = "DIR")]
+    pub(crate) cgroup: Option<PathBuf>,
+
     /// This worker's id (default: a random one); keep it to re-attach with the same actor.
     /// One process per id: while a process with this id is attached, or left less than
     /// the control plane's --hosting-lease ago (it may still serve its actor), another
@@ -1079,6 +1153,9 @@ pub(crate) enum ActorCommand {
     Revert { actor: String },
     /// Deletes a suspended or crashed actor.
     Delete { actor: String },
+    /// Prints the last output (stdout and stderr, up to 64 KiB) of an actor's program,
+    /// as the worker hosting it now, or that last did, keeps it.
+    Logs { actor: String },
 }
 
 /// Prints a command-line error and picks the exit status: 0 for `--help` and

@@ -706,6 +706,10 @@ async fn two_hundred_resumes_over_both_replicas_fill_twenty_workers_once() {
                 restore_delay: Duration::ZERO,
                 worker_id: Some(format!("w{i:02}")),
                 advertise: None,
+                templates: Default::default(),
+                run_dir: dir.path().join("snapshots").with_file_name("run"),
+                snapshot_max_bytes: valet_worker::DEFAULT_SNAPSHOT_MAX_BYTES,
+                cgroup: None,
             })
             .await
             .unwrap(),

@@ -30,57 +30,35 @@ use crate::traffic::{InFlight, Traffic};
 /// The header the router sets on every routed request.
 pub const ACTOR_REF_HEADER: &str = "x-actor-ref";
 
-/// Which app a hosted actor runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum App {
-    Counter,
+/// What a hosted actor runs.
+#[derive(Debug)]
+pub(crate) enum Served {
+    /// The seed's demo.
+    Counter(Counter),
+    /// Streams bodies back, echoes WebSocket messages.
     Echo,
-}
-
-impl App {
-    pub(crate) fn from_name(name: &str) -> Result<Self, String> {
-        match name {
-            "" | "counter" => Ok(App::Counter),
-            "echo" => Ok(App::Echo),
-            other => Err(format!("unknown app {other:?}")),
-        }
-    }
+    /// A program of the worker's templates file.
+    Program(Arc<crate::runtime::Host>),
 }
 
 /// Largest `/bytes/<n>` the echo app serves.
 pub(crate) const MAX_ECHO_BYTES: u64 = 4 << 30;
 
-/// The actor a worker hosts.
+/// The counter app's state: its memory count, and its data file.
 #[derive(Debug)]
-pub(crate) struct Hosted {
-    /// `atespace/name`.
-    pub(crate) actor: String,
-    pub(crate) app: App,
-    pub(crate) snapshot_key: String,
+pub(crate) struct Counter {
     memory: AtomicU64,
     data_file: PathBuf,
     /// Serializes the file counter's read-increment-write.
     file_lock: Mutex<()>,
-    /// Requests in flight, the activity mark, the checkpoint's fence.
-    pub(crate) traffic: Arc<Traffic>,
 }
 
-impl Hosted {
-    pub(crate) fn new(
-        actor: String,
-        app: App,
-        snapshot_key: String,
-        memory: u64,
-        data_file: PathBuf,
-    ) -> Self {
+impl Counter {
+    pub(crate) fn new(memory: u64, data_file: PathBuf) -> Self {
         Self {
-            actor,
-            app,
-            snapshot_key,
             memory: AtomicU64::new(memory),
             data_file,
             file_lock: Mutex::new(()),
-            traffic: Arc::default(),
         }
     }
 
@@ -95,6 +73,38 @@ impl Hosted {
         // Counted in memory once the file took it: a failed write counts nowhere.
         let memory = self.memory.fetch_add(1, Ordering::SeqCst) + 1;
         Ok((memory, file))
+    }
+}
+
+/// The actor a worker hosts.
+#[derive(Debug)]
+pub(crate) struct Hosted {
+    /// `atespace/name`.
+    pub(crate) actor: String,
+    pub(crate) app: Served,
+    pub(crate) snapshot_key: String,
+    /// Requests in flight, the activity mark, the checkpoint's fence.
+    pub(crate) traffic: Arc<Traffic>,
+}
+
+impl Hosted {
+    pub(crate) fn new(actor: String, app: Served, snapshot_key: String) -> Self {
+        Self {
+            actor,
+            app,
+            snapshot_key,
+            traffic: Arc::default(),
+        }
+    }
+
+    /// The actor left this worker: nothing more gets in, what is in flight ends, and
+    /// its program, if it runs one, is killed (nothing of it is kept past its last
+    /// snapshot).
+    pub(crate) fn left(&self) {
+        self.traffic.set_gone();
+        if let Served::Program(host) = &self.app {
+            host.kill();
+        }
     }
 }
 
@@ -183,7 +193,7 @@ pub(crate) struct Tunnels {
 
 impl Tunnels {
     /// Runs `tunnel` until it ends or [`Tunnels::close_now`].
-    fn spawn(&self, tunnel: impl std::future::Future<Output = ()> + Send + 'static) {
+    pub(crate) fn spawn(&self, tunnel: impl std::future::Future<Output = ()> + Send + 'static) {
         let closed = self.closed.clone();
         self.tasks.spawn(async move {
             tokio::select! {
@@ -214,7 +224,7 @@ pub(crate) type Body = BoxBody<Bytes, BoxError>;
 /// A response body's error: the client's body broke, or the actor's stream was cut.
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-fn text(status: StatusCode, body: String) -> Response<Body> {
+pub(crate) fn text(status: StatusCode, body: String) -> Response<Body> {
     Response::builder()
         .status(status)
         .header(http::header::CONTENT_TYPE, "text/plain; charset=utf-8")
@@ -307,6 +317,25 @@ pub(crate) async fn handle(
         let status = StatusCode::SERVICE_UNAVAILABLE;
         return Ok(text(status, "no actor hosted\n".into()));
     };
+    // A program owns every path of its own.
+    if let Served::Program(host) = &hosted.app {
+        let Some(in_flight) = hosted.traffic.enter() else {
+            return Ok(text(
+                StatusCode::MISDIRECTED_REQUEST,
+                format!(
+                    "misdirected request: actor {} is being checkpointed here\n",
+                    hosted.actor
+                ),
+            ));
+        };
+        let Some(upstream) = host.upstream() else {
+            return Ok(text(
+                StatusCode::BAD_GATEWAY,
+                format!("actor {} failed: its program is not running\n", hosted.actor),
+            ));
+        };
+        return Ok(crate::forward::forward(req, &hosted.actor, upstream, in_flight, &tunnels).await);
+    }
     // The app's own readiness, whatever the fence; every request for the actor
     // (`/whoami` included) goes through the fence.
     if path == "/readyz" {
@@ -336,21 +365,28 @@ async fn serve(
     tunnels: &Tunnels,
 ) -> Response<Body> {
     match hosted.app {
-        App::Echo => return echo(req, in_flight, tunnels),
-        App::Counter => {}
+        Served::Echo => return echo(req, in_flight, tunnels),
+        Served::Counter(_) => {}
+        Served::Program(_) => unreachable!("forwarded above"),
     }
     // The request stays in flight until its write ends, even if the client leaves
     // first: a checkpoint's fence waits for it.
     let counted = {
         let hosted = Arc::clone(hosted);
-        tokio::task::spawn_blocking(move || (hosted.count(), in_flight)).await
+        tokio::task::spawn_blocking(move || {
+            let Served::Counter(c) = &hosted.app else {
+                unreachable!("a counter")
+            };
+            (c.count().map_err(|e| (e, c.memory())), in_flight)
+        })
+        .await
     };
     let Ok((counted, in_flight)) = counted else {
         return text(StatusCode::INTERNAL_SERVER_ERROR, "internal error\n".into());
     };
-    let (memory, file) = counted.unwrap_or_else(|e| {
+    let (memory, file) = counted.unwrap_or_else(|(e, memory)| {
         tracing::warn!(actor = %hosted.actor, error = %e, "counter file update failed");
-        (hosted.memory(), -1)
+        (memory, -1)
     });
     let resp = text(
         StatusCode::OK,
@@ -375,7 +411,7 @@ fn guarded(resp: Response<Body>, in_flight: InFlight) -> Response<Body> {
 }
 
 /// [`guarded`] for a streamed response: cut once its actor is cut off or gone.
-fn streamed(resp: Response<Body>, in_flight: InFlight) -> Response<Body> {
+pub(crate) fn streamed(resp: Response<Body>, in_flight: InFlight) -> Response<Body> {
     resp.map(|inner| {
         let mut gauge = in_flight.watch();
         BodyExt::boxed(Guarded {

@@ -170,7 +170,7 @@ impl HostingLease {
         if let Some(old) = current.as_ref()
             && next.as_ref().is_none_or(|n| !Arc::ptr_eq(n, old))
         {
-            old.traffic.set_gone();
+            old.left();
         }
         if let Some(h) = &next
             && self.is_cut_off()
@@ -185,12 +185,16 @@ impl HostingLease {
 /// did. The actor's traffic ends in the same step (nothing more gets in, what is in
 /// flight ends): the watchdog would end it too, a moment later.
 pub(crate) fn vacate(slot: &Slot, actor: Option<&str>) -> bool {
+    vacate_if(slot, |h| actor.is_none_or(|a| h.actor == a))
+}
+
+/// Empties `slot` if what it holds matches `ours`; whether it did. The actor leaves
+/// in the same step ([`Hosted::left`]).
+pub(crate) fn vacate_if(slot: &Slot, ours: impl FnOnce(&Hosted) -> bool) -> bool {
     slot.send_if_modified(|h| {
-        let ours = h
-            .as_ref()
-            .is_some_and(|h| actor.is_none_or(|a| h.actor == a));
+        let ours = h.as_deref().is_some_and(ours);
         if ours && let Some(old) = h.take() {
-            old.traffic.set_gone();
+            old.left();
         }
         ours
     })
@@ -199,15 +203,13 @@ pub(crate) fn vacate(slot: &Slot, actor: Option<&str>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::app::{App, Hosted};
+    use crate::app::{Counter, Hosted, Served};
 
     fn hosted(actor: &str) -> Arc<Hosted> {
         Arc::new(Hosted::new(
             actor.into(),
-            App::Counter,
+            Served::Counter(Counter::new(0, std::path::PathBuf::from("/nonexistent/counter"))),
             actor.into(),
-            0,
-            std::path::PathBuf::from("/nonexistent/counter"),
         ))
     }
 

@@ -1,20 +1,32 @@
-//! valet's reference worker: hosts one actor at a time and runs the `counter` app for
-//! it on its own address.
+//! valet's reference worker: hosts one actor at a time on its own address, running
+//! either a built-in app (`counter`, `echo`) or a program of its templates file.
 //!
 //! ```text
 //! control plane ◀── Attach stream (agent: Join, then Restore / Checkpoint / Evict) ──▶ worker
-//! router ── HTTP ──▶ app (counter) on the worker's own address
+//! router ── HTTP ──▶ worker's address ──▶ built-in app, or ──▶ the program on 127.0.0.1:$PORT
 //! ```
 //!
-//! Snapshots are files under `--snapshot-dir`, per actor in `<atespace>/<name>/<uid>/`:
-//! `data/counter` (the data directory, always kept), `memory` (the memory count, kept
-//! by full snapshots only) and `good/counter` (the data at the last checkpoint, for
-//! reverts).
+//! Snapshots are files under `--snapshot-dir`, per actor in `<atespace>/<name>/<uid>/`.
+//! The counter's: `data/counter` (the data directory, always kept), `memory` (the
+//! memory count, kept by full snapshots only) and `good/counter` (the data at the last
+//! checkpoint, for reverts). A program's: `program/<sha256>.tar.zst` (its data
+//! directory), and `output.log` (its last output). A program's live directory is in
+//! `--run-dir` (see `program`).
 
-#![forbid(unsafe_code)]
+// `unsafe` in one module only (`spawn`: what a program's process does before exec),
+// for the reasons written there.
+#![deny(unsafe_code)]
 
 mod app;
+mod forward;
+mod group;
 mod hosting;
+mod limits;
+mod output;
+mod program;
+mod runtime;
+mod snapshot;
+mod spawn;
 mod traffic;
 
 use std::net::SocketAddr;
@@ -33,7 +45,8 @@ use valet_proto::worker::{
 };
 
 pub use app::{ACTOR_REF_HEADER, pattern};
-use app::{App, Hosted, Slot, create_dir_durably, read_counter, write_durably};
+use app::{Counter, Hosted, Served, Slot, create_dir_durably, read_counter, write_durably};
+pub use limits::{Cgroup, check as check_template};
 pub use hosting::MIN_HOSTING_LEASE;
 use hosting::{HostingLease, RENEW_EVERY};
 use traffic::Fence;
@@ -43,6 +56,8 @@ use traffic::Fence;
 enum Refusal {
     /// It failed, for this reason.
     Failed(String),
+    /// A checkpoint failed with the actor still served here.
+    StillRunning(String),
     /// A checkpoint found the actor busy: not idle since a policy's mark, or its
     /// requests in flight did not end within the idle wait.
     Busy,
@@ -76,11 +91,19 @@ fn actor_name(slot: Option<&wk::ActorSlot>) -> String {
 }
 
 /// The answer to command `id`.
-fn reply(id: u64, result: Result<(), Refusal>) -> wk::Reply {
+fn reply(id: u64, result: Result<Done, Refusal>) -> wk::Reply {
     match result {
-        Ok(()) => wk::Reply {
+        Ok(done) => wk::Reply {
             id,
             ok: true,
+            snapshot: done.snapshot,
+            output: done.output,
+            ..Default::default()
+        },
+        Err(Refusal::StillRunning(error)) => wk::Reply {
+            id,
+            error,
+            still_running: true,
             ..Default::default()
         },
         Err(Refusal::Failed(error)) => wk::Reply {
@@ -103,6 +126,15 @@ fn reply(id: u64, result: Result<(), Refusal>) -> wk::Reply {
     }
 }
 
+/// What a command that succeeded answers besides.
+#[derive(Debug, Default)]
+struct Done {
+    /// A program's checkpoint: its snapshot.
+    snapshot: String,
+    /// Logs: the actor's output.
+    output: Vec<u8>,
+}
+
 /// A restore or checkpoint in progress beside the command loop: its command's id, its
 /// actor, whether it has changed anything yet (a restore always may; a checkpoint once
 /// it has fenced the actor), and the work itself.
@@ -110,7 +142,7 @@ type Working<'a> = (
     u64,
     String,
     Arc<std::sync::atomic::AtomicBool>,
-    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Refusal>> + Send + 'a>>,
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Done, Refusal>> + Send + 'a>>,
 );
 
 /// How a worker runs.
@@ -135,6 +167,41 @@ pub struct WorkerConfig {
     /// The IP routers reach the app at (with the bound port); the bound IP when
     /// `None` (which must then be a specific address, not `0.0.0.0`).
     pub advertise: Option<std::net::IpAddr>,
+    /// The templates it knows: the built-in apps, and the programs of a templates
+    /// file. Its pool's template, if a program, is checked at the start.
+    pub templates: valet_template::Templates,
+    /// Where programs' live directories are; workers on one machine share it.
+    pub run_dir: PathBuf,
+    /// The largest data directory a program's checkpoint snapshots.
+    pub snapshot_max_bytes: u64,
+    /// A cgroup v2 delegated to the worker, for programs' `memory.max` and `cpu.max`.
+    pub cgroup: Option<Cgroup>,
+}
+
+/// Default `--snapshot-max-bytes`.
+pub const DEFAULT_SNAPSHOT_MAX_BYTES: u64 = 1 << 30;
+
+impl WorkerConfig {
+    /// A worker of `pool` attached to `control_plane`, its snapshots in
+    /// `snapshot_dir` and its programs' live directories in `run_dir`, on a free
+    /// loopback port, with the built-in templates and every other setting at its
+    /// default.
+    pub fn new(control_plane: String, pool: &str, snapshot_dir: PathBuf, run_dir: PathBuf) -> Self {
+        Self {
+            control_plane,
+            credentials: Default::default(),
+            pool: pool.to_owned(),
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            snapshot_dir,
+            restore_delay: Duration::ZERO,
+            worker_id: None,
+            advertise: None,
+            templates: valet_template::Templates::builtin(),
+            run_dir,
+            snapshot_max_bytes: DEFAULT_SNAPSHOT_MAX_BYTES,
+            cgroup: None,
+        }
+    }
 }
 
 /// A running worker.
@@ -180,6 +247,10 @@ pub enum WorkerError {
     },
     #[error("invalid control plane address {0:?}")]
     ControlPlane(String),
+    /// Its pool's template cannot run here (a missing command, a limit that cannot
+    /// be applied).
+    #[error("{0}")]
+    Template(String),
 }
 
 impl Worker {
@@ -189,6 +260,9 @@ impl Worker {
     /// # Errors
     /// When the listener or the snapshot dir cannot be set up.
     pub async fn spawn(config: WorkerConfig) -> Result<Self, WorkerError> {
+        if let Some(t) = config.templates.get(&config.pool) {
+            limits::check(t, config.cgroup.as_ref()).map_err(WorkerError::Template)?;
+        }
         // Durably: the first checkpoint acknowledged must not vanish with a directory
         // entry that never reached the disk.
         app::create_dir_durably(&config.snapshot_dir).map_err(|source| {
@@ -227,11 +301,25 @@ impl Worker {
                 source,
             })?;
         let app_addr = SocketAddr::new(config.advertise.unwrap_or(bound.ip()), bound.port());
+        // Programs a worker that died left running are killed before anything is
+        // restored here.
+        let swept = program::sweep(&config.run_dir).await;
+        if swept > 0 {
+            tracing::warn!(run_dir = %config.run_dir.display(), programs = swept, "killed programs left running by workers that died");
+        }
         let id = config
             .worker_id
             .clone()
             .unwrap_or_else(|| format!("w-{:08x}", rand::random::<u32>()));
         let slot: Slot = Arc::new(watch::Sender::new(None));
+        let (exits_tx, exits) = mpsc::unbounded_channel();
+        let programs = Arc::new(runtime::Context {
+            run_dir: config.run_dir.clone(),
+            snapshot_max: config.snapshot_max_bytes,
+            cgroup: config.cgroup.clone(),
+            exits: exits_tx,
+            slot: Arc::downgrade(&slot),
+        });
         let stop = CancellationToken::new();
         let app_stop = CancellationToken::new();
         let tasks = TaskTracker::new();
@@ -247,8 +335,9 @@ impl Worker {
             slot: Arc::clone(&slot),
             lease,
             drain: drain.clone(),
+            programs,
         };
-        tasks.spawn(agent.run(endpoints, credentials, stop.clone()));
+        tasks.spawn(agent.run(endpoints, credentials, stop.clone(), exits));
         Ok(Self {
             id,
             app_addr,
@@ -310,6 +399,15 @@ impl Worker {
         self.app_stop.cancel();
         if let Err(e) = self.app.await {
             tracing::warn!(worker = %self.id, error = %e, "the app's server failed");
+        }
+        // Its program stops as a checkpoint would stop it (its signal, its grace):
+        // no process of it outlives the worker.
+        let hosted = self.slot.borrow().clone();
+        if let Some(h) = hosted
+            && let Served::Program(host) = &h.app
+            && let Err(e) = host.stop().await
+        {
+            tracing::warn!(worker = %self.id, actor = %h.actor, error = %e, "stopping the actor's program failed");
         }
         self.stop.cancel();
         self.tasks.close();
@@ -461,6 +559,7 @@ struct Agent {
     slot: Slot,
     lease: Arc<HostingLease>,
     drain: Drain,
+    programs: Arc<runtime::Context>,
 }
 
 /// How often an unchanged token goes with a renewal again: the control plane may have
@@ -551,6 +650,7 @@ impl Agent {
         endpoints: Vec<tonic::transport::Endpoint>,
         credentials: valet_proto::auth::ClientCredentials,
         stop: CancellationToken,
+        mut exits: mpsc::UnboundedReceiver<wk::Exited>,
     ) {
         let mut backoff = Duration::from_millis(100);
         // Which replica to attach to next: after an attachment fails or ends, the next
@@ -563,7 +663,7 @@ impl Agent {
             let endpoint = &endpoints[turn.current()];
             let attached = tokio::select! {
                 () = stop.cancelled() => return,
-                r = self.attach_once(endpoint, &credentials, &stop) => r,
+                r = self.attach_once(endpoint, &credentials, &stop, &mut exits) => r,
             };
             self.drain
                 .attached
@@ -606,6 +706,7 @@ impl Agent {
         endpoint: &tonic::transport::Endpoint,
         credentials: &valet_proto::auth::ClientCredentials,
         stop: &CancellationToken,
+        exits: &mut mpsc::UnboundedReceiver<wk::Exited>,
     ) -> Result<(), tonic::Status> {
         let channel = credentials
             .connect(endpoint, valet_proto::auth::tcp_connector())
@@ -678,6 +779,13 @@ impl Agent {
                     continue;
                 }
                 m = inbound.message() => m?,
+                Some(exited) = exits.recv() => {
+                    let event = wk::WorkerEvent { event: Some(Event::Exited(exited)) };
+                    if tx.send(event).await.is_err() {
+                        return Err(tonic::Status::unavailable("control plane stream closed"));
+                    }
+                    continue;
+                }
                 () = &mut reporter => {
                     return Err(tonic::Status::unavailable("control plane stream closed"));
                 }
@@ -741,7 +849,9 @@ impl Agent {
                 ),
                 Command::Restore(r) => {
                     let actor = actor_name(r.actor.as_ref());
-                    let restore = async move { self.restore(r).await.map_err(Refusal::Failed) };
+                    let restore = async move {
+                        self.restore(r).await.map(|()| Done::default()).map_err(Refusal::Failed)
+                    };
                     let started = Arc::new(std::sync::atomic::AtomicBool::new(true));
                     working = Some((cmd.id, actor, started, Box::pin(restore)));
                     continue;
@@ -776,6 +886,19 @@ impl Agent {
                     self.evict(e);
                     continue;
                 }
+                Command::Logs(l) => {
+                    let logs = self.logs(l).await.map_err(Refusal::Failed);
+                    if tx
+                        .send(wk::WorkerEvent {
+                            event: Some(Event::Reply(reply(cmd.id, logs))),
+                        })
+                        .await
+                        .is_err()
+                    {
+                        return Err(tonic::Status::unavailable("control plane stream closed"));
+                    }
+                    continue;
+                }
                 Command::Drained(_) => {
                     tracing::info!(worker = %self.id, "drained: the control plane released this worker");
                     self.drain.done.cancel();
@@ -795,7 +918,7 @@ impl Agent {
                     return Ok(());
                 }
             };
-            let reply = reply(cmd.id, result);
+            let reply = reply(cmd.id, result.map(|()| Done::default()));
             if tx
                 .send(wk::WorkerEvent {
                     event: Some(Event::Reply(reply)),
@@ -842,7 +965,6 @@ impl Agent {
 
     async fn restore(&self, r: wk::Restore) -> Result<(), String> {
         let slot = r.actor.ok_or("restore without an actor")?;
-        let app = App::from_name(&r.app)?;
         let actor = format!("{}/{}", slot.atespace, slot.name);
         if let Some(h) = self.slot.borrow().as_ref() {
             if h.actor == actor {
@@ -851,22 +973,46 @@ impl Agent {
             return Err(format!("worker already hosts {}", h.actor));
         }
         let dir = self.actor_dir(&slot)?;
-        let revert = r.revert;
-        let memory = tokio::task::spawn_blocking({
-            let dir = dir.clone();
-            move || prepare_restore(&dir, revert)
-        })
-        .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| format!("restore of {actor} failed: {e}"))?;
-        tokio::time::sleep(self.config.restore_delay).await;
-        let hosted = Hosted::new(
-            actor.clone(),
-            app,
-            slot.snapshot_key.clone(),
-            memory,
-            dir.join("data").join("counter"),
-        );
+        let app = if r.app.is_empty() {
+            let template = self
+                .config
+                .templates
+                .get(&r.template)
+                .ok_or_else(|| format!(
+                    "restore of {actor} failed: this worker has no template {:?} (give it the templates file with --templates)",
+                    r.template
+                ))?;
+            let Some(program) = template.program() else {
+                return Err(format!(
+                    "restore of {actor} failed: template {} is a built-in app here, a program on the control plane",
+                    r.template
+                ));
+            };
+            let spec = Arc::new(program.clone());
+            tokio::time::sleep(self.config.restore_delay).await;
+            let host = runtime::Host::restore(&self.programs, slot.clone(), dir, spec, &r.snapshot)
+                .await
+                .map_err(|e| format!("restore of {actor} failed: {e}"))?;
+            Served::Program(host)
+        } else {
+            let builtin: valet_template::Builtin = r.app.parse()?;
+            let revert = r.revert;
+            let memory = tokio::task::spawn_blocking({
+                let dir = dir.clone();
+                move || prepare_restore(&dir, revert)
+            })
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("restore of {actor} failed: {e}"))?;
+            tokio::time::sleep(self.config.restore_delay).await;
+            match builtin {
+                valet_template::Builtin::Counter => {
+                    Served::Counter(Counter::new(memory, dir.join("data").join("counter")))
+                }
+                valet_template::Builtin::Echo => Served::Echo,
+            }
+        };
+        let hosted = Hosted::new(actor.clone(), app, slot.snapshot_key.clone());
         self.lease.install(&self.slot, Arc::new(hosted));
         tracing::info!(worker = %self.id, %actor, "restored");
         Ok(())
@@ -879,7 +1025,7 @@ impl Agent {
         &self,
         c: wk::Checkpoint,
         fence_raised: Arc<std::sync::atomic::AtomicBool>,
-    ) -> Result<(), Refusal> {
+    ) -> Result<Done, Refusal> {
         let slot = c
             .actor
             .ok_or(Refusal::Failed("checkpoint without an actor".into()))?;
@@ -909,20 +1055,70 @@ impl Agent {
         // actor serves again.
         let fence_held = FenceHeld(Some(&hosted.traffic));
         fence_raised.store(true, std::sync::atomic::Ordering::Release);
-        let memory = hosted.memory();
-        let full = c.full;
-        let taken = tokio::task::spawn_blocking(move || take_snapshot(&dir, full, memory))
-            .await
-            .map_err(|e| e.to_string())
-            .and_then(|r| r.map_err(|e| format!("checkpoint of {actor} failed: {e}")));
-        if let Err(e) = taken {
-            drop(fence_held);
-            return Err(Refusal::Failed(e));
-        }
+        let snapshot = match &hosted.app {
+            Served::Program(host) => match host.checkpoint().await {
+                Ok(taken) => taken.id,
+                Err(runtime::CheckpointFailure::StillRunning(e)) => {
+                    drop(fence_held);
+                    tracing::warn!(worker = %self.id, %actor, error = %e, "checkpoint failed; the actor keeps running");
+                    return Err(Refusal::StillRunning(e));
+                }
+                Err(runtime::CheckpointFailure::Failed(e)) => {
+                    // Its program is not running: the actor leaves this worker.
+                    fence_held.keep();
+                    hosting::vacate(&self.slot, Some(&actor));
+                    return Err(Refusal::Failed(e));
+                }
+            },
+            Served::Counter(_) | Served::Echo => {
+                let memory = match &hosted.app {
+                    Served::Counter(c) => c.memory(),
+                    _ => 0,
+                };
+                let full = c.full;
+                let taken = tokio::task::spawn_blocking(move || take_snapshot(&dir, full, memory))
+                    .await
+                    .map_err(|e| e.to_string())
+                    .and_then(|r| r.map_err(|e| format!("checkpoint of {actor} failed: {e}")));
+                if let Err(e) = taken {
+                    drop(fence_held);
+                    return Err(Refusal::Failed(e));
+                }
+                String::new()
+            }
+        };
         fence_held.keep();
         hosting::vacate(&self.slot, Some(&actor));
-        tracing::info!(worker = %self.id, %actor, full, "checkpointed");
-        Ok(())
+        tracing::info!(worker = %self.id, %actor, full = c.full, snapshot, "checkpointed");
+        Ok(Done {
+            snapshot,
+            ..Done::default()
+        })
+    }
+
+    /// The last output of an actor's program: from the program hosted here, or from
+    /// its output file in the snapshot directory.
+    async fn logs(&self, l: wk::Logs) -> Result<Done, String> {
+        let slot = l.actor.ok_or("logs without an actor")?;
+        let actor = format!("{}/{}", slot.atespace, slot.name);
+        let hosted = self.slot.borrow().clone();
+        if let Some(h) = hosted.filter(|h| h.actor == actor)
+            && let Served::Program(host) = &h.app
+        {
+            return Ok(Done {
+                output: host.output().contents(),
+                ..Done::default()
+            });
+        }
+        let dir = self.actor_dir(&slot)?;
+        let output = tokio::task::spawn_blocking(move || output::read_file(&dir))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("reading the output of {actor}: {e}"))?;
+        Ok(Done {
+            output,
+            ..Done::default()
+        })
     }
 
     fn evict(&self, e: wk::Evict) {
@@ -1059,10 +1255,8 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let hosted = Hosted::new(
             "demo/p1".into(),
-            App::Counter,
+            Served::Counter(Counter::new(0, PathBuf::from("/nonexistent/counter"))),
             "demo/p1".into(),
-            0,
-            PathBuf::from("/nonexistent/counter"),
         );
         let slot: Slot = Arc::new(tokio::sync::watch::Sender::new(Some(Arc::new(hosted))));
         let stop = CancellationToken::new();

@@ -7,6 +7,9 @@ use super::{DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, Op, OpKind, OpTarget, Plane, abort
 use crate::model::{self, ActorKey, ActorStatus};
 use crate::store::{ActorRow, Batch};
 
+/// How long a worker may take to read an actor's output.
+const LOGS_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
+
 impl Plane {
     /// `CreateAtespace`.
     pub async fn create_atespace(&self, name: &str) -> Result<ateapi::Atespace, Status> {
@@ -118,6 +121,8 @@ impl Plane {
             selector,
             revert_pending: false,
             op_replica: None,
+            snapshot: String::new(),
+            reason: String::new(),
         };
         let plane = self.clone();
         self.detached(async move {
@@ -158,6 +163,48 @@ impl Plane {
         let st = self.lock();
         let row = st.actors.get(key).ok_or_else(|| not_found(key))?;
         Ok(st.to_proto(row))
+    }
+
+    /// `GetActorLogs`: the last output of `key`'s program, from the worker hosting it
+    /// (or claimed for it), else from any worker of its pool attached here (workers
+    /// of a pool share the snapshot directory where the output is kept). The output
+    /// and the worker that answered.
+    ///
+    /// # Errors
+    /// `NotFound`; `Unavailable` when no worker can answer.
+    pub async fn actor_logs(&self, key: &ActorKey) -> Result<(Vec<u8>, String), Status> {
+        let (link, worker, slot) = {
+            let st = self.lock();
+            let row = st.actors.get(key).ok_or_else(|| not_found(key))?;
+            let hosting = row
+                .worker
+                .as_ref()
+                .and_then(|w| st.workers.get(w).map(|rec| (std::sync::Arc::clone(&rec.link), w.clone())));
+            let any = || {
+                st.workers
+                    .iter()
+                    .filter(|(_, w)| w.pool == row.pool)
+                    .min_by_key(|(id, _)| (*id).clone())
+                    .map(|(id, w)| (std::sync::Arc::clone(&w.link), id.clone()))
+            };
+            let (link, worker) = hosting.or_else(any).ok_or_else(|| {
+                Status::unavailable(format!(
+                    "no worker of pool {} is attached to this control plane to read the output of actor {key}",
+                    row.pool
+                ))
+            })?;
+            (link, worker, super::slot_of(key, row))
+        };
+        let reply = link
+            .call(
+                valet_proto::worker::worker_command::Command::Logs(valet_proto::worker::Logs {
+                    actor: Some(slot),
+                }),
+                LOGS_WITHIN,
+            )
+            .await
+            .map_err(|e| Status::unavailable(format!("worker {worker} could not read the output of actor {key}: {e}")))?;
+        Ok((reply.output, worker))
     }
 
     /// One page of actors, ordered by `atespace/name`; `page_size` is clamped to

@@ -70,6 +70,9 @@ pub(crate) enum Checkpointed {
     Suspended(Box<ateapi::Actor>),
     /// A policy's checkpoint found it busy: it is RUNNING still.
     Busy,
+    /// The checkpoint failed with the actor still served on its worker (its data
+    /// over the limit, say): it is RUNNING still, and nothing was snapshotted.
+    Refused(String),
     /// It failed (the actor is CRASHED, or a write failed).
     Failed(Status),
 }
@@ -433,8 +436,10 @@ impl Plane {
             actor: Some(slot_of(key, row)),
             revert: row.revert_pending,
             app,
+            template: row.template.clone(),
+            snapshot: row.snapshot.clone(),
         });
-        link.call(cmd, self.config().restore_timeout).await
+        link.call(cmd, self.config().restore_timeout).await.map(drop)
     }
 
     pub(super) async fn after_restore(
@@ -487,7 +492,7 @@ impl Plane {
             Err(e) => {
                 tracing::warn!(actor = %key, worker, error = %e, "restore failed; actor CRASHED");
                 self.evict(&worker, key, &claimed);
-                let crashed_row = claimed.moved(ActorStatus::Crashed, None);
+                let crashed_row = claimed.crashed(&e.to_string());
                 self.finish(op, Batch::put([crashed_row])).await?;
                 Err(crashed())
             }
@@ -654,6 +659,7 @@ impl Plane {
                     "actor {key} is busy: its requests in flight did not end within {}s; it keeps running",
                     plane.idle_wait().as_secs_f64()
                 ))),
+                Checkpointed::Refused(why) => Err(Status::failed_precondition(why)),
             }
         })
         .await
@@ -682,7 +688,7 @@ impl Plane {
         if matches!(result, Err(LinkError::Gone)) && self.reattached_hosting(key, &worker).await {
             result = self.checkpoint(key, &suspending, fence).await;
         }
-        if matches!(result, Err(LinkError::Busy)) {
+        if matches!(result, Err(LinkError::Busy | LinkError::StillRunning(_))) {
             let back = suspending.moved(ActorStatus::Running, suspending.worker.clone());
             if let Some(a) = self.lock().activity.get_mut(key) {
                 a.touch();
@@ -703,7 +709,13 @@ impl Plane {
             };
             drop(op);
             self.hand_off_all(freed);
-            return Checkpointed::Busy;
+            return match result {
+                Err(LinkError::StillRunning(why)) => {
+                    tracing::warn!(actor = %key, worker, %why, "checkpoint failed; the actor keeps running");
+                    Checkpointed::Refused(why)
+                }
+                _ => Checkpointed::Busy,
+            };
         }
         match self.after_checkpoint(op, key, suspending, result).await {
             Ok(actor) => Checkpointed::Suspended(Box::new(actor)),
@@ -723,7 +735,7 @@ impl Plane {
         key: &ActorKey,
         row: &ActorRow,
         fence: Fence,
-    ) -> Result<(), LinkError> {
+    ) -> Result<wk::Reply, LinkError> {
         let worker = row.worker.clone().unwrap_or_default();
         let Some(link) = self
             .lock()
@@ -757,7 +769,7 @@ impl Plane {
         op: Op,
         key: &ActorKey,
         suspending: ActorRow,
-        result: Result<(), LinkError>,
+        result: Result<wk::Reply, LinkError>,
     ) -> Result<ateapi::Actor, Status> {
         let worker = suspending.worker.clone().unwrap_or_default();
         match result {
@@ -770,7 +782,7 @@ impl Plane {
                 self.finish(op, Batch::put([done.clone()])).await?;
                 Ok(self.lock().to_proto(&done))
             }
-            Ok(()) | Err(LinkError::Gone) => {
+            Ok(_) | Err(LinkError::Gone) => {
                 if result.is_err() {
                     tracing::warn!(actor = %key, worker, "worker went away during checkpoint; actor back to its last snapshot");
                     // It may still serve the actor (only its stream may be cut): not
@@ -780,15 +792,21 @@ impl Plane {
                         return Err(shutting_down());
                     }
                 }
-                let done = suspending.moved(ActorStatus::Suspended, None);
+                let mut done = suspending.moved(ActorStatus::Suspended, None);
+                // A program's checkpoint names its snapshot: the next restore's.
+                if let Ok(reply) = &result
+                    && !reply.snapshot.is_empty()
+                {
+                    done.snapshot = reply.snapshot.clone();
+                }
                 self.finish(op, Batch::put([done.clone()])).await?;
-                tracing::info!(actor = %key, worker, "actor SUSPENDED");
+                tracing::info!(actor = %key, worker, snapshot = %done.snapshot, "actor SUSPENDED");
                 Ok(self.lock().to_proto(&done))
             }
             Err(e) => {
                 tracing::warn!(actor = %key, worker, error = %e, "checkpoint failed; actor CRASHED");
                 self.evict(&worker, key, &suspending);
-                let done = suspending.moved(ActorStatus::Crashed, None);
+                let done = suspending.crashed(&e.to_string());
                 self.finish(op, Batch::put([done])).await?;
                 Err(Status::internal(format!(
                     "checkpoint of actor {key} failed: {e}"

@@ -109,6 +109,15 @@ async fn refuses(app: SocketAddr) -> bool {
     )
 }
 
+/// How a release ends an actor that was RUNNING on a worker.
+#[derive(Debug, Clone)]
+pub(super) enum Release {
+    /// Back to SUSPENDED from its last snapshot, for this reason.
+    Suspend(&'static str),
+    /// CRASHED, for this reason (its program exited).
+    Crash(String),
+}
+
 impl Plane {
     /// A worker attached (or re-attached) over its stream: [`Self::worker_joined`],
     /// with several replicas once its attachment is recorded (after the Join is
@@ -403,7 +412,7 @@ impl Plane {
         };
         let (ops, rows) = stale;
         if !rows.is_empty() {
-            self.spawn_release(ops, rows, "worker re-attached without it");
+            self.spawn_release(ops, rows, Release::Suspend("worker re-attached without it"));
         }
         for key in held {
             let plane = self.clone();
@@ -415,7 +424,7 @@ impl Plane {
                         .is_some_and(|w| Arc::ptr_eq(&w.link, &link))
                 };
                 plane
-                    .release_once_idle(&key, &id, same, "worker re-attached without it")
+                    .release_once_idle(&key, &id, same, Release::Suspend("worker re-attached without it"))
                     .await;
             });
         }
@@ -429,13 +438,19 @@ impl Plane {
         Ok(kept.is_some())
     }
 
-    /// Writes `rows` back to SUSPENDED (worker released) under their operation locks,
-    /// detached, once their route leases are revoked.
-    fn spawn_release(&self, ops: Vec<Op>, rows: Vec<ActorRow>, why: &'static str) {
-        let released = |rows: &[ActorRow]| -> Vec<ActorRow> {
-            rows.iter()
-                .map(|r| r.moved(ActorStatus::Suspended, None))
-                .collect()
+    /// Writes `rows` back to SUSPENDED, or CRASHED (worker released) under their
+    /// operation locks, detached, once their route leases are revoked.
+    fn spawn_release(&self, ops: Vec<Op>, rows: Vec<ActorRow>, how: Release) {
+        let released = {
+            let how = how.clone();
+            move |rows: &[ActorRow]| -> Vec<ActorRow> {
+                rows.iter()
+                    .map(|r| match &how {
+                        Release::Suspend(_) => r.moved(ActorStatus::Suspended, None),
+                        Release::Crash(reason) => r.crashed(reason),
+                    })
+                    .collect()
+            }
         };
         let plane = self.clone();
         self.inner.tasks.spawn(async move {
@@ -465,8 +480,53 @@ impl Plane {
             drop(ops);
             plane.hand_off_all(freed);
             for actor in keys {
-                tracing::warn!(%actor, why, "actor back to SUSPENDED from its last snapshot");
+                match &how {
+                    Release::Suspend(why) => {
+                        tracing::warn!(%actor, why, "actor back to SUSPENDED from its last snapshot");
+                    }
+                    Release::Crash(reason) => {
+                        tracing::warn!(%actor, %reason, "actor CRASHED");
+                    }
+                }
             }
+        });
+    }
+
+    /// `worker` (on its stream `link`) reports that the program of the actor it hosted
+    /// exited by itself (it hosts it no more): the actor is CRASHED, with its exit
+    /// status and last output, and the worker free, once no operation holds the
+    /// actor. Not if the records place the actor elsewhere by then.
+    pub(crate) fn actor_exited(&self, worker: &str, link: &Arc<WorkerLink>, exited: &wk::Exited) {
+        let Some(slot) = &exited.actor else { return };
+        let Ok(key) = ActorKey::new(&slot.atespace, &slot.name) else {
+            return;
+        };
+        let current = self
+            .lock()
+            .workers
+            .get(worker)
+            .is_some_and(|w| Arc::ptr_eq(&w.link, link));
+        if !current {
+            return;
+        }
+        let reason = if exited.output.trim().is_empty() {
+            format!("its program {}", exited.status)
+        } else {
+            format!("its program {}; its last output:\n{}", exited.status, exited.output)
+        };
+        tracing::warn!(actor = %key, worker, status = %exited.status, "the actor's program exited on its worker");
+        let plane = self.clone();
+        let worker = worker.to_owned();
+        let link = Arc::clone(link);
+        self.inner.tasks.spawn(async move {
+            let still = |st: &State| {
+                st.workers
+                    .get(&worker)
+                    .is_some_and(|w| Arc::ptr_eq(&w.link, &link))
+            };
+            plane
+                .release_once_idle(&key, &worker, still, Release::Crash(reason))
+                .await;
         });
     }
 
@@ -846,7 +906,7 @@ impl Plane {
                 !back && !superseded
             };
             plane
-                .release_once_idle(&key, &worker, gone, "its worker left")
+                .release_once_idle(&key, &worker, gone, Release::Suspend("its worker left"))
                 .await;
         });
     }
@@ -861,7 +921,7 @@ impl Plane {
         key: &ActorKey,
         worker: &str,
         still: impl Fn(&State) -> bool,
-        why: &'static str,
+        how: Release,
     ) {
         loop {
             let released = {
@@ -891,7 +951,7 @@ impl Plane {
                 }
             };
             if let Some((op, row)) = released {
-                self.spawn_release(vec![op], vec![row], why);
+                self.spawn_release(vec![op], vec![row], how);
                 return;
             }
             // Operations are bounded (their worker calls and writes time out).
@@ -959,7 +1019,7 @@ impl Plane {
                 (ops, stale)
             };
             if !rows.is_empty() {
-                plane.spawn_release(ops, rows, "its worker did not re-attach after the restart");
+                plane.spawn_release(ops, rows, Release::Suspend("its worker did not re-attach after the restart"));
             }
         });
     }

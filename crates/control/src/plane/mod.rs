@@ -95,6 +95,37 @@ pub const DEFAULT_REJOIN_GRACE: Duration = Duration::from_secs(10);
 /// Default `--shutdown-timeout`.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
 
+impl PlaneConfig {
+    /// Whether its templates' programs fit its timeouts: a program's start within a
+    /// restore's time, its stop (and the wait for its requests) within a checkpoint's.
+    ///
+    /// # Errors
+    /// The first template that does not, naming it, its setting and the flag.
+    pub fn check_templates(&self) -> Result<(), String> {
+        for t in &self.templates {
+            let Some(p) = t.program() else { continue };
+            if p.start_timeout >= self.restore_timeout {
+                return Err(format!(
+                    "template {}: start_timeout {:?} must be below --restore-timeout {:?}, which bounds the whole restore",
+                    t.name(),
+                    p.start_timeout,
+                    self.restore_timeout
+                ));
+            }
+            // An explicit suspend waits half the checkpoint timeout for requests.
+            if p.stop_grace >= self.checkpoint_timeout / 2 {
+                return Err(format!(
+                    "template {}: stop_grace {:?} must be below half --checkpoint-timeout ({:?}): the other half waits for the actor's requests in flight",
+                    t.name(),
+                    p.stop_grace,
+                    self.checkpoint_timeout / 2
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Default for PlaneConfig {
     fn default() -> Self {
         Self {
@@ -307,6 +338,7 @@ impl State {
                     .activity
                     .get(&row.key())
                     .is_some_and(|a| a.in_flight > 0),
+            status_reason: row.reason.clone(),
         }
     }
 

@@ -284,6 +284,9 @@ impl Plane {
                 Checkpointed::Busy => {
                     tracing::debug!(actor = %key, "the actor turned busy; left running");
                 }
+                Checkpointed::Refused(why) => {
+                    tracing::warn!(actor = %key, %why, "policy checkpoint refused; the actor keeps running");
+                }
                 Checkpointed::Failed(e) => {
                     tracing::warn!(actor = %key, error = %e.message(), "policy checkpoint failed");
                 }

@@ -176,6 +176,10 @@ pub async fn worker_on(
         restore_delay,
         worker_id: id.map(str::to_owned),
         advertise: None,
+        templates: Default::default(),
+        run_dir: snapshots.with_file_name("run"),
+        snapshot_max_bytes: valet_worker::DEFAULT_SNAPSHOT_MAX_BYTES,
+        cgroup: None,
     })
     .await
     .unwrap()

@@ -93,6 +93,28 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         );
         return ExitCode::from(EXIT_CONFIG);
     }
+    let templates = match args.templates.resolve() {
+        Ok(t) => t,
+        Err(e) => {
+            say_usage!("valet control-plane: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let config = PlaneConfig {
+        capacity_wait: args.capacity_wait == OnOff::On,
+        templates: templates.iter().cloned().collect(),
+        restore_timeout: args.restore_timeout,
+        checkpoint_timeout: args.checkpoint_timeout,
+        rejoin_grace: args.rejoin_grace,
+        idle_suspend_after: args.policies.idle_suspend_after,
+        evict_idle_after: args.policies.evict_idle_after,
+        route_lease: args.leases.route_lease,
+        hosting_lease: args.leases.hosting_lease,
+    };
+    if let Err(e) = config.check_templates() {
+        say_usage!("valet control-plane: invalid configuration: --templates: {e}");
+        return ExitCode::from(EXIT_CONFIG);
+    }
     let tls = security.tls.is_some();
     if let Some(url) = &args.database {
         if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
@@ -164,17 +186,6 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
     if let Ok(bound) = socket.local_addr() {
         say!("bound control-plane {bound}");
     }
-    let config = PlaneConfig {
-        capacity_wait: args.capacity_wait == OnOff::On,
-        templates: args.templates.clone(),
-        restore_timeout: args.restore_timeout,
-        checkpoint_timeout: args.checkpoint_timeout,
-        rejoin_grace: args.rejoin_grace,
-        idle_suspend_after: args.policies.idle_suspend_after,
-        evict_idle_after: args.policies.evict_idle_after,
-        route_lease: args.leases.route_lease,
-        hosting_lease: args.leases.hosting_lease,
-    };
     // SIGTERM, as a token: it ends a standby's wait as well as serving. The task
     // ends with the process's signal handling; it is aborted on the way out.
     let stopping = CancellationToken::new();

@@ -234,6 +234,16 @@ async fn execute(
                     .unwrap_or_default();
                 one_actor(json, &a, None)
             }
+            ActorCommand::Logs { actor } => {
+                let r = c
+                    .get_actor_logs(ateapi::GetActorLogsRequest {
+                        actor_ref: Some(actor_ref(actor)?),
+                    })
+                    .await?
+                    .into_inner();
+                let output = String::from_utf8_lossy(&r.output).into_owned();
+                render(json, json!({ "actor": actor, "worker": r.worker, "output": output }), || output.clone())
+            }
             ActorCommand::Delete { actor } => {
                 c.delete_actor(ateapi::DeleteActorRequest {
                     actor_ref: Some(actor_ref(actor)?),
@@ -357,6 +367,7 @@ fn actor_json(a: &ateapi::Actor) -> Value {
             .idle_for
             .and_then(|d| std::time::Duration::try_from(d).ok())
             .map(|d| d.as_secs_f64()),
+        "reason": if a.status_reason.is_empty() { Value::Null } else { json!(a.status_reason) },
     })
 }
 
@@ -365,7 +376,13 @@ fn one_actor(json_out: bool, a: &ateapi::Actor, resumed: Option<bool>) -> String
     if let Some(r) = resumed {
         v["resumed"] = json!(r);
     }
-    render(json_out, v, || table(ACTOR_HEADER, &[actor_row(a)]))
+    render(json_out, v, || {
+        let mut out = table(ACTOR_HEADER, &[actor_row(a)]);
+        if !a.status_reason.is_empty() {
+            out.push_str(&format!("reason: {}\n", a.status_reason));
+        }
+        out
+    })
 }
 
 fn render(json_out: bool, value: Value, human: impl FnOnce() -> String) -> String {

@@ -115,12 +115,52 @@ fn precheck(args: &UpArgs) -> Result<valet_router::RouterConfig, UpError> {
 
 /// Everything `valet up` runs, started: its control plane and workers, then its
 /// router.
+/// The templates `valet up` knows (its flags' and file's, and `app` from --app), and
+/// the demo pool's, checked as runnable here.
+fn up_templates(args: &UpArgs) -> Result<(valet_template::Templates, String), UpError> {
+    let mut templates = args.templates.resolve().map_err(UpError::Config)?;
+    if let Some(app) = &args.app {
+        let dir = std::env::current_dir().ok();
+        let program = valet_template::Program::from_command_line(app, dir)
+            .map_err(|e| UpError::Config(format!("invalid configuration: --app={app:?}: {e}")))?;
+        let template =
+            valet_template::Template::new("app", valet_template::Kind::Program(Box::new(program)))
+                .map_err(UpError::Config)?;
+        templates.insert(template);
+    }
+    let demo = args.demo_template.clone().unwrap_or_else(|| {
+        if args.app.is_some() { "app" } else { "counter" }.to_owned()
+    });
+    let Some(template) = templates.get(&demo) else {
+        let known: Vec<&str> = templates.iter().map(valet_template::Template::name).collect();
+        return Err(UpError::Config(format!(
+            "invalid configuration: --demo-template={demo}: no such template (known: {})",
+            known.join(", ")
+        )));
+    };
+    valet_worker::check_template(template, None).map_err(|e| {
+        let flag = if args.app.is_some() && demo == "app" { "--app" } else { "--templates" };
+        UpError::Config(format!("invalid configuration: {flag}: {e}"))
+    })?;
+    Ok((templates, demo))
+}
+
 async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
     let actors = demo_actors(&args.demo_actors).map_err(UpError::Config)?;
     if args.workers == 0 {
         return Err(UpError::Config(
             "invalid configuration: --workers=0: must be >= 1".into(),
         ));
+    }
+    let (templates, demo) = up_templates(&args)?;
+    {
+        let plane = PlaneConfig {
+            templates: templates.iter().cloned().collect(),
+            ..PlaneConfig::default()
+        };
+        plane
+            .check_templates()
+            .map_err(|e| UpError::Config(format!("invalid configuration: --templates: {e}")))?;
     }
     // The workers present the router's credentials: what the embedded control plane
     // asks of its clients, they must bring, or they would never join.
@@ -268,15 +308,16 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
                 capacity_wait: args.capacity_wait == OnOff::On,
                 idle_suspend_after: args.idle_suspend_after,
                 evict_idle_after: args.evict_idle_after,
-                templates: args.templates.clone(),
                 route_lease: args.leases.route_lease,
                 hosting_lease: args.leases.hosting_lease,
                 ..PlaneConfig::default()
             },
             restore_delay: args.restore_delay,
+            templates: templates.clone(),
+            snapshot_max_bytes: args.snapshot_max_bytes,
             pools: vec![
                 PoolSpec {
-                    pool: "counter".into(),
+                    pool: demo.clone(),
                     workers: args.workers,
                     id_prefix: "up-worker".into(),
                 },
@@ -314,11 +355,21 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
                 }
             }
             match plane
-                .create_actor(key.clone(), "default", "counter", Vec::new())
+                .create_actor(key.clone(), "default", &demo, Vec::new())
                 .await
             {
                 Ok(_) => {}
-                Err(e) if e.code() == tonic::Code::AlreadyExists => {}
+                Err(e) if e.code() == tonic::Code::AlreadyExists => {
+                    if let Ok(a) = plane.get_actor(key)
+                        && a.actor_template_name != demo
+                    {
+                        say!(
+                            "valet up: actor {key} exists with template {} (not {demo}): it runs in pool {}; delete it (valet ctl actor delete {key}) or use another --data-dir",
+                            a.actor_template_name,
+                            a.worker_pool_name
+                        );
+                    }
+                }
                 Err(e) => return Err(UpError::Start(format!("actor {key}: {}", e.message()))),
             }
         }
@@ -335,7 +386,7 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
             .map_err(UpError::Start)?;
         let names: Vec<String> = actors.iter().map(ToString::to_string).collect();
         say!(
-            "valet up: pool counter with {n} workers; actors {}; data in {}",
+            "valet up: pool {demo} with {n} workers; actors {}; data in {}",
             if names.is_empty() {
                 "none".to_owned()
             } else {

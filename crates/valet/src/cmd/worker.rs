@@ -32,6 +32,28 @@ pub(crate) async fn run(args: WorkerArgs) -> ExitCode {
         );
         return ExitCode::from(EXIT_CONFIG);
     }
+    let templates = match &args.templates {
+        Some(f) => match valet_template::Templates::load(f) {
+            Ok(t) => t,
+            Err(e) => {
+                say_usage!(
+                    "valet worker: invalid configuration: --templates={}: {}",
+                    f.display(),
+                    e.message
+                );
+                return ExitCode::from(EXIT_CONFIG);
+            }
+        },
+        None => valet_template::Templates::builtin(),
+    };
+    let cgroup = match args.cgroup.as_deref().map(valet_worker::Cgroup::open) {
+        None => None,
+        Some(Ok(c)) => Some(c),
+        Some(Err(e)) => {
+            say_usage!("valet worker: invalid configuration: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
     let worker = match Worker::spawn(WorkerConfig {
         control_plane,
         credentials,
@@ -41,10 +63,18 @@ pub(crate) async fn run(args: WorkerArgs) -> ExitCode {
         restore_delay: args.restore_delay,
         worker_id: args.worker_id,
         advertise: args.advertise_address,
+        templates,
+        run_dir: args.run_dir,
+        snapshot_max_bytes: args.snapshot_max_bytes,
+        cgroup,
     })
     .await
     {
         Ok(w) => w,
+        Err(valet_worker::WorkerError::Template(e)) => {
+            say_usage!("valet worker: invalid configuration: --templates: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
         Err(e) => {
             say_err!("valet worker: {e}");
             return ExitCode::FAILURE;
