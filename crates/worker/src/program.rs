@@ -185,7 +185,19 @@ impl ActorDir {
         let mut warned = false;
         loop {
             match lock.try_lock() {
-                Ok(()) => return Ok(Self { path, lock }),
+                Ok(()) => {
+                    // Free: no worker hosts the actor here. But processes of an earlier
+                    // run that closed their copy of the lock may live on (their worker
+                    // died, or their leader crashed): they are killed all the same.
+                    if let Some(rec) = read_record(&path)
+                        && let Err(left) = rec.run.kill_all(None, KILL_WITHIN).await
+                    {
+                        return Err(format!(
+                            "processes {left:?} of an earlier run of actor {actor} survive SIGKILL"
+                        ));
+                    }
+                    return Ok(Self { path, lock });
+                }
                 Err(std::fs::TryLockError::Error(e)) => {
                     return Err(format!("locking {}: {e}", path.display()));
                 }
@@ -427,24 +439,26 @@ impl Running {
     pub(crate) async fn until_ready(&self, spec: &Program) -> Result<(), String> {
         let deadline = tokio::time::Instant::now() + spec.start_timeout;
         let mut pause = Duration::from_millis(1);
-        let mut last;
+        let mut last: Option<String> = None;
         loop {
-            let attempt = tokio::time::timeout(
-                PROBE_TIMEOUT.min(deadline.saturating_duration_since(tokio::time::Instant::now())),
-                probe(self.addr, &spec.ready, spec.protocol),
-            );
+            let within =
+                PROBE_TIMEOUT.min(deadline.saturating_duration_since(tokio::time::Instant::now()));
+            let attempt = tokio::time::timeout(within, probe(self.addr, &spec.ready, spec.protocol));
             tokio::select! {
                 exit = self.exited() => return Err(format!("its program {exit} before it was ready")),
                 r = attempt => match r {
                     Ok(Ok(())) => return Ok(()),
-                    Ok(Err(why)) => last = why,
-                    Err(_) => last = format!("{} did not answer within {PROBE_TIMEOUT:?}", spec.ready),
+                    Ok(Err(why)) => last = Some(why),
+                    // Cut by the deadline, an attempt says less than the one before.
+                    Err(_) if within < PROBE_TIMEOUT && last.is_some() => {}
+                    Err(_) => last = Some(format!("{} did not answer within {within:?}", spec.ready)),
                 },
             }
             if tokio::time::Instant::now() >= deadline {
                 return Err(format!(
-                    "its program was not ready within {:?} (start_timeout): {last} (does it listen on 127.0.0.1:$PORT, {}?)",
+                    "its program was not ready within {:?} (start_timeout): {} (does it listen on 127.0.0.1:$PORT, {}?)",
                     spec.start_timeout,
+                    last.as_deref().unwrap_or("no probe was answered"),
                     self.addr.port()
                 ));
             }

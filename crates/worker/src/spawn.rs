@@ -26,15 +26,18 @@ pub(crate) fn prepare(
     lock: &std::fs::File,
     procs: Option<&std::fs::File>,
 ) {
-    let mut rlimits: Vec<(Resource, u64)> = Vec::with_capacity(3);
+    // (resource, soft, hard).
+    let mut rlimits: Vec<(Resource, u64, u64)> = Vec::with_capacity(3);
     if let Some(m) = limits.memory {
-        rlimits.push((Resource::As, m));
+        rlimits.push((Resource::As, m, m));
     }
     if let Some(t) = limits.cpu_time {
-        rlimits.push((Resource::Cpu, t.as_secs() + u64::from(t.subsec_nanos() > 0)));
+        // SIGXCPU at the limit (the program sees why), SIGKILL a second later.
+        let secs = t.as_secs() + u64::from(t.subsec_nanos() > 0);
+        rlimits.push((Resource::Cpu, secs, secs + 1));
     }
     if let Some(n) = limits.open_files {
-        rlimits.push((Resource::Nofile, n));
+        rlimits.push((Resource::Nofile, n, n));
     }
     let lock: RawFd = lock.as_raw_fd();
     let procs: Option<RawFd> = procs.map(std::os::fd::AsRawFd::as_raw_fd);
@@ -48,12 +51,12 @@ pub(crate) fn prepare(
             let procs = unsafe { BorrowedFd::borrow_raw(procs) };
             rustix::io::write(procs, b"0")?;
         }
-        for &(resource, value) in &rlimits {
+        for &(resource, soft, hard) in &rlimits {
             rustix::process::setrlimit(
                 resource,
                 Rlimit {
-                    current: Some(value),
-                    maximum: Some(value),
+                    current: Some(soft),
+                    maximum: Some(hard),
                 },
             )?;
         }
