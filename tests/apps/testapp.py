@@ -12,7 +12,7 @@ misbehaviour at start:
                   $VALET_DATA_DIR/orphan-writes every 10 ms while they live
   slow-start=S    sleeps S seconds before it listens
 
-Paths:
+Paths (valet's readiness probe, by its user agent, gets 200 "ready" on any):
   GET  /                counts a request in $VALET_DATA_DIR/count, answers "count N"
   GET  /read/NAME       the file NAME of the data directory (404 when missing)
   PUT  /write/NAME      writes the body to NAME
@@ -66,6 +66,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         if MODE == "not-ready":
             return self.answer(503, "never ready\n")
+        if self.headers.get("user-agent") == "valet-probe":
+            return self.answer(200, "ready\n")
         if self.headers.get("upgrade", "").lower() == "echo":
             self.send_response(101)
             self.send_header("upgrade", "echo")
