@@ -26,8 +26,8 @@ fn app(mode: &str) -> Template {
 }
 
 fn app_program(mode: &str) -> Program {
-    let mut p = Program::from_command_line(&format!("python3 {}", testapp().display()), None)
-        .unwrap();
+    let mut p =
+        Program::from_command_line(&format!("python3 {}", testapp().display()), None).unwrap();
     if !mode.is_empty() {
         p.env.insert("TESTAPP_MODE".into(), mode.into());
     }
@@ -83,7 +83,10 @@ impl System {
             .plane
             .resume_actor(key(name), Some(WITHIN))
             .await?;
-        Ok(SocketAddr::new(a.ateom_pod_ip.parse().unwrap(), a.worker_port as u16))
+        Ok(SocketAddr::new(
+            a.ateom_pod_ip.parse().unwrap(),
+            a.worker_port as u16,
+        ))
     }
 
     fn actor(&self, name: &str) -> valet_proto::ateapi::Actor {
@@ -128,11 +131,18 @@ fn key(name: &str) -> ActorKey {
 }
 
 /// One request for `actor` to its worker at `addr`; the status and body.
-async fn request(addr: SocketAddr, actor: &str, method: &str, path: &str, body: &[u8]) -> (u16, String) {
+async fn request(
+    addr: SocketAddr,
+    actor: &str,
+    method: &str,
+    path: &str,
+    body: &[u8],
+) -> (u16, String) {
     let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (mut send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-        .await
-        .unwrap();
+    let (mut send, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
     tokio::spawn(conn);
     let req = http::Request::builder()
         .method(method)
@@ -144,7 +154,12 @@ async fn request(addr: SocketAddr, actor: &str, method: &str, path: &str, body: 
     match send.send_request(req).await {
         Ok(resp) => {
             let status = resp.status().as_u16();
-            let body = resp.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+            let body = resp
+                .into_body()
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
             (status, String::from_utf8_lossy(&body).into_owned())
         }
         Err(e) => (0, e.to_string()),
@@ -166,7 +181,10 @@ fn programs_in(dir: &Path) -> Vec<i32> {
         };
         let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
             .ok()
-            .and_then(|s| s.rsplit_once(')').map(|(_, r)| r.trim_start().starts_with('Z')))
+            .and_then(|s| {
+                s.rsplit_once(')')
+                    .map(|(_, r)| r.trim_start().starts_with('Z'))
+            })
             .unwrap_or(true);
         let ours = std::fs::read(format!("/proc/{pid}/environ"))
             .map(|env| env.split(|&b| b == 0).any(|kv| kv == marker.as_slice()))
@@ -182,7 +200,10 @@ fn programs_in(dir: &Path) -> Vec<i32> {
 async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
     let until = tokio::time::Instant::now() + WITHIN;
     while !check() {
-        assert!(tokio::time::Instant::now() < until, "{what}: not within {WITHIN:?}");
+        assert!(
+            tokio::time::Instant::now() < until,
+            "{what}: not within {WITHIN:?}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -204,29 +225,52 @@ async fn state_survives_suspend_resume_and_eviction_and_actors_keep_their_own() 
         (200, "wrote 11\n".into())
     );
     assert_eq!(get(p1, "p1", "/env/VALET_ACTOR").await.1, "demo/p1\n");
-    assert_eq!(get(p1, "p1", "/env/VALET_DATA_DIR").await.1, format!("{}\n", sys.live("p1").display()));
+    assert_eq!(
+        get(p1, "p1", "/env/VALET_DATA_DIR").await.1,
+        format!("{}\n", sys.live("p1").display())
+    );
     // The worker's own environment stays out.
     assert_eq!(get(p1, "p1", "/env/CARGO_MANIFEST_DIR").await.1, "\n");
 
     let suspended = sys.cluster.plane.suspend_actor(key("p1")).await.unwrap();
     assert_eq!(suspended.status, Status::Suspended as i32);
-    assert!(programs_in(&sys.live("p1")).is_empty(), "its program is gone once SUSPENDED");
+    assert!(
+        programs_in(&sys.live("p1")).is_empty(),
+        "its program is gone once SUSPENDED"
+    );
     let p1 = sys.resume("p1").await.unwrap();
-    assert_eq!(get(p1, "p1", "/read/note").await, (200, "remember me".into()));
+    assert_eq!(
+        get(p1, "p1", "/read/note").await,
+        (200, "remember me".into())
+    );
     assert_eq!(get(p1, "p1", "/").await, (200, "count 3\n".into()));
 
     // The pool's one worker is p1's: p2's resume evicts p1 (idle), with its data.
     let p2 = sys.resume("p2").await.unwrap();
     assert_eq!(sys.actor("p1").status, Status::Suspended as i32, "evicted");
-    assert_eq!(get(p2, "p2", "/").await, (200, "count 1\n".into()), "its own count");
+    assert_eq!(
+        get(p2, "p2", "/").await,
+        (200, "count 1\n".into()),
+        "its own count"
+    );
     assert_eq!(get(p2, "p2", "/read/note").await.0, 404, "not p1's data");
     sys.cluster.plane.suspend_actor(key("p2")).await.unwrap();
     let p1 = sys.resume("p1").await.unwrap();
-    assert_eq!(get(p1, "p1", "/").await, (200, "count 4\n".into()), "after its eviction");
-    assert_eq!(get(p1, "p1", "/read/note").await, (200, "remember me".into()));
+    assert_eq!(
+        get(p1, "p1", "/").await,
+        (200, "count 4\n".into()),
+        "after its eviction"
+    );
+    assert_eq!(
+        get(p1, "p1", "/read/note").await,
+        (200, "remember me".into())
+    );
     let live = sys.live("p1");
     sys.stop().await;
-    assert!(programs_in(&live).is_empty(), "nothing outlives the workers");
+    assert!(
+        programs_in(&live).is_empty(),
+        "nothing outlives the workers"
+    );
 }
 
 /// A program that exits, or is never ready, fails its restore: the actor is CRASHED
@@ -235,9 +279,21 @@ async fn state_survives_suspend_resume_and_eviction_and_actors_keep_their_own() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_program_that_exits_at_start_or_is_never_ready_crashes_its_actor() {
     for (mode, timeout, reason) in [
-        ("exit-at-start", 10, "its program exited with status 2 before it was ready; its last output:\n[out] exiting at start on purpose"),
-        ("wrong-port", 2, "its program was not ready within 2s (start_timeout): connecting to 127.0.0.1:"),
-        ("not-ready", 2, "its program was not ready within 2s (start_timeout): HTTP GET /env/PORT answered 503 Service Unavailable"),
+        (
+            "exit-at-start",
+            10,
+            "its program exited with status 2 before it was ready; its last output:\n[out] exiting at start on purpose",
+        ),
+        (
+            "wrong-port",
+            2,
+            "its program was not ready within 2s (start_timeout): connecting to 127.0.0.1:",
+        ),
+        (
+            "not-ready",
+            2,
+            "its program was not ready within 2s (start_timeout): HTTP GET /env/PORT answered 503 Service Unavailable",
+        ),
     ] {
         let mut p = app_program(mode);
         p.start_timeout = Duration::from_secs(timeout);
@@ -246,13 +302,33 @@ async fn a_program_that_exits_at_start_or_is_never_ready_crashes_its_actor() {
         assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{mode}: {e:?}");
         let a = sys.actor("p1");
         assert_eq!(a.status, Status::Crashed as i32, "{mode}");
-        assert!(a.status_reason.contains(reason), "{mode}: {:?}", a.status_reason);
-        assert!(a.status_reason.starts_with("restore of demo/p1 failed: "), "{mode}: {:?}", a.status_reason);
+        assert!(
+            a.status_reason.contains(reason),
+            "{mode}: {:?}",
+            a.status_reason
+        );
+        assert!(
+            a.status_reason.starts_with("restore of demo/p1 failed: "),
+            "{mode}: {:?}",
+            a.status_reason
+        );
         if mode == "wrong-port" {
-            assert!(a.status_reason.contains("does it listen on 127.0.0.1:$PORT"), "{:?}", a.status_reason);
+            assert!(
+                a.status_reason
+                    .contains("does it listen on 127.0.0.1:$PORT"),
+                "{:?}",
+                a.status_reason
+            );
         }
-        assert_eq!(sys.cluster.plane.pool("app"), (1, 1), "{mode}: the worker is free");
-        assert!(programs_in(&sys.live("p1")).is_empty(), "{mode}: no process left");
+        assert_eq!(
+            sys.cluster.plane.pool("app"),
+            (1, 1),
+            "{mode}: the worker is free"
+        );
+        assert!(
+            programs_in(&sys.live("p1")).is_empty(),
+            "{mode}: no process left"
+        );
         sys.stop().await;
     }
 }
@@ -273,9 +349,22 @@ async fn a_program_that_crashes_while_hosted_is_crashed_and_reverted_from_its_la
     assert!(body.contains("actor demo/p1 failed"), "{body}");
     sys.until_status("p1", Status::Crashed).await;
     let a = sys.actor("p1");
-    assert!(a.status_reason.starts_with("its program exited with status 3"), "{:?}", a.status_reason);
-    assert!(a.status_reason.contains("[err] crashing on purpose"), "{:?}", a.status_reason);
-    let freed = sys.cluster.plane.wait_until(WITHIN, |p| p.pool("app") == (1, 1)).await;
+    assert!(
+        a.status_reason
+            .starts_with("its program exited with status 3"),
+        "{:?}",
+        a.status_reason
+    );
+    assert!(
+        a.status_reason.contains("[err] crashing on purpose"),
+        "{:?}",
+        a.status_reason
+    );
+    let freed = sys
+        .cluster
+        .plane
+        .wait_until(WITHIN, |p| p.pool("app") == (1, 1))
+        .await;
     assert!(freed, "the worker is free again");
     // Fails fast while CRASHED, as the spec says.
     let e = sys.resume("p1").await.unwrap_err();
@@ -284,14 +373,24 @@ async fn a_program_that_crashes_while_hosted_is_crashed_and_reverted_from_its_la
     let (logs, _) = sys.cluster.plane.actor_logs(&key("p1")).await.unwrap();
     let logs = String::from_utf8(logs).unwrap();
     assert!(logs.contains("[err] crashing on purpose"), "{logs}");
-    assert!(logs.contains("[valet] its program exited with status 3"), "{logs}");
+    assert!(
+        logs.contains("[valet] its program exited with status 3"),
+        "{logs}"
+    );
 
     let reverted = sys.cluster.plane.revert_actor(key("p1")).await.unwrap();
     assert_eq!(reverted.status, Status::Suspended as i32);
     assert!(reverted.status_reason.is_empty());
     let p1 = sys.resume("p1").await.unwrap();
-    assert_eq!(get(p1, "p1", "/read/kept").await, (200, "snapshotted".into()));
-    assert_eq!(get(p1, "p1", "/read/lost").await.0, 404, "written after the snapshot");
+    assert_eq!(
+        get(p1, "p1", "/read/kept").await,
+        (200, "snapshotted".into())
+    );
+    assert_eq!(
+        get(p1, "p1", "/read/lost").await.0,
+        404,
+        "written after the snapshot"
+    );
     sys.stop().await;
 }
 
@@ -313,14 +412,28 @@ async fn stopping_kills_what_ignores_the_signal_and_every_child() {
         let a = sys.cluster.plane.suspend_actor(key("p1")).await.unwrap();
         assert_eq!(a.status, Status::Suspended as i32, "{mode}");
         if mode == "ignore-term" {
-            assert!(started.elapsed() >= Duration::from_secs(2), "killed only after its grace");
+            assert!(
+                started.elapsed() >= Duration::from_secs(2),
+                "killed only after its grace"
+            );
         }
-        assert!(programs_in(&sys.live("p1")).is_empty(), "{mode}: {:?} left", programs_in(&sys.live("p1")));
+        assert!(
+            programs_in(&sys.live("p1")).is_empty(),
+            "{mode}: {:?} left",
+            programs_in(&sys.live("p1"))
+        );
         let p1 = sys.resume("p1").await.unwrap();
-        assert_eq!(get(p1, "p1", "/read/note").await, (200, mode.into()), "{mode}: snapshot written");
+        assert_eq!(
+            get(p1, "p1", "/read/note").await,
+            (200, mode.into()),
+            "{mode}: snapshot written"
+        );
         let live = sys.live("p1");
         sys.stop().await;
-        assert!(programs_in(&live).is_empty(), "{mode}: nothing left after the workers stop");
+        assert!(
+            programs_in(&live).is_empty(),
+            "{mode}: nothing left after the workers stop"
+        );
     }
 }
 
@@ -335,22 +448,40 @@ async fn a_data_directory_over_the_limit_keeps_running_and_its_last_snapshot() {
     sys.cluster.plane.suspend_actor(key("p1")).await.unwrap();
     let p1 = sys.resume("p1").await.unwrap();
     get(p1, "p1", "/grow/2000000").await;
-    let e = sys.cluster.plane.suspend_actor(key("p1")).await.unwrap_err();
+    let e = sys
+        .cluster
+        .plane
+        .suspend_actor(key("p1"))
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), tonic::Code::FailedPrecondition);
     assert!(
-        e.message().starts_with("checkpoint of actor demo/p1 refused: its data directory holds 20000"),
+        e.message()
+            .starts_with("checkpoint of actor demo/p1 refused: its data directory holds 20000"),
         "{}",
         e.message()
     );
-    assert!(e.message().contains("over --snapshot-max-bytes 1048576"), "{}", e.message());
+    assert!(
+        e.message().contains("over --snapshot-max-bytes 1048576"),
+        "{}",
+        e.message()
+    );
     assert_eq!(sys.actor("p1").status, Status::Running as i32);
-    assert_eq!(get(p1, "p1", "/read/note").await, (200, "small".into()), "still served");
+    assert_eq!(
+        get(p1, "p1", "/read/note").await,
+        (200, "small".into()),
+        "still served"
+    );
     get(p1, "p1", "/crash").await;
     sys.until_status("p1", Status::Crashed).await;
     sys.cluster.plane.revert_actor(key("p1")).await.unwrap();
     let p1 = sys.resume("p1").await.unwrap();
     assert_eq!(get(p1, "p1", "/read/note").await, (200, "small".into()));
-    assert_eq!(get(p1, "p1", "/read/big").await.0, 404, "the last good snapshot");
+    assert_eq!(
+        get(p1, "p1", "/read/big").await.0,
+        404,
+        "the last good snapshot"
+    );
     sys.stop().await;
 }
 
@@ -375,7 +506,17 @@ async fn a_damaged_or_missing_snapshot_fails_the_restore() {
     let e = sys.resume("p1").await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::FailedPrecondition);
     let reason = sys.actor("p1").status_reason;
-    assert!(reason.contains(&format!("snapshot {} is damaged", archive.file_stem().unwrap().to_string_lossy().trim_end_matches(".tar"))), "{reason}");
+    assert!(
+        reason.contains(&format!(
+            "snapshot {} is damaged",
+            archive
+                .file_stem()
+                .unwrap()
+                .to_string_lossy()
+                .trim_end_matches(".tar")
+        )),
+        "{reason}"
+    );
     assert!(programs_in(&sys.live("p1")).is_empty(), "never started");
 
     std::fs::remove_file(&archive).unwrap();
@@ -383,7 +524,10 @@ async fn a_damaged_or_missing_snapshot_fails_the_restore() {
     sys.resume("p1").await.unwrap_err();
     let reason = sys.actor("p1").status_reason;
     assert!(reason.contains("is missing"), "{reason}");
-    assert!(reason.contains("the app is not started on an empty directory in its place"), "{reason}");
+    assert!(
+        reason.contains("the app is not started on an empty directory in its place"),
+        "{reason}"
+    );
     sys.stop().await;
 }
 
@@ -397,7 +541,10 @@ async fn bodies_upgrades_and_h2c_reach_the_program() {
     let big: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
     let (status, echoed) = {
         let stream = tokio::net::TcpStream::connect(p1).await.unwrap();
-        let (mut send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.unwrap();
+        let (mut send, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .unwrap();
         tokio::spawn(conn);
         let req = http::Request::post("/echo")
             .header("host", "p1")
@@ -405,10 +552,17 @@ async fn bodies_upgrades_and_h2c_reach_the_program() {
             .body(Full::new(Bytes::from(big.clone())))
             .unwrap();
         let resp = send.send_request(req).await.unwrap();
-        (resp.status(), resp.into_body().collect().await.unwrap().to_bytes())
+        (
+            resp.status(),
+            resp.into_body().collect().await.unwrap().to_bytes(),
+        )
     };
     assert_eq!(status, 200);
-    assert!(echoed == big, "the body came back whole ({} bytes)", echoed.len());
+    assert!(
+        echoed == big,
+        "the body came back whole ({} bytes)",
+        echoed.len()
+    );
 
     let mut c = tokio::net::TcpStream::connect(p1).await.unwrap();
     c.write_all(b"GET /tunnel HTTP/1.1\r\nHost: p1\r\nx-actor-ref: demo/p1\r\nConnection: upgrade\r\nUpgrade: echo\r\n\r\n").await.unwrap();
@@ -426,13 +580,23 @@ async fn bodies_upgrades_and_h2c_reach_the_program() {
     c.read_exact(&mut back).await.unwrap();
     assert_eq!(&back, b"ping through the tunnel");
     // An open tunnel is a request in flight: a policy's checkpoint would not take it.
-    assert!(sys.actor("p1").busy || {
-        sys.cluster.plane.wait_until(WITHIN, |p| p.get_actor(&key("p1")).is_ok_and(|a| a.busy)).await
-    });
+    assert!(
+        sys.actor("p1").busy || {
+            sys.cluster
+                .plane
+                .wait_until(WITHIN, |p| p.get_actor(&key("p1")).is_ok_and(|a| a.busy))
+                .await
+        }
+    );
     drop(c);
 
     let stream = tokio::net::TcpStream::connect(p1).await.unwrap();
-    let (mut send, conn) = hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), hyper_util::rt::TokioIo::new(stream)).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
     tokio::spawn(conn);
     let req = http::Request::get(format!("http://{p1}/"))
         .header("x-actor-ref", "demo/p1")
@@ -441,7 +605,11 @@ async fn bodies_upgrades_and_h2c_reach_the_program() {
     let resp = send.send_request(req).await.unwrap();
     assert_eq!(resp.status(), 200);
     let body = resp.into_body().collect().await.unwrap().to_bytes();
-    assert_eq!(&body[..], b"count 1\n", "an h2c request, answered by an HTTP/1.1 program");
+    assert_eq!(
+        &body[..],
+        b"count 1\n",
+        "an h2c request, answered by an HTTP/1.1 program"
+    );
     sys.stop().await;
 }
 
@@ -456,13 +624,20 @@ async fn an_unmodified_http_server_serves_its_restored_data() {
     .unwrap();
     let sys = System::start(with_program(p), 1).await;
     let p1 = sys.resume("p1").await.unwrap();
-    assert_eq!(get(p1, "p1", "/hello.txt").await.0, 404, "a new actor starts empty");
+    assert_eq!(
+        get(p1, "p1", "/hello.txt").await.0,
+        404,
+        "a new actor starts empty"
+    );
     // What the app's own writes would be: the directory it serves.
     std::fs::write(sys.live("p1").join("hello.txt"), "hello from a snapshot\n").unwrap();
     sys.cluster.plane.suspend_actor(key("p1")).await.unwrap();
     assert!(!sys.live("p1").join("hello.txt").exists() || programs_in(&sys.live("p1")).is_empty());
     let p1 = sys.resume("p1").await.unwrap();
-    assert_eq!(get(p1, "p1", "/hello.txt").await, (200, "hello from a snapshot\n".into()));
+    assert_eq!(
+        get(p1, "p1", "/hello.txt").await,
+        (200, "hello from a snapshot\n".into())
+    );
     sys.stop().await;
 }
 
@@ -483,15 +658,24 @@ async fn limits_apply_and_going_over_them_is_a_crash() {
     assert_eq!(get(p1, "p1", "/alloc/1024").await.0, 502);
     sys.until_status("p1", Status::Crashed).await;
     let reason = sys.actor("p1").status_reason;
-    assert!(reason.starts_with("its program exited with status 1"), "{reason}");
-    assert!(reason.contains("out of memory allocating 1024 MiB"), "{reason}");
+    assert!(
+        reason.starts_with("its program exited with status 1"),
+        "{reason}"
+    );
+    assert!(
+        reason.contains("out of memory allocating 1024 MiB"),
+        "{reason}"
+    );
 
     sys.cluster.plane.revert_actor(key("p1")).await.unwrap();
     let p1 = sys.resume("p1").await.unwrap();
     assert_eq!(get(p1, "p1", "/spin").await.0, 502);
     sys.until_status("p1", Status::Crashed).await;
     let reason = sys.actor("p1").status_reason;
-    assert!(reason.starts_with("its program killed by signal"), "{reason}");
+    assert!(
+        reason.starts_with("its program killed by signal"),
+        "{reason}"
+    );
     assert!(reason.contains("over limits.cpu_time"), "{reason}");
     sys.stop().await;
 }
@@ -501,26 +685,37 @@ async fn limits_apply_and_going_over_them_is_a_crash() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_template_that_cannot_run_here_is_refused_at_the_start() {
     let dir = tempfile::tempdir().unwrap();
-    let missing = with_program(Program::from_command_line("valet-no-such-program --x", None).unwrap());
+    let missing =
+        with_program(Program::from_command_line("valet-no-such-program --x", None).unwrap());
     let e = Cluster::start(ClusterConfig::counter(dir.path(), 0).with_template(missing, 1))
         .await
         .unwrap_err();
-    assert_eq!(e, "template app: command \"valet-no-such-program\" is not found on PATH");
+    assert_eq!(
+        e,
+        "template app: command \"valet-no-such-program\" is not found on PATH"
+    );
 
     let not_exec = dir.path().join("app.sh");
     std::fs::write(&not_exec, "#!/bin/sh\n").unwrap();
-    let t = with_program(Program::from_command_line(&not_exec.display().to_string(), None).unwrap());
+    let t =
+        with_program(Program::from_command_line(&not_exec.display().to_string(), None).unwrap());
     let e = Cluster::start(ClusterConfig::counter(dir.path(), 0).with_template(t, 1))
         .await
         .unwrap_err();
-    assert!(e.starts_with("template app: command ") && e.ends_with("is not executable"), "{e}");
+    assert!(
+        e.starts_with("template app: command ") && e.ends_with("is not executable"),
+        "{e}"
+    );
 
     let mut p = Program::from_command_line("python3 -V", None).unwrap();
     p.limits.cpu = Some(0.5);
     let e = Cluster::start(ClusterConfig::counter(dir.path(), 0).with_template(with_program(p), 1))
         .await
         .unwrap_err();
-    assert!(e.starts_with("template app: limits.cpu needs a cgroup v2"), "{e}");
+    assert!(
+        e.starts_with("template app: limits.cpu needs a cgroup v2"),
+        "{e}"
+    );
 }
 
 /// cgroup v2 limits, where this machine delegates the memory and cpu controllers
@@ -528,7 +723,9 @@ async fn a_template_that_cannot_run_here_is_refused_at_the_start() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cgroup_limits_where_the_machine_delegates_them() {
     let Some(root) = delegated_cgroup() else {
-        eprintln!("skipped: no cgroup v2 with the memory and cpu controllers can be delegated here");
+        eprintln!(
+            "skipped: no cgroup v2 with the memory and cpu controllers can be delegated here"
+        );
         return;
     };
     let cgroup = valet_worker::Cgroup::open(&root).unwrap();

@@ -524,7 +524,10 @@ impl control_server::Control for ControlService {
     ) -> Res<ateapi::GetActorLogsResponse> {
         let key = ActorKey::from_ref(r.get_ref().actor_ref.as_ref())?;
         let (output, worker) = self.plane.actor_logs(&key).await?;
-        Ok(Response::new(ateapi::GetActorLogsResponse { output, worker }))
+        Ok(Response::new(ateapi::GetActorLogsResponse {
+            output,
+            worker,
+        }))
     }
 }
 

@@ -46,6 +46,9 @@ pub struct SystemOpts {
     /// The control plane's `--route-lease` (zero, as for the seed's figures: the router
     /// asks for every request, as the seed's does).
     pub route_lease: Duration,
+    /// A program to run as the scenario's actors (template and pool `app`) instead of
+    /// the counter.
+    pub app: Option<valet_template::Program>,
 }
 
 impl Default for SystemOpts {
@@ -59,6 +62,7 @@ impl Default for SystemOpts {
             evict_idle_after: Duration::ZERO,
             echo_workers: 0,
             route_lease: Duration::ZERO,
+            app: None,
         }
     }
 }
@@ -80,6 +84,8 @@ pub struct System {
     _dir: Option<tempfile::TempDir>,
     child: Option<tokio::process::Child>,
     in_process: Option<(Router, HttpServer)>,
+    /// The template the scenario's actors are created from.
+    template: String,
 }
 
 impl std::fmt::Debug for System {
@@ -112,7 +118,19 @@ impl System {
     /// When a part cannot start.
     pub async fn embedded(opts: &SystemOpts) -> Result<Self, String> {
         let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let mut templates = valet_template::Templates::builtin();
+        let template = match &opts.app {
+            Some(program) => {
+                templates.insert(valet_template::Template::new(
+                    "app",
+                    valet_template::Kind::Program(Box::new(program.clone())),
+                )?);
+                "app"
+            }
+            None => "counter",
+        };
         let cluster = Cluster::start(ClusterConfig {
+            templates,
             plane: PlaneConfig {
                 capacity_wait: opts.capacity_wait,
                 evict_idle_after: opts.evict_idle_after,
@@ -122,7 +140,7 @@ impl System {
             restore_delay: opts.restore_delay,
             pools: vec![
                 PoolSpec {
-                    pool: "counter".into(),
+                    pool: template.into(),
                     workers: opts.workers,
                     id_prefix: "load-w".into(),
                 },
@@ -236,6 +254,7 @@ impl System {
             _dir: Some(dir),
             child,
             in_process,
+            template: template.to_owned(),
         })
     }
 
@@ -256,6 +275,7 @@ impl System {
             _dir: None,
             child: None,
             in_process: None,
+            template: "counter".into(),
         })
     }
 
@@ -278,6 +298,7 @@ impl System {
             _dir: None,
             child: None,
             in_process: None,
+            template: "counter".into(),
         })
     }
 
@@ -318,10 +339,10 @@ impl System {
         self.processes.as_ref()
     }
 
-    /// Creates `actor` (template `counter`) unless it exists, and makes sure it is
-    /// suspended.
+    /// Creates `actor` (template `counter`, or `app` with [`SystemOpts::app`]) unless
+    /// it exists, and makes sure it is suspended.
     pub async fn fresh(&self, actor: &str) -> Result<(), String> {
-        self.fresh_of(actor, "counter").await
+        self.fresh_of(actor, &self.template).await
     }
 
     /// [`Self::fresh`] with template `template`.

@@ -280,3 +280,53 @@ async fn eviction_shape() {
     assert!(r.text.contains("evictions: 2"), "{}", r.text);
     sys.shutdown().await;
 }
+
+/// The seed's parking demo runs unchanged with a program of the user's as its actors'
+/// template: the notes example, restored and stopped for real on every resume and
+/// suspend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_parking_demo_runs_with_the_notes_example_as_its_template() {
+    let notes =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/notes/app.py");
+    let app =
+        valet_template::Program::from_command_line(&format!("python3 {}", notes.display()), None)
+            .unwrap();
+    let sys = System::embedded(&SystemOpts {
+        workers: 2,
+        restore_delay: Duration::ZERO,
+        router_flags: vec!["--parked-request-budget".into(), "3s".into()],
+        app: Some(app),
+        ..SystemOpts::default()
+    })
+    .await
+    .unwrap();
+    let r = scenario::timeline(&sys, Duration::from_secs(3), 1, Duration::from_millis(200))
+        .await
+        .unwrap();
+    let labels: Vec<(&str, u16)> = r
+        .records
+        .iter()
+        .map(|r| (r.label.as_str(), r.status))
+        .collect();
+    assert_eq!(
+        labels,
+        vec![
+            ("free-worker", 200),
+            ("free-worker", 200),
+            ("p3-no-free-worker", 503),
+            ("p3-served-after-park", 200),
+        ],
+        "{}",
+        r.text
+    );
+    assert_eq!(r.records[3].body, "no notes yet", "the notes app answered");
+    let r = scenario::steady(&sys, Duration::from_millis(1500))
+        .await
+        .unwrap();
+    assert!(
+        r.records.iter().filter(|r| r.status == 200).count() >= 4,
+        "{}",
+        r.text
+    );
+    sys.shutdown().await;
+}

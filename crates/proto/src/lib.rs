@@ -56,8 +56,8 @@ pub mod leases {
 
 pub mod auth;
 pub mod hop;
-pub mod units;
 pub mod reload;
+pub mod units;
 
 /// How long a worker's app keeps a connection that sends no request head, an idle
 /// keep-alive connection between requests included (then it closes it, silently).

@@ -124,7 +124,9 @@ impl Probe {
     pub fn ready_with(&self, status: u16) -> bool {
         match self {
             Probe::Http { explicit: true, .. } => (200..400).contains(&status),
-            Probe::Http { explicit: false, .. } => status < 500,
+            Probe::Http {
+                explicit: false, ..
+            } => status < 500,
             Probe::Tcp => true,
         }
     }
@@ -266,7 +268,10 @@ impl Program {
         let data = data.to_string_lossy();
         self.command
             .iter()
-            .map(|a| a.replace("{port}", &port.to_string()).replace("{data}", &data))
+            .map(|a| {
+                a.replace("{port}", &port.to_string())
+                    .replace("{data}", &data)
+            })
             .collect()
     }
 
@@ -530,7 +535,8 @@ impl Templates {
                 if !is_label(&name) {
                     return Err(in_template(LABEL_RULE.to_owned()));
                 }
-                let raw = RawTemplate::deserialize(value).map_err(|e| in_template(e.message().to_owned()))?;
+                let raw = RawTemplate::deserialize(value)
+                    .map_err(|e| in_template(e.message().to_owned()))?;
                 let kind = raw.into_kind(base).map_err(in_template)?;
                 templates.by_name.insert(
                     name.clone(),
@@ -644,8 +650,13 @@ impl RawTemplate {
             }
         };
         match (self.app, self.command) {
-            (Some(_), Some(_)) => Err("give either `app` (a built-in app) or `command` (a program), not both".into()),
-            (None, None) => Err("missing `command` (the program to run) or `app` (a built-in app: counter or echo)".into()),
+            (Some(_), Some(_)) => {
+                Err("give either `app` (a built-in app) or `command` (a program), not both".into())
+            }
+            (None, None) => Err(
+                "missing `command` (the program to run) or `app` (a built-in app: counter or echo)"
+                    .into(),
+            ),
             (Some(app), None) => {
                 let app: Builtin = app.parse().map_err(|e| format!("app: {e}"))?;
                 let program_keys = [
@@ -671,7 +682,9 @@ impl RawTemplate {
                     return Err("snapshot: \"full\" keeps an app's memory, which needs CRIU or gVisor; a program's snapshot is its data directory (\"data\")".into());
                 }
                 let command = match command {
-                    RawCommand::Line(line) => split_command(&line).map_err(|e| format!("command: {e}"))?,
+                    RawCommand::Line(line) => {
+                        split_command(&line).map_err(|e| format!("command: {e}"))?
+                    }
                     RawCommand::Words(words) => {
                         if words.first().is_none_or(String::is_empty) {
                             return Err("command: the program (its first word) is empty".into());
@@ -703,10 +716,15 @@ impl RawTemplate {
                         explicit: false,
                     },
                     Some("tcp") => Probe::Tcp,
-                    Some(path) if path.starts_with('/') && !path.chars().any(|c| c.is_control() || c == ' ') => Probe::Http {
-                        path: path.to_owned(),
-                        explicit: true,
-                    },
+                    Some(path)
+                        if path.starts_with('/')
+                            && !path.chars().any(|c| c.is_control() || c == ' ') =>
+                    {
+                        Probe::Http {
+                            path: path.to_owned(),
+                            explicit: true,
+                        }
+                    }
                     Some(other) => {
                         return Err(format!(
                             "ready: {other:?} must be an HTTP path (\"/healthz\") or \"tcp\""
@@ -731,9 +749,17 @@ impl RawTemplate {
                     dir,
                     env: self.env,
                     ready,
-                    start_timeout: duration("start_timeout", self.start_timeout.as_deref(), DEFAULT_START_TIMEOUT)?,
+                    start_timeout: duration(
+                        "start_timeout",
+                        self.start_timeout.as_deref(),
+                        DEFAULT_START_TIMEOUT,
+                    )?,
                     stop_signal,
-                    stop_grace: duration("stop_grace", self.stop_grace.as_deref(), DEFAULT_STOP_GRACE)?,
+                    stop_grace: duration(
+                        "stop_grace",
+                        self.stop_grace.as_deref(),
+                        DEFAULT_STOP_GRACE,
+                    )?,
                     protocol,
                     limits,
                 })))
@@ -750,7 +776,9 @@ impl RawLimits {
         let memory = match self.memory {
             None => None,
             Some(RawSize::Bytes(n)) => Some(n),
-            Some(RawSize::Text(s)) => Some(parse_bytes(&s).map_err(|e| format!("limits.memory: {e}"))?),
+            Some(RawSize::Text(s)) => {
+                Some(parse_bytes(&s).map_err(|e| format!("limits.memory: {e}"))?)
+            }
         };
         if let Some(m) = memory
             && m < MIN_MEMORY
@@ -763,7 +791,9 @@ impl RawLimits {
         if let Some(cpu) = self.cpu
             && !(cpu.is_finite() && (0.01..=1024.0).contains(&cpu))
         {
-            return Err(format!("limits.cpu: {cpu} must be a number of CPUs from 0.01 to 1024"));
+            return Err(format!(
+                "limits.cpu: {cpu} must be a number of CPUs from 0.01 to 1024"
+            ));
         }
         let cpu_time = match self.cpu_time.as_deref() {
             None => None,

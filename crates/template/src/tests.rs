@@ -125,7 +125,10 @@ fn bad_files_are_refused_naming_the_template_and_the_key() {
             "[templates.notes]\ncommand = \"x 'y\"\n",
             "template notes: command: command \"x 'y\" has unbalanced quotes",
         ),
-        ("[templates.notes]\ncommand = \"\"\n", "template notes: command: command is empty"),
+        (
+            "[templates.notes]\ncommand = \"\"\n",
+            "template notes: command: command is empty",
+        ),
         (
             "[templates.notes]\nready = \"/\"\n",
             "template notes: missing `command`",
@@ -178,12 +181,18 @@ fn bad_files_are_refused_naming_the_template_and_the_key() {
             "[templates.Notes]\ncommand = \"x\"\n",
             "template Notes: must be 1-63 characters",
         ),
-        ("[template.notes]\ncommand = \"x\"\n", "unknown top-level key `template`"),
+        (
+            "[template.notes]\ncommand = \"x\"\n",
+            "unknown top-level key `template`",
+        ),
         ("[templates.notes\ncommand = \"x\"\n", "line 1:"),
     ];
     for (text, want) in cases {
         let got = parse(text).unwrap_err();
-        assert!(got.starts_with(want), "{text:?}: got {got:?}, want {want:?}");
+        assert!(
+            got.starts_with(want),
+            "{text:?}: got {got:?}, want {want:?}"
+        );
         assert!(!got.contains('\n'), "one line: {got:?}");
     }
 }

@@ -230,9 +230,14 @@ pub(crate) struct TargetArgs {
     #[arg(long, env = "VALET_TARGET_BUDGET", default_value = "5s", value_parser = positive_duration, value_name = "DURATION")]
     pub(crate) budget: Duration,
     /// Each restore's extra time on embedded (or --cluster) workers (the seed measured
-    /// 230ms).
+    /// 230ms; with --app, give 0s to measure the app's own restore).
     #[arg(long, env = "VALET_TARGET_RESTORE_DELAY", default_value = "230ms", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) restore_delay: Duration,
+    /// Run this program as the scenario's actors (template and pool `app`) instead of
+    /// the counter, on embedded parts: as `valet up --app` takes it (its port in $PORT,
+    /// its data directory in $VALET_DATA_DIR).
+    #[arg(long, env = "VALET_TARGET_APP", value_name = "COMMAND", conflicts_with_all = ["router", "cluster"])]
+    pub(crate) app: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -727,8 +732,13 @@ impl TemplateArgs {
     /// The file's error, as an invalid configuration of --templates.
     pub(crate) fn resolve(&self) -> Result<valet_template::Templates, String> {
         let mut templates = match &self.file {
-            Some(f) => valet_template::Templates::load(f)
-                .map_err(|e| format!("invalid configuration: --templates={}: {}", f.display(), e.message))?,
+            Some(f) => valet_template::Templates::load(f).map_err(|e| {
+                format!(
+                    "invalid configuration: --templates={}: {}",
+                    f.display(),
+                    e.message
+                )
+            })?,
             None => valet_template::Templates::builtin(),
         };
         for t in &self.builtin {

@@ -331,10 +331,15 @@ pub(crate) async fn handle(
         let Some(upstream) = host.upstream() else {
             return Ok(text(
                 StatusCode::BAD_GATEWAY,
-                format!("actor {} failed: its program is not running\n", hosted.actor),
+                format!(
+                    "actor {} failed: its program is not running\n",
+                    hosted.actor
+                ),
             ));
         };
-        return Ok(crate::forward::forward(req, &hosted.actor, upstream, in_flight, &tunnels).await);
+        return Ok(
+            crate::forward::forward(req, &hosted.actor, upstream, in_flight, &tunnels).await,
+        );
     }
     // The app's own readiness, whatever the fence; every request for the actor
     // (`/whoami` included) goes through the fence.

@@ -92,13 +92,22 @@ pub(crate) async fn forward(
         .build()
     {
         Ok(u) => u,
-        Err(e) => return text(StatusCode::BAD_REQUEST, format!("bad request target: {e}\n")),
+        Err(e) => {
+            return text(
+                StatusCode::BAD_REQUEST,
+                format!("bad request target: {e}\n"),
+            );
+        }
     };
     let outgoing = Request::from_parts(parts, body);
     let answer = if upgrade {
         send_upgrade(outgoing, addr, tunnels).await
     } else {
-        upstream.client.request(outgoing).await.map_err(|e| valet_proto::error_chain(&e))
+        upstream
+            .client
+            .request(outgoing)
+            .await
+            .map_err(|e| valet_proto::error_chain(&e))
     };
     let mut resp = match answer {
         Ok(r) => r,
@@ -108,7 +117,10 @@ pub(crate) async fn forward(
                 None => format!("its program did not answer: {e}"),
             };
             tracing::debug!(%actor, %why, "request to the program failed");
-            return text(StatusCode::BAD_GATEWAY, format!("actor {actor} failed: {why}\n"));
+            return text(
+                StatusCode::BAD_GATEWAY,
+                format!("actor {actor} failed: {why}\n"),
+            );
         }
     };
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS
@@ -135,7 +147,12 @@ pub(crate) async fn forward(
                 () = in_flight.stopped() => {}
             }
         });
-        let mut back = Response::from_parts(parts, http_body_util::Empty::<Bytes>::new().map_err(|never| match never {}).boxed());
+        let mut back = Response::from_parts(
+            parts,
+            http_body_util::Empty::<Bytes>::new()
+                .map_err(|never| match never {})
+                .boxed(),
+        );
         *back.version_mut() = Version::HTTP_11;
         return back;
     }

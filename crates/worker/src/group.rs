@@ -66,7 +66,10 @@ impl Run {
         let mut in_group = Vec::new();
         let mut marked = Vec::new();
         for entry in entries.flatten() {
-            let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok())
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|s| s.parse::<i32>().ok())
             else {
                 continue;
             };
@@ -88,9 +91,9 @@ impl Run {
         // A zombie's environment is gone: a group of zombies only is the run's if
         // its leader is (a zombie leader is the worker's own child, not reaped yet).
         let group_is_ours = in_group.iter().any(|(_, m)| *m)
-            || in_group
-                .iter()
-                .all(|(m, _)| m.zombie && m.ppid == rustix::process::getpid().as_raw_nonzero().get());
+            || in_group.iter().all(|(m, _)| {
+                m.zombie && m.ppid == rustix::process::getpid().as_raw_nonzero().get()
+            });
         if group_is_ours {
             marked.extend(in_group.into_iter().map(|(m, _)| m));
         }
@@ -137,7 +140,11 @@ impl Run {
     ///
     /// # Errors
     /// The pids left (a process stuck in the kernel, say).
-    pub(crate) async fn kill_all(&self, leader: Option<i32>, within: Duration) -> Result<(), Vec<i32>> {
+    pub(crate) async fn kill_all(
+        &self,
+        leader: Option<i32>,
+        within: Duration,
+    ) -> Result<(), Vec<i32>> {
         let until = tokio::time::Instant::now() + within;
         let mut pause = Duration::from_millis(1);
         loop {
@@ -189,7 +196,11 @@ mod tests {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        assert_eq!(found.len(), 3, "sh, its sleep, and the one that left: {found:?}");
+        assert_eq!(
+            found.len(),
+            3,
+            "sh, its sleep, and the one that left: {found:?}"
+        );
         let other = Run {
             pgid: child.id() as i32,
             id: "another-run".into(),

@@ -208,7 +208,10 @@ mod tests {
     fn hosted(actor: &str) -> Arc<Hosted> {
         Arc::new(Hosted::new(
             actor.into(),
-            Served::Counter(Counter::new(0, std::path::PathBuf::from("/nonexistent/counter"))),
+            Served::Counter(Counter::new(
+                0,
+                std::path::PathBuf::from("/nonexistent/counter"),
+            )),
             actor.into(),
         ))
     }

@@ -46,9 +46,9 @@ use valet_proto::worker::{
 
 pub use app::{ACTOR_REF_HEADER, pattern};
 use app::{Counter, Hosted, Served, Slot, create_dir_durably, read_counter, write_durably};
-pub use limits::{Cgroup, check as check_template};
 pub use hosting::MIN_HOSTING_LEASE;
 use hosting::{HostingLease, RENEW_EVERY};
+pub use limits::{Cgroup, check as check_template};
 use traffic::Fence;
 
 /// Why a command was not carried out.

@@ -56,13 +56,18 @@ impl Cgroup {
     ///
     /// # Errors
     /// When it cannot be made or written.
-    pub(crate) fn for_program(&self, actor: &str, limits: &Limits) -> Result<ProgramCgroup, String> {
+    pub(crate) fn for_program(
+        &self,
+        actor: &str,
+        limits: &Limits,
+    ) -> Result<ProgramCgroup, String> {
         let dir = self.dir.join(format!(
             "valet-{}-{:08x}",
             actor.replace('/', "."),
             rand::random::<u32>()
         ));
-        let e = |what: &str, err: std::io::Error| format!("cgroup {}: {what}: {err}", dir.display());
+        let e =
+            |what: &str, err: std::io::Error| format!("cgroup {}: {what}: {err}", dir.display());
         std::fs::create_dir(&dir).map_err(|x| e("creating", x))?;
         let mut cg = ProgramCgroup {
             procs: None,
@@ -71,13 +76,15 @@ impl Cgroup {
         if let Some(m) = limits.memory
             && self.has("memory")
         {
-            std::fs::write(dir.join("memory.max"), m.to_string()).map_err(|x| e("memory.max", x))?;
+            std::fs::write(dir.join("memory.max"), m.to_string())
+                .map_err(|x| e("memory.max", x))?;
             let _ = std::fs::write(dir.join("memory.swap.max"), "0");
         }
         if let Some(cpu) = limits.cpu {
             let period = 100_000u64;
             let quota = ((cpu * period as f64).round() as u64).max(1000);
-            std::fs::write(dir.join("cpu.max"), format!("{quota} {period}")).map_err(|x| e("cpu.max", x))?;
+            std::fs::write(dir.join("cpu.max"), format!("{quota} {period}"))
+                .map_err(|x| e("cpu.max", x))?;
         }
         let procs = std::fs::OpenOptions::new()
             .write(true)
@@ -105,8 +112,10 @@ impl ProgramCgroup {
         std::fs::read_to_string(self.dir.join("memory.events"))
             .ok()
             .and_then(|s| {
-                s.lines()
-                    .find_map(|l| l.strip_prefix("oom_kill ").and_then(|n| n.trim().parse::<u64>().ok()))
+                s.lines().find_map(|l| {
+                    l.strip_prefix("oom_kill ")
+                        .and_then(|n| n.trim().parse::<u64>().ok())
+                })
             })
             .is_some_and(|n| n > 0)
     }

@@ -137,7 +137,11 @@ pub(crate) async fn pump(mut from: impl AsyncRead + Unpin, stream: Stream, outpu
         };
         for chunk in buf[..n].split_inclusive(|&b| b == b'\n') {
             let ends = chunk.last() == Some(&b'\n');
-            let body = if ends { &chunk[..chunk.len() - 1] } else { chunk };
+            let body = if ends {
+                &chunk[..chunk.len() - 1]
+            } else {
+                chunk
+            };
             if !dropping {
                 let room = (LINE_MAX + 1).saturating_sub(line.len());
                 line.extend_from_slice(&body[..body.len().min(room)]);
@@ -189,7 +193,11 @@ mod tests {
         assert!(out.contents().len() <= OUTPUT_KEEP);
         out.flush().await;
         let again = Output::open("demo/p1", dir.path().join(OUTPUT_FILE));
-        assert_eq!(again.contents(), out.contents(), "the file holds what is kept");
+        assert_eq!(
+            again.contents(),
+            out.contents(),
+            "the file holds what is kept"
+        );
         assert!(again.tail(1).ends_with("line 9999"));
     }
 }

@@ -45,8 +45,18 @@ pub(crate) const TAIL_LINES: usize = 10;
 /// Environment variables a program inherits from the worker; every other one it gets
 /// from its template (the worker's own, its credentials' paths among them, stay out).
 const PASSED_ENV: &[&str] = &[
-    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE",
-    "LC_MESSAGES", "TZ", "TMPDIR",
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "SHELL",
+    "LANG",
+    "LANGUAGE",
+    "LC_ALL",
+    "LC_CTYPE",
+    "LC_MESSAGES",
+    "TZ",
+    "TMPDIR",
 ];
 
 /// How a program ended.
@@ -320,7 +330,11 @@ impl Running {
         let port = free_port().map_err(|e| format!("no free loopback port: {e}"))?;
         let data = launch.dir.data();
         let argv = spec.argv(port, &data);
-        let run_id = format!("{:016x}{:016x}", rand::random::<u64>(), rand::random::<u64>());
+        let run_id = format!(
+            "{:016x}{:016x}",
+            rand::random::<u64>(),
+            rand::random::<u64>()
+        );
         let mut cmd = tokio::process::Command::new(&exe);
         cmd.arg0(&argv[0]).args(&argv[1..]);
         if let Some(dir) = &spec.dir {
@@ -386,9 +400,10 @@ impl Running {
             exit_tx.send_replace(Some(exit));
         });
         tasks.close();
-        launch
-            .output
-            .note(&format!("started {} (pid {leader}, port {port})", argv.join(" ")));
+        launch.output.note(&format!(
+            "started {} (pid {leader}, port {port})",
+            argv.join(" ")
+        ));
         Ok(Self {
             run,
             leader,
@@ -443,7 +458,8 @@ impl Running {
         loop {
             let within =
                 PROBE_TIMEOUT.min(deadline.saturating_duration_since(tokio::time::Instant::now()));
-            let attempt = tokio::time::timeout(within, probe(self.addr, &spec.ready, spec.protocol));
+            let attempt =
+                tokio::time::timeout(within, probe(self.addr, &spec.ready, spec.protocol));
             tokio::select! {
                 exit = self.exited() => return Err(format!("its program {exit} before it was ready")),
                 r = attempt => match r {
@@ -466,7 +482,9 @@ impl Running {
                 exit = self.exited() => return Err(format!("its program {exit} before it was ready")),
                 () = tokio::time::sleep(pause.min(deadline.saturating_duration_since(tokio::time::Instant::now()))) => {}
             }
-            pause = (pause * 3 / 2).max(pause + Duration::from_micros(500)).min(PROBE_PAUSE_MAX);
+            pause = (pause * 3 / 2)
+                .max(pause + Duration::from_micros(500))
+                .min(PROBE_PAUSE_MAX);
         }
     }
 
@@ -484,7 +502,9 @@ impl Running {
             let mut pause = Duration::from_millis(1);
             loop {
                 let run = self.run.clone();
-                let left = tokio::task::spawn_blocking(move || run.live()).await.unwrap_or_default();
+                let left = tokio::task::spawn_blocking(move || run.live())
+                    .await
+                    .unwrap_or_default();
                 if left.is_empty() {
                     return;
                 }
@@ -494,7 +514,12 @@ impl Running {
         })
         .await;
         if ended.is_err() {
-            tracing::warn!(pgid = self.run.pgid, ?grace, signal = signal_name(signal), "the program did not stop within its stop_grace; killing its processes");
+            tracing::warn!(
+                pgid = self.run.pgid,
+                ?grace,
+                signal = signal_name(signal),
+                "the program did not stop within its stop_grace; killing its processes"
+            );
         }
         self.run
             .kill_all(Some(self.leader), KILL_WITHIN)
@@ -547,7 +572,9 @@ async fn probe(addr: SocketAddr, probe: &Probe, protocol: Protocol) -> Result<()
                     .map_err(|e| format!("{probe} (h2c): {e}"))?;
             let conn = tokio::spawn(conn);
             let mut req = req;
-            *req.uri_mut() = format!("http://{addr}{path}").parse().map_err(|e| format!("{e}"))?;
+            *req.uri_mut() = format!("http://{addr}{path}")
+                .parse()
+                .map_err(|e| format!("{e}"))?;
             let r = send.send_request(req).await;
             conn.abort();
             r

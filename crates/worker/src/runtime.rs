@@ -174,9 +174,7 @@ impl Host {
     /// `upstream`'s program exited by itself: unless the worker stopped it, the actor
     /// leaves this worker and the control plane is told.
     async fn exited(self: &Arc<Self>, upstream: &Arc<Upstream>, exit: crate::program::Exit) {
-        let current = self
-            .upstream()
-            .is_some_and(|u| Arc::ptr_eq(&u, upstream));
+        let current = self.upstream().is_some_and(|u| Arc::ptr_eq(&u, upstream));
         if self.stopping.load(Ordering::Acquire) || !current {
             return;
         }
@@ -191,9 +189,10 @@ impl Host {
         let tail = self.output.tail(TAIL_LINES);
         tracing::warn!(actor = %self.actor, %status, output = %tail, "the actor's program exited while hosted; the actor leaves this worker");
         if let Some(slot) = self.ctx.slot.upgrade() {
-            crate::hosting::vacate_if(&slot, |h| {
-                matches!(&h.app, crate::app::Served::Program(p) if std::ptr::eq(&**p, &**self))
-            });
+            crate::hosting::vacate_if(
+                &slot,
+                |h| matches!(&h.app, crate::app::Served::Program(p) if std::ptr::eq(&**p, &**self)),
+            );
         }
         let _ = self.ctx.exits.send(wk::Exited {
             actor: Some(self.slot.clone()),
@@ -204,7 +203,10 @@ impl Host {
 
     /// The program's current run, while it serves.
     pub(crate) fn upstream(&self) -> Option<Arc<Upstream>> {
-        self.current.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.current
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     pub(crate) fn output(&self) -> &Arc<Output> {
@@ -218,7 +220,12 @@ impl Host {
     /// When processes of it survive SIGKILL.
     pub(crate) async fn stop(&self) -> Result<(), String> {
         self.stopping.store(true, Ordering::Release);
-        let Some(upstream) = self.current.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+        let Some(upstream) = self
+            .current
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        else {
             return Ok(());
         };
         let result = upstream
@@ -237,7 +244,12 @@ impl Host {
     pub(crate) fn kill(&self) {
         self.stopping.store(true, Ordering::Release);
         // Dropping the run kills its group.
-        drop(self.current.lock().unwrap_or_else(|e| e.into_inner()).take());
+        drop(
+            self.current
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take(),
+        );
     }
 
     /// Checkpoints the fenced actor: refused while it keeps running when its data is

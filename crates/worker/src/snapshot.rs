@@ -65,7 +65,10 @@ pub(crate) fn measure(data: &Path) -> io::Result<(u64, u64)> {
 
 /// Calls `f` for every entry under `dir` (not `dir` itself), parents first, in name
 /// order; symbolic links are not followed.
-fn walk(dir: &Path, f: &mut dyn FnMut(&Path, &std::fs::Metadata) -> io::Result<()>) -> io::Result<()> {
+fn walk(
+    dir: &Path,
+    f: &mut dyn FnMut(&Path, &std::fs::Metadata) -> io::Result<()>,
+) -> io::Result<()> {
     let mut names: Vec<_> = std::fs::read_dir(dir)?
         .map(|e| e.map(|e| e.path()))
         .collect::<Result<_, _>>()?;
@@ -115,7 +118,10 @@ fn hex(digest: &[u8]) -> String {
 
 /// Whether `id` can name a snapshot (a SHA-256 in hex): nothing else reaches a path.
 fn valid_id(id: &str) -> bool {
-    id.len() == 64 && id.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+    id.len() == 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
 }
 
 /// What a snapshot taken holds.
@@ -177,7 +183,9 @@ pub(crate) fn take(data: &Path, actor_dir: &Path, max: u64) -> Result<Taken, Sna
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
             let keep = name == "index"
-                || name.strip_suffix(".tar.zst").is_some_and(|n| n == id || Some(n) == previous.as_deref());
+                || name
+                    .strip_suffix(".tar.zst")
+                    .is_some_and(|n| n == id || Some(n) == previous.as_deref());
             if !keep {
                 let _ = std::fs::remove_file(entry.path());
             }
@@ -192,7 +200,12 @@ pub(crate) fn take(data: &Path, actor_dir: &Path, max: u64) -> Result<Taken, Sna
 
 fn read_index(dir: &Path) -> Vec<String> {
     std::fs::read_to_string(dir.join("index"))
-        .map(|s| s.lines().filter(|l| valid_id(l)).map(str::to_owned).collect())
+        .map(|s| {
+            s.lines()
+                .filter(|l| valid_id(l))
+                .map(str::to_owned)
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -234,13 +247,10 @@ fn write_archive(data: &Path, to: &Path, max: u64) -> Result<(String, u64), Snap
     let encoder = tar.into_inner().map_err(io_err(what()))?;
     let mut hashing = encoder.finish().map_err(io_err(what()))?;
     hashing.flush().map_err(io_err(what()))?;
-    let file = hashing
-        .inner
-        .into_inner()
-        .map_err(|e| SnapshotError::Io {
-            what: what(),
-            source: e.into_error(),
-        })?;
+    let file = hashing.inner.into_inner().map_err(|e| SnapshotError::Io {
+        what: what(),
+        source: e.into_error(),
+    })?;
     file.sync_all().map_err(io_err(what()))?;
     Ok((hex(&hashing.hash.finalize()), hashing.bytes))
 }
@@ -320,7 +330,11 @@ pub(crate) fn restore(actor_dir: &Path, id: &str, into: &Path) -> Result<u64, Sn
         let _ = std::fs::remove_dir_all(&staging);
         return Err(e);
     }
-    std::fs::rename(&staging, into).map_err(io_err(format!("renaming {} to {}", staging.display(), into.display())))?;
+    std::fs::rename(&staging, into).map_err(io_err(format!(
+        "renaming {} to {}",
+        staging.display(),
+        into.display()
+    )))?;
     Ok(hashing.bytes)
 }
 
@@ -342,44 +356,78 @@ mod tests {
         std::fs::write(data.join("sub/deeper/big"), vec![7u8; 300_000]).unwrap();
         std::os::unix::fs::symlink("notes.db", data.join("link")).unwrap();
         use std::os::unix::fs::PermissionsExt as _;
-        std::fs::set_permissions(data.join("notes.db"), std::fs::Permissions::from_mode(0o600)).unwrap();
+        std::fs::set_permissions(
+            data.join("notes.db"),
+            std::fs::Permissions::from_mode(0o600),
+        )
+        .unwrap();
     }
 
     #[test]
     fn a_snapshot_round_trips_and_keeps_the_newest_two() {
         let dir = tempfile::tempdir().unwrap();
-        let (data, snaps, back) = (dir.path().join("data"), dir.path().join("snaps"), dir.path().join("back"));
+        let (data, snaps, back) = (
+            dir.path().join("data"),
+            dir.path().join("snaps"),
+            dir.path().join("back"),
+        );
         fill(&data);
         let first = take(&data, &snaps, 1 << 30).unwrap();
         assert_eq!(first.data_bytes, 300_005);
         restore(&snaps, &first.id, &back).unwrap();
         assert_eq!(std::fs::read(back.join("notes.db")).unwrap(), b"hello");
-        assert_eq!(std::fs::read(back.join("sub/deeper/big")).unwrap().len(), 300_000);
-        assert_eq!(std::fs::read_link(back.join("link")).unwrap(), Path::new("notes.db"));
+        assert_eq!(
+            std::fs::read(back.join("sub/deeper/big")).unwrap().len(),
+            300_000
+        );
+        assert_eq!(
+            std::fs::read_link(back.join("link")).unwrap(),
+            Path::new("notes.db")
+        );
         use std::os::unix::fs::PermissionsExt as _;
-        assert_eq!(std::fs::metadata(back.join("notes.db")).unwrap().permissions().mode() & 0o777, 0o600);
+        assert_eq!(
+            std::fs::metadata(back.join("notes.db"))
+                .unwrap()
+                .permissions()
+                .mode()
+                & 0o777,
+            0o600
+        );
 
         std::fs::write(data.join("notes.db"), b"second").unwrap();
         let second = take(&data, &snaps, 1 << 30).unwrap();
         std::fs::write(data.join("notes.db"), b"third").unwrap();
         let third = take(&data, &snaps, 1 << 30).unwrap();
-        assert_eq!(read_index(&snaps.join(PROGRAM_DIR)), [third.id.clone(), second.id.clone()]);
+        assert_eq!(
+            read_index(&snaps.join(PROGRAM_DIR)),
+            [third.id.clone(), second.id.clone()]
+        );
         restore(&snaps, &second.id, &back).unwrap();
         assert_eq!(std::fs::read(back.join("notes.db")).unwrap(), b"second");
         let e = restore(&snaps, &first.id, &back).unwrap_err();
         assert!(matches!(e, SnapshotError::Missing { .. }), "{e}");
         assert!(!back.exists(), "no directory in its place");
         restore(&snaps, "", &back).unwrap();
-        assert_eq!(std::fs::read_dir(&back).unwrap().count(), 0, "a new actor starts empty");
+        assert_eq!(
+            std::fs::read_dir(&back).unwrap().count(),
+            0,
+            "a new actor starts empty"
+        );
     }
 
     #[test]
     fn a_damaged_snapshot_is_refused() {
         let dir = tempfile::tempdir().unwrap();
-        let (data, snaps, back) = (dir.path().join("data"), dir.path().join("snaps"), dir.path().join("back"));
+        let (data, snaps, back) = (
+            dir.path().join("data"),
+            dir.path().join("snaps"),
+            dir.path().join("back"),
+        );
         fill(&data);
         let taken = take(&data, &snaps, 1 << 30).unwrap();
-        let archive = snaps.join(PROGRAM_DIR).join(format!("{}.tar.zst", taken.id));
+        let archive = snaps
+            .join(PROGRAM_DIR)
+            .join(format!("{}.tar.zst", taken.id));
         let mut bytes = std::fs::read(&archive).unwrap();
         let last = bytes.len() - 1;
         bytes[last] ^= 0xff;
@@ -389,8 +437,14 @@ mod tests {
         assert!(e.to_string().contains("is damaged"), "{e}");
         assert!(!back.exists());
         std::fs::write(&archive, b"not zstd at all").unwrap();
-        assert!(matches!(restore(&snaps, &taken.id, &back), Err(SnapshotError::Corrupt { .. })));
-        assert!(matches!(restore(&snaps, "../../etc", &back), Err(SnapshotError::Corrupt { .. })));
+        assert!(matches!(
+            restore(&snaps, &taken.id, &back),
+            Err(SnapshotError::Corrupt { .. })
+        ));
+        assert!(matches!(
+            restore(&snaps, "../../etc", &back),
+            Err(SnapshotError::Corrupt { .. })
+        ));
     }
 
     #[test]
@@ -406,7 +460,14 @@ mod tests {
             "its data directory holds 301005 bytes, over --snapshot-max-bytes 300100 (905 over)"
         );
         assert_eq!(read_index(&snaps.join(PROGRAM_DIR)), [good.id]);
-        let left: Vec<_> = std::fs::read_dir(snaps.join(PROGRAM_DIR)).unwrap().map(|e| e.unwrap().file_name()).collect();
-        assert_eq!(left.len(), 2, "the archive and its index, no temporary: {left:?}");
+        let left: Vec<_> = std::fs::read_dir(snaps.join(PROGRAM_DIR))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(
+            left.len(),
+            2,
+            "the archive and its index, no temporary: {left:?}"
+        );
     }
 }

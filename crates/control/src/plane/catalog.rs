@@ -176,10 +176,11 @@ impl Plane {
         let (link, worker, slot) = {
             let st = self.lock();
             let row = st.actors.get(key).ok_or_else(|| not_found(key))?;
-            let hosting = row
-                .worker
-                .as_ref()
-                .and_then(|w| st.workers.get(w).map(|rec| (std::sync::Arc::clone(&rec.link), w.clone())));
+            let hosting = row.worker.as_ref().and_then(|w| {
+                st.workers
+                    .get(w)
+                    .map(|rec| (std::sync::Arc::clone(&rec.link), w.clone()))
+            });
             let any = || {
                 st.workers
                     .iter()
@@ -203,7 +204,11 @@ impl Plane {
                 LOGS_WITHIN,
             )
             .await
-            .map_err(|e| Status::unavailable(format!("worker {worker} could not read the output of actor {key}: {e}")))?;
+            .map_err(|e| {
+                Status::unavailable(format!(
+                    "worker {worker} could not read the output of actor {key}: {e}"
+                ))
+            })?;
         Ok((reply.output, worker))
     }
 

@@ -439,7 +439,9 @@ impl Plane {
             template: row.template.clone(),
             snapshot: row.snapshot.clone(),
         });
-        link.call(cmd, self.config().restore_timeout).await.map(drop)
+        link.call(cmd, self.config().restore_timeout)
+            .await
+            .map(drop)
     }
 
     pub(super) async fn after_restore(

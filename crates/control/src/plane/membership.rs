@@ -424,7 +424,12 @@ impl Plane {
                         .is_some_and(|w| Arc::ptr_eq(&w.link, &link))
                 };
                 plane
-                    .release_once_idle(&key, &id, same, Release::Suspend("worker re-attached without it"))
+                    .release_once_idle(
+                        &key,
+                        &id,
+                        same,
+                        Release::Suspend("worker re-attached without it"),
+                    )
                     .await;
             });
         }
@@ -512,7 +517,10 @@ impl Plane {
         let reason = if exited.output.trim().is_empty() {
             format!("its program {}", exited.status)
         } else {
-            format!("its program {}; its last output:\n{}", exited.status, exited.output)
+            format!(
+                "its program {}; its last output:\n{}",
+                exited.status, exited.output
+            )
         };
         tracing::warn!(actor = %key, worker, status = %exited.status, "the actor's program exited on its worker");
         let plane = self.clone();
@@ -1019,7 +1027,11 @@ impl Plane {
                 (ops, stale)
             };
             if !rows.is_empty() {
-                plane.spawn_release(ops, rows, Release::Suspend("its worker did not re-attach after the restart"));
+                plane.spawn_release(
+                    ops,
+                    rows,
+                    Release::Suspend("its worker did not re-attach after the restart"),
+                );
             }
         });
     }

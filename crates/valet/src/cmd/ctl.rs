@@ -242,7 +242,11 @@ async fn execute(
                     .await?
                     .into_inner();
                 let output = String::from_utf8_lossy(&r.output).into_owned();
-                render(json, json!({ "actor": actor, "worker": r.worker, "output": output }), || output.clone())
+                render(
+                    json,
+                    json!({ "actor": actor, "worker": r.worker, "output": output }),
+                    || output.clone(),
+                )
             }
             ActorCommand::Delete { actor } => {
                 c.delete_actor(ateapi::DeleteActorRequest {

@@ -196,8 +196,24 @@ fn opts(target: &TargetArgs, workers: usize, capacity_wait: bool, extra: &[&str]
         capacity_wait,
         router_flags,
         router_exe: None,
+        app: target.app.as_deref().map(|line| {
+            valet_template::Program::from_command_line(line, std::env::current_dir().ok())
+                .expect("checked by target_app")
+        }),
         ..SystemOpts::default()
     }
+}
+
+/// `--app` checked: a command line, runnable here.
+fn check_app(target: &TargetArgs) -> Result<(), String> {
+    let Some(line) = &target.app else {
+        return Ok(());
+    };
+    let program = valet_template::Program::from_command_line(line, std::env::current_dir().ok())
+        .map_err(|e| format!("invalid configuration: --app={line:?}: {e}"))?;
+    program
+        .check_runnable()
+        .map_err(|e| format!("invalid configuration: --app: {e}"))
 }
 
 async fn system(target: &TargetArgs, opts: &SystemOpts) -> Result<System, String> {
@@ -253,6 +269,7 @@ async fn finish(sys: System, report: Result<Report, String>) -> Result<Report, S
 /// Checks the target flags against the scenario: which run on a cluster, and the
 /// database URL.
 fn check_target(target: &TargetArgs, scenario: Option<Scenario>) -> Result<(), Failure> {
+    check_app(target).map_err(Failure::Usage)?;
     if !target.cluster {
         return Ok(());
     }

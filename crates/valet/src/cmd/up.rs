@@ -128,18 +128,26 @@ fn up_templates(args: &UpArgs) -> Result<(valet_template::Templates, String), Up
                 .map_err(UpError::Config)?;
         templates.insert(template);
     }
-    let demo = args.demo_template.clone().unwrap_or_else(|| {
-        if args.app.is_some() { "app" } else { "counter" }.to_owned()
-    });
+    let demo = args
+        .demo_template
+        .clone()
+        .unwrap_or_else(|| if args.app.is_some() { "app" } else { "counter" }.to_owned());
     let Some(template) = templates.get(&demo) else {
-        let known: Vec<&str> = templates.iter().map(valet_template::Template::name).collect();
+        let known: Vec<&str> = templates
+            .iter()
+            .map(valet_template::Template::name)
+            .collect();
         return Err(UpError::Config(format!(
             "invalid configuration: --demo-template={demo}: no such template (known: {})",
             known.join(", ")
         )));
     };
     valet_worker::check_template(template, None).map_err(|e| {
-        let flag = if args.app.is_some() && demo == "app" { "--app" } else { "--templates" };
+        let flag = if args.app.is_some() && demo == "app" {
+            "--app"
+        } else {
+            "--templates"
+        };
         UpError::Config(format!("invalid configuration: {flag}: {e}"))
     })?;
     Ok((templates, demo))
