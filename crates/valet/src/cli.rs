@@ -1163,8 +1163,10 @@ pub(crate) enum ActorCommand {
     Revert { actor: String },
     /// Deletes a suspended or crashed actor.
     Delete { actor: String },
-    /// Prints the last output (stdout and stderr, up to 64 KiB) of an actor's program,
-    /// as the worker hosting it now, or that last did, keeps it.
+    /// Prints the last 64 KiB of output of an actor's program.
+    ///
+    /// Its stdout and stderr lines, tagged, as the worker hosting it now (or any worker
+    /// of its pool, from the snapshot directory they share) keeps them.
     Logs { actor: String },
 }
 
