@@ -992,7 +992,10 @@ impl Agent {
             tokio::time::sleep(self.config.restore_delay).await;
             let host = runtime::Host::restore(&self.programs, slot.clone(), dir, spec, &r.snapshot)
                 .await
-                .map_err(|e| format!("restore of {actor} failed: {e}"))?;
+                .map_err(|e| {
+                    tracing::warn!(worker = %self.id, %actor, error = %e, "restore failed");
+                    format!("restore of {actor} failed: {e}")
+                })?;
             Served::Program(host)
         } else {
             let builtin: valet_template::Builtin = r.app.parse()?;
