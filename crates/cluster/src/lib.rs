@@ -69,6 +69,8 @@ pub struct ClusterConfig {
     pub templates: valet_template::Templates,
     /// The largest data directory a program's checkpoint snapshots.
     pub snapshot_max_bytes: u64,
+    /// A cgroup v2 delegated to the workers, for their programs' limits.
+    pub cgroup: Option<valet_worker::Cgroup>,
 }
 
 /// TLS inside the embedded cluster.
@@ -95,6 +97,7 @@ impl ClusterConfig {
             tls: None,
             templates: valet_template::Templates::builtin(),
             snapshot_max_bytes: valet_worker::DEFAULT_SNAPSHOT_MAX_BYTES,
+            cgroup: None,
         }
     }
 
@@ -220,7 +223,7 @@ impl Cluster {
                     templates: config.templates.clone(),
                     run_dir: config.data_dir.join("run"),
                     snapshot_max_bytes: config.snapshot_max_bytes,
-                    cgroup: None,
+                    cgroup: config.cgroup.clone(),
                 })
                 .await
                 .map_err(|e| e.to_string())?;

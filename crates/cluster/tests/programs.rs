@@ -196,18 +196,6 @@ fn programs_in(dir: &Path) -> Vec<i32> {
     found
 }
 
-/// Polls `check` (a condition of other processes) until it holds, for up to `WITHIN`.
-async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
-    let until = tokio::time::Instant::now() + WITHIN;
-    while !check() {
-        assert!(
-            tokio::time::Instant::now() < until,
-            "{what}: not within {WITHIN:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// The first promise: what the app writes survives a suspend and resume, and
 /// an eviction; two actors of one template keep separate data; the program sees
 /// only the environment it is given.
@@ -485,6 +473,49 @@ async fn a_data_directory_over_the_limit_keeps_running_and_its_last_snapshot() {
     sys.stop().await;
 }
 
+/// A snapshot that cannot be written (here its directory's place is taken by a file;
+/// a full disk fails the same way) fails the checkpoint after the program was stopped:
+/// the program is started again on its data, and the actor serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_that_cannot_be_written_restarts_the_program() {
+    let sys = System::start(app(""), 1).await;
+    let p1 = sys.resume("p1").await.unwrap();
+    request(p1, "demo/p1", "PUT", "/write/note", b"not lost").await;
+    let blocked = sys.snapshots("p1");
+    std::fs::create_dir_all(blocked.parent().unwrap()).unwrap();
+    std::fs::write(&blocked, "a file where the snapshots go").unwrap();
+    let e = sys
+        .cluster
+        .plane
+        .suspend_actor(key("p1"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    assert!(
+        e.message()
+            .starts_with("checkpoint of actor demo/p1 failed: "),
+        "{}",
+        e.message()
+    );
+    assert!(
+        e.message()
+            .ends_with("its last snapshot stays; it keeps running here"),
+        "{}",
+        e.message()
+    );
+    assert_eq!(sys.actor("p1").status, Status::Running as i32);
+    assert_eq!(
+        get(p1, "p1", "/read/note").await,
+        (200, "not lost".into()),
+        "served again"
+    );
+    std::fs::remove_file(&blocked).unwrap();
+    sys.cluster.plane.suspend_actor(key("p1")).await.unwrap();
+    let p1 = sys.resume("p1").await.unwrap();
+    assert_eq!(get(p1, "p1", "/read/note").await, (200, "not lost".into()));
+    sys.stop().await;
+}
+
 /// A damaged or missing snapshot fails the restore with a clear reason: the app is
 /// never started on an empty directory in its place.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -632,7 +663,10 @@ async fn an_unmodified_http_server_serves_its_restored_data() {
     // What the app's own writes would be: the directory it serves.
     std::fs::write(sys.live("p1").join("hello.txt"), "hello from a snapshot\n").unwrap();
     sys.cluster.plane.suspend_actor(key("p1")).await.unwrap();
-    assert!(!sys.live("p1").join("hello.txt").exists() || programs_in(&sys.live("p1")).is_empty());
+    assert!(
+        programs_in(&sys.live("p1")).is_empty(),
+        "stopped while SUSPENDED"
+    );
     let p1 = sys.resume("p1").await.unwrap();
     assert_eq!(
         get(p1, "p1", "/hello.txt").await,
@@ -734,6 +768,41 @@ async fn cgroup_limits_where_the_machine_delegates_them() {
     p.limits.cpu = Some(0.5);
     let t = with_program(p);
     valet_worker::check_template(&t, Some(&cgroup)).unwrap();
+    let sys = System::start_with(t, 1, |c| c.cgroup = Some(cgroup)).await;
+    let p1 = sys.resume("p1").await.unwrap();
+    let pid = get(p1, "p1", "/pids")
+        .await
+        .1
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_owned();
+    let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    let path = cg.lines().find_map(|l| l.strip_prefix("0::")).unwrap();
+    let mount = root.parent().unwrap();
+    let dir = mount.join(path.trim_start_matches('/'));
+    assert!(
+        dir.starts_with(&root),
+        "in a child of the delegated cgroup: {}",
+        dir.display()
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("memory.max"))
+            .unwrap()
+            .trim(),
+        (256u64 << 20).to_string()
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("cpu.max")).unwrap().trim(),
+        "50000 100000"
+    );
+    assert_eq!(
+        get(p1, "p1", "/alloc/512").await.0,
+        502,
+        "over memory.max: a crash"
+    );
+    sys.until_status("p1", Status::Crashed).await;
+    sys.stop().await;
     let _ = std::fs::remove_dir(&root);
 }
 

@@ -385,8 +385,9 @@ impl FakeWorker {
         });
     }
 
-    /// Reports that hosted `actor`'s program exited with `status`.
-    pub fn exited(&self, actor: &ActorKey, status: &str) {
+    /// Reports that hosted `actor`'s program, started by Restore command `restore`,
+    /// exited with `status`.
+    pub fn exited(&self, actor: &ActorKey, status: &str, restore: u64) {
         self.plane.actor_exited(
             &self.id,
             &self.link,
@@ -398,6 +399,7 @@ impl FakeWorker {
                 }),
                 status: status.into(),
                 output: "last words".into(),
+                restore,
             },
         );
     }

@@ -1310,3 +1310,79 @@ async fn a_wait_for_capacity_past_the_clock_is_a_long_wait() {
     w.answer(r.id, Ok(()));
     assert_eq!(waiting.await.unwrap().unwrap().0.status, S::Running as i32);
 }
+
+/// A program's exit reported by its worker: the actor is CRASHED with the status and
+/// the last output, its worker free, its record durable.
+#[tokio::test(start_paused = true)]
+async fn a_reported_exit_crashes_the_actor_and_frees_its_worker() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a"]).await;
+    let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    let resume = spawn_resume(&plane, "a", None);
+    let r = expect(&mut w, "restore").await;
+    w.answer(r.id, Ok(()));
+    resume.await.unwrap().unwrap();
+    w.exited(&key("a"), "exited with status 3", r.id);
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(5), |p| p.status_of("demo", "a")
+                == Some(S::Crashed))
+            .await
+    );
+    let a = plane.get_actor(&key("a")).unwrap();
+    assert_eq!(
+        a.status_reason,
+        "its program exited with status 3; its last output:\nlast words"
+    );
+    let stored = store.actor(&key("a")).unwrap();
+    assert_eq!(stored.status, ActorStatus::Crashed);
+    assert_eq!(stored.reason, a.status_reason, "durable");
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(5), |p| p.pool("counter") == (1, 1))
+            .await
+    );
+    // A revert clears the reason.
+    let reverted = plane.revert_actor(key("a")).await.unwrap();
+    assert!(reverted.status_reason.is_empty());
+}
+
+/// An exit reported after the worker answered a checkpoint, and was given the same
+/// actor again (a new run), is of the old run: the new one is not crashed.
+#[tokio::test(start_paused = true)]
+async fn a_late_exit_report_does_not_crash_a_later_run() {
+    let store = MemoryStore::default();
+    let plane = plane_with(&store, &["a"]).await;
+    let (mut w, _) = FakeWorker::attach(&plane, "w1", "counter", app(), None).unwrap();
+    let resume = spawn_resume(&plane, "a", None);
+    let first = expect(&mut w, "restore").await;
+    w.answer(first.id, Ok(()));
+    resume.await.unwrap().unwrap();
+    let (suspend, c) = suspending(&plane, &mut w).await;
+    w.answer(c.id, Ok(()));
+    suspend.await.unwrap().unwrap();
+    let resume = spawn_resume(&plane, "a", None);
+    let second = expect(&mut w, "restore").await;
+    // The first run's exit comes now, while the second restore is in progress.
+    w.exited(&key("a"), "exited with status 1", first.id);
+    w.answer(second.id, Ok(()));
+    resume.await.unwrap().unwrap();
+    let crashed = plane
+        .wait_until(Duration::from_secs(30), |p| {
+            p.status_of("demo", "a") == Some(S::Crashed)
+        })
+        .await;
+    assert!(
+        !crashed,
+        "the second run is not crashed by the first's exit"
+    );
+    assert_eq!(plane.status_of("demo", "a"), Some(S::Running));
+    // Its own exit does crash it.
+    w.exited(&key("a"), "exited with status 2", second.id);
+    assert!(
+        plane
+            .wait_until(Duration::from_secs(5), |p| p.status_of("demo", "a")
+                == Some(S::Crashed))
+            .await
+    );
+}

@@ -688,6 +688,12 @@ pub(crate) struct UpArgs {
     #[arg(long, env = "VALET_SNAPSHOT_MAX_BYTES", default_value = DEFAULT_SNAPSHOT_MAX_BYTES, value_parser = valet_router::config::parse_bytes, value_name = "BYTES")]
     pub(crate) snapshot_max_bytes: u64,
 
+    /// A cgroup v2 directory delegated to valet (writable, memory and cpu in its
+    /// cgroup.subtree_control): each program runs in a child cgroup with its template's
+    /// memory.max and cpu.max. Without it, limits.cpu is refused.
+    #[arg(long, env = "VALET_CGROUP", value_name = "DIR")]
+    pub(crate) cgroup: Option<PathBuf>,
+
     #[command(flatten)]
     pub(crate) leases: LeaseArgs,
 

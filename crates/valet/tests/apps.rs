@@ -355,7 +355,7 @@ fn bad_templates_are_refused_at_the_start() {
     .unwrap();
     check(
         &["control-plane", "--listen", "127.0.0.1:0", "--templates", f],
-        "template notes: start_timeout 90s must be below --restore-timeout 60s",
+        "template notes: start_timeout 90s must be below --restore-timeout 60s less 10s",
     );
 }
 

@@ -120,14 +120,14 @@ impl Run {
         live
     }
 
-    /// Reaps the run's zombies that are this process's children, but `leader` (whose
-    /// exit status its owner waits for).
-    fn reap(&self, leader: Option<i32>) {
+    /// Reaps the run's zombies that are this process's children, but its leader (a
+    /// child the runtime waits for, and reaps, itself).
+    fn reap(&self) {
         let me = rustix::process::getpid().as_raw_nonzero().get();
         for m in self.members() {
             if m.zombie
                 && m.ppid == me
-                && Some(m.pid) != leader
+                && m.pid != self.pgid
                 && let Some(pid) = Pid::from_raw(m.pid)
             {
                 let _ = rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::NOHANG);
@@ -140,18 +140,14 @@ impl Run {
     ///
     /// # Errors
     /// The pids left (a process stuck in the kernel, say).
-    pub(crate) async fn kill_all(
-        &self,
-        leader: Option<i32>,
-        within: Duration,
-    ) -> Result<(), Vec<i32>> {
+    pub(crate) async fn kill_all(&self, within: Duration) -> Result<(), Vec<i32>> {
         let until = tokio::time::Instant::now() + within;
         let mut pause = Duration::from_millis(1);
         loop {
             let run = self.clone();
             let left = tokio::task::spawn_blocking(move || {
                 let left = run.signal(Signal::KILL);
-                run.reap(leader);
+                run.reap();
                 left
             })
             .await
@@ -166,6 +162,42 @@ impl Run {
             pause = (pause * 2).min(Duration::from_millis(50));
         }
     }
+}
+
+/// The leaders of the programs this process runs: its own children, which the runtime
+/// waits for. [`reap_orphans`] never reaps them.
+pub(crate) static LEADERS: std::sync::Mutex<Vec<i32>> = std::sync::Mutex::new(Vec::new());
+
+/// Reaps this process's zombie children that are not program leaders: the orphans it
+/// adopts as a container's PID 1 (a program's children whose parent exited). The number
+/// reaped.
+pub(crate) fn reap_orphans() -> usize {
+    let me = rustix::process::getpid().as_raw_nonzero().get();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    let mut reaped = 0;
+    for e in entries.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Some((state, ppid, _, _)) = stat(pid) else {
+            continue;
+        };
+        let leader = LEADERS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&pid);
+        if state == 'Z'
+            && ppid == me
+            && !leader
+            && let Some(p) = Pid::from_raw(pid)
+            && rustix::process::waitpid(Some(p), rustix::process::WaitOptions::NOHANG).is_ok()
+        {
+            reaped += 1;
+        }
+    }
+    reaped
 }
 
 #[cfg(test)]
@@ -206,9 +238,7 @@ mod tests {
             id: "another-run".into(),
         };
         assert!(other.live().is_empty(), "the pid is not the other run's");
-        run.kill_all(Some(child.id() as i32), Duration::from_secs(10))
-            .await
-            .unwrap();
+        run.kill_all(Duration::from_secs(10)).await.unwrap();
         assert!(run.live().is_empty());
         let _ = child.wait();
     }

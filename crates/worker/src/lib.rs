@@ -217,6 +217,7 @@ pub struct Worker {
     app: tokio::task::JoinHandle<()>,
     drain: Drain,
     tasks: TaskTracker,
+    programs: Arc<runtime::Context>,
 }
 
 /// A drain asked of the control plane (see [`Worker::drain`]).
@@ -319,10 +320,26 @@ impl Worker {
             cgroup: config.cgroup.clone(),
             exits: exits_tx,
             slot: Arc::downgrade(&slot),
+            kills: TaskTracker::new(),
         });
         let stop = CancellationToken::new();
         let app_stop = CancellationToken::new();
         let tasks = TaskTracker::new();
+        // As a container's PID 1, the worker adopts the orphans of its programs'
+        // children: they are reaped here, or they would pile up as zombies.
+        if rustix::process::getpid().is_init() {
+            let stop = stop.clone();
+            tasks.spawn(async move {
+                let mut tick = tokio::time::interval(ORPHANS_REAPED_EVERY);
+                loop {
+                    tokio::select! {
+                        () = stop.cancelled() => return,
+                        _ = tick.tick() => {}
+                    }
+                    let _ = tokio::task::spawn_blocking(group::reap_orphans).await;
+                }
+            });
+        }
         let app = tokio::spawn(serve_app(listener, Arc::clone(&slot), app_stop.clone()));
         let lease = HostingLease::new();
         tasks.spawn(Arc::clone(&lease).watchdog(Arc::clone(&slot), id.clone(), stop.clone()));
@@ -335,7 +352,7 @@ impl Worker {
             slot: Arc::clone(&slot),
             lease,
             drain: drain.clone(),
-            programs,
+            programs: Arc::clone(&programs),
         };
         tasks.spawn(agent.run(endpoints, credentials, stop.clone(), exits));
         Ok(Self {
@@ -347,6 +364,7 @@ impl Worker {
             app,
             drain,
             tasks,
+            programs,
         })
     }
 
@@ -409,11 +427,16 @@ impl Worker {
         {
             tracing::warn!(worker = %self.id, actor = %h.actor, error = %e, "stopping the actor's program failed");
         }
+        self.programs.kills.close();
+        self.programs.kills.wait().await;
         self.stop.cancel();
         self.tasks.close();
         self.tasks.wait().await;
     }
 }
+
+/// How often a worker that is PID 1 reaps the orphans it adopted.
+const ORPHANS_REAPED_EVERY: Duration = Duration::from_secs(5);
 
 /// How long the app's connections may take to finish their requests once it stops.
 const APP_DRAIN: Duration = Duration::from_secs(5);
@@ -732,6 +755,11 @@ impl Agent {
             draining,
             incarnation: self.incarnation,
         };
+        // Exits of programs reported to no attachment: the Join says what this worker
+        // hosts now, which is what the control plane goes by.
+        while let Ok(stale) = exits.try_recv() {
+            tracing::debug!(worker = %self.id, actor = ?stale.actor.map(|a| format!("{}/{}", a.atespace, a.name)), "an exit reported while detached is told by the Join instead");
+        }
         let joined_at = tokio::time::Instant::now();
         tx.send(wk::WorkerEvent {
             event: Some(Event::Join(join)),
@@ -779,7 +807,9 @@ impl Agent {
                     continue;
                 }
                 m = inbound.message() => m?,
-                Some(exited) = exits.recv() => {
+                // Not while a restore runs: its answer goes first, so the control plane
+                // knows the run an exit names before it hears of the exit.
+                Some(exited) = exits.recv(), if working.is_none() => {
                     let event = wk::WorkerEvent { event: Some(Event::Exited(exited)) };
                     if tx.send(event).await.is_err() {
                         return Err(tonic::Status::unavailable("control plane stream closed"));
@@ -834,6 +864,11 @@ impl Agent {
                     // watchdog would too, a moment later): a command right behind the
                     // welcome finds it lowered.
                     let kept = self.slot.borrow().clone();
+                    if w.hosting_kept
+                        && let Some(Served::Program(host)) = kept.as_ref().map(|h| &h.app)
+                    {
+                        host.kept();
+                    }
                     self.lease.welcomed(lease, joined_at, kept.as_ref().map(|h| &*h.traffic));
                     watch_lease = true;
                     continue;
@@ -849,8 +884,9 @@ impl Agent {
                 ),
                 Command::Restore(r) => {
                     let actor = actor_name(r.actor.as_ref());
+                    let restore_id = cmd.id;
                     let restore = async move {
-                        self.restore(r).await.map(|()| Done::default()).map_err(Refusal::Failed)
+                        self.restore(r, restore_id).await.map(|()| Done::default()).map_err(Refusal::Failed)
                     };
                     let started = Arc::new(std::sync::atomic::AtomicBool::new(true));
                     working = Some((cmd.id, actor, started, Box::pin(restore)));
@@ -963,7 +999,8 @@ impl Agent {
         Ok(self.config.snapshot_dir.join(key))
     }
 
-    async fn restore(&self, r: wk::Restore) -> Result<(), String> {
+    /// Restores `r`'s actor, for the Restore command `restore_id`.
+    async fn restore(&self, r: wk::Restore, restore_id: u64) -> Result<(), String> {
         let slot = r.actor.ok_or("restore without an actor")?;
         let actor = format!("{}/{}", slot.atespace, slot.name);
         if let Some(h) = self.slot.borrow().as_ref() {
@@ -1015,8 +1052,19 @@ impl Agent {
                 valet_template::Builtin::Echo => Served::Echo,
             }
         };
+        let program = match &app {
+            Served::Program(host) => Some(Arc::clone(host)),
+            Served::Counter(_) | Served::Echo => None,
+        };
         let hosted = Hosted::new(actor.clone(), app, slot.snapshot_key.clone());
         self.lease.install(&self.slot, Arc::new(hosted));
+        if let Some(host) = program
+            && let Err(e) = host.installed(restore_id)
+        {
+            hosting::vacate(&self.slot, Some(&actor));
+            tracing::warn!(worker = %self.id, %actor, error = %e, "restore failed");
+            return Err(format!("restore of {actor} failed: {e}"));
+        }
         tracing::info!(worker = %self.id, %actor, "restored");
         Ok(())
     }
@@ -1059,7 +1107,7 @@ impl Agent {
         let fence_held = FenceHeld(Some(&hosted.traffic));
         fence_raised.store(true, std::sync::atomic::Ordering::Release);
         let snapshot = match &hosted.app {
-            Served::Program(host) => match host.checkpoint().await {
+            Served::Program(host) => match host.checkpoint(&c.snapshot).await {
                 Ok(taken) => taken.id,
                 Err(runtime::CheckpointFailure::StillRunning(e)) => {
                     drop(fence_held);

@@ -107,6 +107,12 @@ impl ProgramCgroup {
         self.procs.as_ref().expect("set once made")
     }
 
+    /// Kills every process in it (`cgroup.kill`, Linux 5.14 and later; where it is
+    /// missing, the run's own kill does the work).
+    pub(crate) fn kill(&self) {
+        let _ = std::fs::write(self.dir.join("cgroup.kill"), "1");
+    }
+
     /// Whether the kernel killed its program for memory (`memory.events`).
     pub(crate) fn oom_killed(&self) -> bool {
         std::fs::read_to_string(self.dir.join("memory.events"))

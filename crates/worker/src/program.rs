@@ -35,7 +35,13 @@ use crate::output::{Output, Stream, pump};
 const TAKE_WITHIN: Duration = Duration::from_secs(5);
 /// How long the processes of a run may take to die after SIGKILL.
 const KILL_WITHIN: Duration = Duration::from_secs(5);
-/// The longest pause between two readiness probes.
+/// The pause between two readiness probes in a program's first [`PROBE_EAGER`]: a
+/// refused connection costs tens of microseconds, and a program ready a pause before
+/// it is noticed costs its whole restore that much.
+const PROBE_PAUSE_EAGER: Duration = Duration::from_millis(2);
+/// How long readiness is probed every [`PROBE_PAUSE_EAGER`].
+const PROBE_EAGER: Duration = Duration::from_secs(2);
+/// The longest pause between two readiness probes after that.
 const PROBE_PAUSE_MAX: Duration = Duration::from_millis(20);
 /// How long one readiness probe may take.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -200,7 +206,7 @@ impl ActorDir {
                     // run that closed their copy of the lock may live on (their worker
                     // died, or their leader crashed): they are killed all the same.
                     if let Some(rec) = read_record(&path)
-                        && let Err(left) = rec.run.kill_all(None, KILL_WITHIN).await
+                        && let Err(left) = rec.run.kill_all(KILL_WITHIN).await
                     {
                         return Err(format!(
                             "processes {left:?} of an earlier run of actor {actor} survive SIGKILL"
@@ -225,7 +231,7 @@ impl ActorDir {
                         "the actor's directory is held by an earlier run of its program; killing it"
                     );
                 }
-                let _ = rec.run.kill_all(None, Duration::ZERO).await;
+                let _ = rec.run.kill_all(Duration::ZERO).await;
             }
             if tokio::time::Instant::now() >= until {
                 let who = record
@@ -286,7 +292,7 @@ pub(crate) async fn sweep(root: &Path) -> usize {
     let n = stale.len();
     for (dir, rec) in stale {
         tracing::warn!(dir = %dir.display(), pgid = rec.run.pgid, "killing a program left running by a worker that died");
-        if let Err(left) = rec.run.kill_all(None, KILL_WITHIN).await {
+        if let Err(left) = rec.run.kill_all(KILL_WITHIN).await {
             tracing::warn!(dir = %dir.display(), ?left, "processes of a program left by a dead worker survive SIGKILL");
         }
     }
@@ -314,7 +320,7 @@ pub(crate) struct Running {
 /// What a program's start needs besides its template.
 pub(crate) struct Launch<'a> {
     pub(crate) actor: &'a str,
-    pub(crate) dir: &'a ActorDir,
+    pub(crate) dir: &'a Arc<ActorDir>,
     pub(crate) output: &'a Arc<Output>,
     pub(crate) cgroup: Option<&'a Cgroup>,
 }
@@ -325,9 +331,25 @@ impl Running {
     ///
     /// # Errors
     /// When it cannot be started, saying why.
-    pub(crate) fn spawn(spec: &Program, launch: &Launch<'_>) -> Result<Self, String> {
-        let exe = spec.executable()?;
-        let port = free_port().map_err(|e| format!("no free loopback port: {e}"))?;
+    pub(crate) async fn spawn(spec: &Program, launch: &Launch<'_>) -> Result<Self, String> {
+        // What touches the disk (PATH, the cgroup) off the runtime; the spawn itself on
+        // it: the program's death signal follows the thread that starts it, and the
+        // runtime's threads live as long as the worker.
+        let (exe, port, cgroup) = {
+            let (program, actor) = (spec.clone(), launch.actor.to_owned());
+            let cgroup = launch.cgroup.cloned();
+            tokio::task::spawn_blocking(move || {
+                let exe = program.executable()?;
+                let port = free_port().map_err(|e| format!("no free loopback port: {e}"))?;
+                let cgroup = match cgroup {
+                    Some(c) => Some(c.for_program(&actor, &program.limits)?),
+                    None => None,
+                };
+                Ok::<_, String>((exe, port, cgroup))
+            })
+            .await
+            .map_err(|e| e.to_string())??
+        };
         let data = launch.dir.data();
         let argv = spec.argv(port, &data);
         let run_id = format!(
@@ -356,10 +378,6 @@ impl Running {
             .stderr(std::process::Stdio::piped())
             .process_group(0)
             .kill_on_drop(false);
-        let cgroup = match launch.cgroup {
-            Some(c) => Some(c.for_program(launch.actor, &spec.limits)?),
-            None => None,
-        };
         crate::spawn::prepare(
             &mut cmd,
             &spec.limits,
@@ -370,11 +388,19 @@ impl Running {
             .spawn()
             .map_err(|e| format!("cannot start {}: {e}", exe.display()))?;
         let leader = child.id().map_or(0, |id| id as i32);
+        crate::group::LEADERS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(leader);
         let run = Run {
             pgid: leader,
             id: run_id,
         };
-        if let Err(e) = launch.dir.record(&run) {
+        let recorded = {
+            let (dir, run) = (Arc::clone(launch.dir), run.clone());
+            tokio::task::spawn_blocking(move || dir.record(&run)).await
+        };
+        if let Ok(Err(e)) = recorded {
             tracing::warn!(actor = %launch.actor, error = %e, "could not record the program's run in its directory");
         }
         let tasks = TaskTracker::new();
@@ -389,6 +415,10 @@ impl Running {
         let (exit_tx, exit) = watch::channel(None);
         tasks.spawn(async move {
             let status = child.wait().await;
+            crate::group::LEADERS
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|&p| p != leader);
             let exit = match status {
                 Ok(s) => Exit(s),
                 Err(e) => {
@@ -452,7 +482,8 @@ impl Running {
     /// # Errors
     /// Why it is not ready.
     pub(crate) async fn until_ready(&self, spec: &Program) -> Result<(), String> {
-        let deadline = tokio::time::Instant::now() + spec.start_timeout;
+        let started = tokio::time::Instant::now();
+        let deadline = started + spec.start_timeout;
         let mut pause = Duration::from_millis(1);
         let mut last: Option<String> = None;
         loop {
@@ -482,9 +513,12 @@ impl Running {
                 exit = self.exited() => return Err(format!("its program {exit} before it was ready")),
                 () = tokio::time::sleep(pause.min(deadline.saturating_duration_since(tokio::time::Instant::now()))) => {}
             }
-            pause = (pause * 3 / 2)
-                .max(pause + Duration::from_micros(500))
-                .min(PROBE_PAUSE_MAX);
+            let cap = if started.elapsed() < PROBE_EAGER {
+                PROBE_PAUSE_EAGER
+            } else {
+                PROBE_PAUSE_MAX
+            };
+            pause = (pause * 3 / 2).min(cap);
         }
     }
 
@@ -514,6 +548,9 @@ impl Running {
         })
         .await;
         if ended.is_err() {
+            if let Some(c) = &self._cgroup {
+                c.kill();
+            }
             tracing::warn!(
                 pgid = self.run.pgid,
                 ?grace,
@@ -522,19 +559,46 @@ impl Running {
             );
         }
         self.run
-            .kill_all(Some(self.leader), KILL_WITHIN)
+            .kill_all(KILL_WITHIN)
             .await
             .map_err(|left| format!("processes {left:?} of its program are alive after SIGKILL"))?;
         Ok(self.exited().await)
     }
 }
 
+impl Running {
+    /// Kills the run at once, whole (its cgroup too, with one), and waits until none
+    /// of its processes is left.
+    ///
+    /// # Errors
+    /// The processes that survive SIGKILL.
+    pub(crate) async fn kill(&self) -> Result<(), Vec<i32>> {
+        if let Some(c) = &self._cgroup {
+            c.kill();
+        }
+        self.run.kill_all(KILL_WITHIN).await
+    }
+
+    /// Its exit, as it is published.
+    pub(crate) fn exit_watch(&self) -> watch::Receiver<Option<Exit>> {
+        self.exit.clone()
+    }
+}
+
 impl Drop for Running {
-    /// A run given up without a stop (its restore failed, its actor was evicted or the
-    /// worker stops) dies with its group at once.
+    /// The last resort for a run given up without a stop or a kill (a restore whose
+    /// future was dropped): SIGKILL to what is left of it, off the runtime.
     fn drop(&mut self) {
-        if !self.run.live().is_empty() {
-            self.run.signal(Signal::KILL);
+        if let Some(c) = &self._cgroup {
+            c.kill();
+        }
+        let run = self.run.clone();
+        let signal = move || {
+            run.signal(Signal::KILL);
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => drop(rt.spawn_blocking(signal)),
+            Err(_) => signal(),
         }
     }
 }

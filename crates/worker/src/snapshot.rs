@@ -136,11 +136,18 @@ pub(crate) struct Taken {
 
 /// Snapshots `data` into `actor_dir` (the actor's snapshot directory): durable once
 /// this returns. A data directory whose files hold more than `max` bytes is refused.
-/// On any failure the last snapshot stays as it was.
+/// On any failure the last snapshot stays as it was. Kept: the new snapshot, the one
+/// taken before it, and `recorded` (the one the control plane names now: its record
+/// may never learn of the newer ones, when their answers are lost).
 ///
 /// # Errors
 /// [`SnapshotError::TooLarge`], or the I/O error with what was being done.
-pub(crate) fn take(data: &Path, actor_dir: &Path, max: u64) -> Result<Taken, SnapshotError> {
+pub(crate) fn take(
+    data: &Path,
+    actor_dir: &Path,
+    max: u64,
+    recorded: &str,
+) -> Result<Taken, SnapshotError> {
     let (data_bytes, _) = measure(data).map_err(io_err(format!("reading {}", data.display())))?;
     if data_bytes > max {
         return Err(SnapshotError::TooLarge {
@@ -185,7 +192,7 @@ pub(crate) fn take(data: &Path, actor_dir: &Path, max: u64) -> Result<Taken, Sna
             let keep = name == "index"
                 || name
                     .strip_suffix(".tar.zst")
-                    .is_some_and(|n| n == id || Some(n) == previous.as_deref());
+                    .is_some_and(|n| n == id || Some(n) == previous.as_deref() || n == recorded);
             if !keep {
                 let _ = std::fs::remove_file(entry.path());
             }
@@ -372,7 +379,7 @@ mod tests {
             dir.path().join("back"),
         );
         fill(&data);
-        let first = take(&data, &snaps, 1 << 30).unwrap();
+        let first = take(&data, &snaps, 1 << 30, "").unwrap();
         assert_eq!(first.data_bytes, 300_005);
         restore(&snaps, &first.id, &back).unwrap();
         assert_eq!(std::fs::read(back.join("notes.db")).unwrap(), b"hello");
@@ -395,15 +402,22 @@ mod tests {
         );
 
         std::fs::write(data.join("notes.db"), b"second").unwrap();
-        let second = take(&data, &snaps, 1 << 30).unwrap();
+        let second = take(&data, &snaps, 1 << 30, "").unwrap();
         std::fs::write(data.join("notes.db"), b"third").unwrap();
-        let third = take(&data, &snaps, 1 << 30).unwrap();
+        let third = take(&data, &snaps, 1 << 30, "").unwrap();
         assert_eq!(
             read_index(&snaps.join(PROGRAM_DIR)),
             [third.id.clone(), second.id.clone()]
         );
         restore(&snaps, &second.id, &back).unwrap();
         assert_eq!(std::fs::read(back.join("notes.db")).unwrap(), b"second");
+        // The control plane still names the first (the answers of the second and the
+        // third were lost): it is kept.
+        std::fs::write(data.join("notes.db"), b"fourth").unwrap();
+        take(&data, &snaps, 1 << 30, &first.id).unwrap();
+        restore(&snaps, &first.id, &back).unwrap();
+        assert_eq!(std::fs::read(back.join("notes.db")).unwrap(), b"hello");
+        take(&data, &snaps, 1 << 30, "").unwrap();
         let e = restore(&snaps, &first.id, &back).unwrap_err();
         assert!(matches!(e, SnapshotError::Missing { .. }), "{e}");
         assert!(!back.exists(), "no directory in its place");
@@ -424,7 +438,7 @@ mod tests {
             dir.path().join("back"),
         );
         fill(&data);
-        let taken = take(&data, &snaps, 1 << 30).unwrap();
+        let taken = take(&data, &snaps, 1 << 30, "").unwrap();
         let archive = snaps
             .join(PROGRAM_DIR)
             .join(format!("{}.tar.zst", taken.id));
@@ -452,9 +466,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (data, snaps) = (dir.path().join("data"), dir.path().join("snaps"));
         fill(&data);
-        let good = take(&data, &snaps, 1 << 30).unwrap();
+        let good = take(&data, &snaps, 1 << 30, "").unwrap();
         std::fs::write(data.join("more"), vec![1u8; 1000]).unwrap();
-        let e = take(&data, &snaps, 300_100).unwrap_err();
+        let e = take(&data, &snaps, 300_100, "").unwrap_err();
         assert_eq!(
             e.to_string(),
             "its data directory holds 301005 bytes, over --snapshot-max-bytes 300100 (905 over)"

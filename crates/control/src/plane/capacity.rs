@@ -320,6 +320,7 @@ mod tests {
             incarnation: 0,
             not_kept: Vec::new(),
             attach: 0,
+            hosting_restore: 0,
         }
     }
 

@@ -417,7 +417,7 @@ impl Plane {
         key: &ActorKey,
         row: &ActorRow,
         op: u64,
-    ) -> Result<(), LinkError> {
+    ) -> Result<u64, LinkError> {
         let worker = row.worker.clone().unwrap_or_default();
         let Some(link) = self
             .lock()
@@ -441,7 +441,7 @@ impl Plane {
         });
         link.call(cmd, self.config().restore_timeout)
             .await
-            .map(drop)
+            .map(|reply| reply.id)
     }
 
     pub(super) async fn after_restore(
@@ -449,12 +449,12 @@ impl Plane {
         op: Op,
         key: &ActorKey,
         claimed: ActorRow,
-        result: Result<(), LinkError>,
+        result: Result<u64, LinkError>,
         tx: &watch::Sender<Option<Outcome>>,
     ) -> Outcome {
         let worker = claimed.worker.clone().unwrap_or_default();
         match result {
-            Ok(()) => {
+            Ok(restore_id) => {
                 let mut running = claimed.moved(ActorStatus::Running, claimed.worker.clone());
                 running.revert_pending = false;
                 self.lock()
@@ -465,12 +465,13 @@ impl Plane {
                 // Its worker may have left while that was written: there is no
                 // address to answer; its departure releases the actor, and the
                 // caller asks again.
-                let st = self.lock();
-                if !st.workers.contains_key(&worker) {
+                let mut st = self.lock();
+                let Some(w) = st.workers.get_mut(&worker) else {
                     return Err(Status::unavailable(format!(
                         "the worker of actor {key} went away as it was restored"
                     )));
-                }
+                };
+                w.hosting_restore = restore_id;
                 Ok((st.to_proto(&running), true))
             }
             Err(LinkError::Gone) => {
@@ -762,6 +763,7 @@ impl Plane {
             full,
             fence: Some(fence),
             idle_wait,
+            snapshot: row.snapshot.clone(),
         });
         link.call(cmd, self.config().checkpoint_timeout).await
     }

@@ -373,6 +373,7 @@ impl Plane {
                     incarnation: join.incarnation,
                     not_kept,
                     attach,
+                    hosting_restore: 0,
                 },
             );
             self.inner.stats.attachments.fetch_add(1, Ordering::Relaxed);
@@ -514,6 +515,11 @@ impl Plane {
         if !current {
             return;
         }
+        // The report is of the run the Restore it names started: not of another run of
+        // the actor restored on this worker since (an operation may have freed the
+        // worker before the report came). Decided once no operation holds the actor:
+        // the restore that started the run may still be writing its answer.
+        let run = exited.restore;
         let reason = if exited.output.trim().is_empty() {
             format!("its program {}", exited.status)
         } else {
@@ -530,7 +536,7 @@ impl Plane {
             let still = |st: &State| {
                 st.workers
                     .get(&worker)
-                    .is_some_and(|w| Arc::ptr_eq(&w.link, &link))
+                    .is_some_and(|w| Arc::ptr_eq(&w.link, &link) && w.hosting_restore == run)
             };
             plane
                 .release_once_idle(&key, &worker, still, Release::Crash(reason))

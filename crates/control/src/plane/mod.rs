@@ -102,20 +102,24 @@ impl PlaneConfig {
     /// # Errors
     /// The first template that does not, naming it, its setting and the flag.
     pub fn check_templates(&self) -> Result<(), String> {
+        // What a worker may spend besides: a restore waits for a stale program to die
+        // (5 s for its lock, 5 s for its kill); a stop, for SIGKILL to take (5 s).
+        const RESTORE_EXTRA: Duration = Duration::from_secs(10);
+        const STOP_EXTRA: Duration = Duration::from_secs(5);
         for t in &self.templates {
             let Some(p) = t.program() else { continue };
-            if p.start_timeout >= self.restore_timeout {
+            if p.start_timeout + RESTORE_EXTRA >= self.restore_timeout {
                 return Err(format!(
-                    "template {}: start_timeout {:?} must be below --restore-timeout {:?}, which bounds the whole restore",
+                    "template {}: start_timeout {:?} must be below --restore-timeout {:?} less {RESTORE_EXTRA:?} (a restore may first wait that long for a program left running to die)",
                     t.name(),
                     p.start_timeout,
                     self.restore_timeout
                 ));
             }
             // An explicit suspend waits half the checkpoint timeout for requests.
-            if p.stop_grace >= self.checkpoint_timeout / 2 {
+            if p.stop_grace + STOP_EXTRA >= self.checkpoint_timeout / 2 {
                 return Err(format!(
-                    "template {}: stop_grace {:?} must be below half --checkpoint-timeout ({:?}): the other half waits for the actor's requests in flight",
+                    "template {}: stop_grace {:?} must be below half --checkpoint-timeout ({:?}) less {STOP_EXTRA:?}: the other half waits for the actor's requests in flight, and SIGKILL may take that long",
                     t.name(),
                     p.stop_grace,
                     self.checkpoint_timeout / 2
@@ -214,6 +218,11 @@ pub(crate) struct WorkerRec {
     /// Its attachment's number in the record the replicas share (several replicas;
     /// 0 otherwise): a later one elsewhere supersedes it.
     pub(crate) attach: i64,
+    /// The Restore command (its id on this stream) whose run it hosts, as the plane
+    /// accepted its answer; 0 for none, or an actor kept from an earlier attachment. A
+    /// program's exit it reports applies to that run only, never to one restored
+    /// since.
+    pub(crate) hosting_restore: u64,
 }
 
 impl WorkerRec {

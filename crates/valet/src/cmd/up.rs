@@ -117,7 +117,16 @@ fn precheck(args: &UpArgs) -> Result<valet_router::RouterConfig, UpError> {
 /// router.
 /// The templates `valet up` knows (its flags' and file's, and `app` from --app), and
 /// the demo pool's, checked as runnable here.
-fn up_templates(args: &UpArgs) -> Result<(valet_template::Templates, String), UpError> {
+fn up_templates(
+    args: &UpArgs,
+) -> Result<
+    (
+        valet_template::Templates,
+        String,
+        Option<valet_worker::Cgroup>,
+    ),
+    UpError,
+> {
     let mut templates = args.templates.resolve().map_err(UpError::Config)?;
     if let Some(app) = &args.app {
         let dir = std::env::current_dir().ok();
@@ -142,7 +151,12 @@ fn up_templates(args: &UpArgs) -> Result<(valet_template::Templates, String), Up
             known.join(", ")
         )));
     };
-    valet_worker::check_template(template, None).map_err(|e| {
+    let cgroup = match args.cgroup.as_deref().map(valet_worker::Cgroup::open) {
+        None => None,
+        Some(Ok(c)) => Some(c),
+        Some(Err(e)) => return Err(UpError::Config(format!("invalid configuration: {e}"))),
+    };
+    valet_worker::check_template(template, cgroup.as_ref()).map_err(|e| {
         let flag = if args.app.is_some() && demo == "app" {
             "--app"
         } else {
@@ -150,7 +164,7 @@ fn up_templates(args: &UpArgs) -> Result<(valet_template::Templates, String), Up
         };
         UpError::Config(format!("invalid configuration: {flag}: {e}"))
     })?;
-    Ok((templates, demo))
+    Ok((templates, demo, cgroup))
 }
 
 async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
@@ -160,7 +174,7 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
             "invalid configuration: --workers=0: must be >= 1".into(),
         ));
     }
-    let (templates, demo) = up_templates(&args)?;
+    let (templates, demo, cgroup) = up_templates(&args)?;
     {
         let plane = PlaneConfig {
             templates: templates.iter().cloned().collect(),
@@ -323,6 +337,7 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
             restore_delay: args.restore_delay,
             templates: templates.clone(),
             snapshot_max_bytes: args.snapshot_max_bytes,
+            cgroup,
             pools: vec![
                 PoolSpec {
                     pool: demo.clone(),
