@@ -17,6 +17,7 @@ Paths (valet's readiness probe, by its user agent, gets 200 "ready" on any):
   GET  /read/NAME       the file NAME of the data directory (404 when missing)
   PUT  /write/NAME      writes the body to NAME
   GET  /grow/N          writes N bytes to $VALET_DATA_DIR/big
+  GET  /random/N        writes N random bytes to $VALET_DATA_DIR/random
   GET  /pids            this process's pid, and its children's
   GET  /env/NAME        the environment variable NAME
   GET  /crash           exits 3 without answering
@@ -99,6 +100,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
             with open(os.path.join(DATA, "big"), "wb") as out:
                 out.write(b"x" * n)
             return self.answer(200, "grew to %d\n" % n)
+        if path.startswith("/random/"):
+            n = int(path[len("/random/"):])
+            with open(os.path.join(DATA, "random"), "wb") as out:
+                out.write(os.urandom(n))
+            return self.answer(200, "wrote %d random bytes\n" % n)
         if path == "/pids":
             pids = [os.getpid()] + [c.pid for c in children]
             return self.answer(200, " ".join(map(str, pids)) + "\n")

@@ -403,20 +403,19 @@ mod tests {
 
         std::fs::write(data.join("notes.db"), b"second").unwrap();
         let second = take(&data, &snaps, 1 << 30, "").unwrap();
+        // The control plane still names the first (the answer of the second was
+        // lost): the third keeps it.
         std::fs::write(data.join("notes.db"), b"third").unwrap();
-        let third = take(&data, &snaps, 1 << 30, "").unwrap();
+        let third = take(&data, &snaps, 1 << 30, &first.id).unwrap();
         assert_eq!(
             read_index(&snaps.join(PROGRAM_DIR)),
             [third.id.clone(), second.id.clone()]
         );
         restore(&snaps, &second.id, &back).unwrap();
         assert_eq!(std::fs::read(back.join("notes.db")).unwrap(), b"second");
-        // The control plane still names the first (the answers of the second and the
-        // third were lost): it is kept.
-        std::fs::write(data.join("notes.db"), b"fourth").unwrap();
-        take(&data, &snaps, 1 << 30, &first.id).unwrap();
         restore(&snaps, &first.id, &back).unwrap();
         assert_eq!(std::fs::read(back.join("notes.db")).unwrap(), b"hello");
+        std::fs::write(data.join("notes.db"), b"fourth").unwrap();
         take(&data, &snaps, 1 << 30, "").unwrap();
         let e = restore(&snaps, &first.id, &back).unwrap_err();
         assert!(matches!(e, SnapshotError::Missing { .. }), "{e}");
