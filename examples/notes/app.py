@@ -103,7 +103,9 @@ def main():
 
     signal.signal(signal.SIGTERM, stop)
     print("notes for %s on 127.0.0.1:%d, data in %s" % (ACTOR, PORT, DATA), flush=True)
-    server.serve_forever()
+    # serve_forever looks for a shutdown every poll_interval (0.5 s by default): a
+    # shorter one lets a SIGTERM stop the app, and its actor suspend, sooner.
+    server.serve_forever(poll_interval=0.05)
     with lock:
         db.close()
     print("notes for %s stopped" % ACTOR, flush=True)
