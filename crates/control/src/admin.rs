@@ -9,6 +9,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use valet_net::{Budget, Connections, Listener};
 
 use crate::plane::Plane;
 
@@ -119,50 +120,27 @@ pub fn serve_http_within(
         http.timer(hyper_util::rt::TokioTimer::new())
             .header_read_timeout(limits.header_timeout)
             .max_buf_size(ADMIN_MAX_HEAD);
-        let permits = std::sync::Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
-        // Owns every connection's task: those still open after the grace are ended
-        // when it drops.
-        let mut connections = tokio::task::JoinSet::new();
-        loop {
-            while connections.try_join_next().is_some() {}
-            let permit = tokio::select! {
-                () = stop.cancelled() => break,
-                permit = permits.clone().acquire_owned() => permit.expect("never closed"),
-            };
-            let accepted = tokio::select! {
-                () = stop.cancelled() => break,
-                accepted = listener.accept() => accepted,
-            };
-            let tcp = match accepted {
-                Ok((tcp, _)) => tcp,
-                Err(e) => {
-                    // Out of file descriptors, say: wait for some to close rather than
-                    // spin.
-                    tracing::warn!(error = %e, what, "cannot accept a connection");
-                    tokio::select! {
-                        () = stop.cancelled() => break,
-                        () = tokio::time::sleep(std::time::Duration::from_millis(50)) => continue,
-                    }
-                }
-            };
-            if let Err(e) = tcp.set_nodelay(true) {
-                tracing::debug!(error = %e, what, "cannot set TCP_NODELAY on a connection");
-            }
+        let listener = Listener::new(listener, what).budget(Budget::new(limits.max_connections));
+        // Owns every connection's task: those still open after the grace are ended.
+        let connections = Connections::new();
+        while let Some(tcp) = listener.accept(&stop).await {
             let app = app.clone();
             let service = hyper::service::service_fn(move |request| {
                 let mut app = app.clone();
                 tower_service::Service::call(&mut app, request)
             });
             let conn = http.serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
-            let stop = stop.clone();
+            let (stop, force) = (stop.clone(), connections.force());
             connections.spawn(async move {
-                let _permit = permit;
                 let mut conn = std::pin::pin!(conn);
                 let served = tokio::select! {
                     served = conn.as_mut() => served,
                     () = stop.cancelled() => {
                         conn.as_mut().graceful_shutdown();
-                        conn.await
+                        tokio::select! {
+                            served = conn.as_mut() => served,
+                            () = force.cancelled() => return,
+                        }
                     }
                     () = tokio::time::sleep(limits.lifetime) => {
                         conn.as_mut().graceful_shutdown();
@@ -181,12 +159,8 @@ pub fn serve_http_within(
             });
         }
         drop(listener);
-        let finished = async { while connections.join_next().await.is_some() {} };
-        if tokio::time::timeout(limits.close_grace, finished)
-            .await
-            .is_err()
-        {
-            tracing::debug!(what, "connections still open after the grace; closing them");
+        if !connections.drain(limits.close_grace).await {
+            tracing::debug!(what, "connections still open after the grace; closed them");
         }
     })
 }

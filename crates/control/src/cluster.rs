@@ -1565,7 +1565,7 @@ fn spawn_listen(
     lost: CancellationToken,
 ) {
     tokio::spawn(async move {
-        let mut backoff = Duration::from_millis(500);
+        let mut backoff = crate::plane::store_backoff();
         // Since when no session listens (set once one was lost).
         let mut deaf_since: Option<tokio::time::Instant> = None;
         loop {
@@ -1579,7 +1579,7 @@ fn spawn_listen(
             }
             if heard.load(std::sync::atomic::Ordering::Acquire) {
                 deaf_since = None;
-                backoff = Duration::from_millis(500);
+                backoff.reset();
             }
             let deaf = *deaf_since.get_or_insert_with(tokio::time::Instant::now);
             // A replica that cannot follow the others decides from a record it no
@@ -1590,13 +1590,11 @@ fn spawn_listen(
                 return;
             }
             if let Err(e) = ended {
-                tracing::warn!(%database, error = %e, retry_in = ?backoff, "lost the session announcements come on; connecting again");
+                tracing::warn!(%database, error = %e, "lost the session announcements come on; connecting again");
             }
-            tokio::select! {
-                () = tokio::time::sleep(backoff) => {}
-                () = lost.cancelled() => return,
+            if !backoff.wait(&lost).await {
+                return;
             }
-            backoff = (backoff * 2).min(Duration::from_secs(5));
         }
     });
 }

@@ -9,8 +9,8 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status, Streaming};
+use valet_net::{Accepted, FirstBytes, Listener};
 use valet_proto::ateapi::{self, control_server};
 use valet_proto::leases::{self as lp, leases_server};
 use valet_proto::reload::Reloading;
@@ -89,17 +89,18 @@ pub async fn serve(
             // TLS is done here rather than by tonic, so that each connection takes the
             // configuration current when it is accepted (rotated files, no restart).
             Some(tls) => {
+                let listener = Listener::new(listener, "control plane");
                 let (incoming, task) = tls_incoming(listener, tls, HANDSHAKE_CAPS);
                 accepting = Some(task);
                 Box::pin(router.serve_with_incoming_shutdown(incoming, stopped))
             }
-            // `Server::tcp_nodelay` is ignored for a given incoming stream: the stream
-            // sets it.
+            // `Server::tcp_nodelay` is ignored for a given incoming stream: the
+            // listener sets it.
             None => {
                 use tokio_stream::StreamExt as _;
-                let incoming = TcpIncoming::from(listener)
-                    .with_nodelay(Some(true))
-                    .map(|tcp| tcp.map(Preface::new));
+                let incoming = Listener::new(listener, "control plane")
+                    .incoming(stop.clone())
+                    .map(|tcp| tcp.map(|tcp| FirstBytes::h2_preface(tcp, PREFACE_WITHIN)));
                 Box::pin(router.serve_with_incoming_shutdown(incoming, stopped))
             }
         };
@@ -155,124 +156,19 @@ const HANDSHAKE_CAPS: HandshakeCaps = HandshakeCaps {
 };
 
 /// The connections [`tls_incoming`] hands over.
-type TlsIncoming = ReceiverStream<
-    Result<Preface<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>, std::io::Error>,
->;
+type TlsIncoming =
+    ReceiverStream<Result<FirstBytes<tokio_rustls::server::TlsStream<Accepted>>, std::io::Error>>;
 
 /// How long a connection may take to send the HTTP/2 connection preface (after its
 /// TLS handshake, if any).
 const PREFACE_WITHIN: Duration = HANDSHAKE_TIMEOUT;
-
-/// The length of the HTTP/2 client connection preface (RFC 9113, section 3.4).
-const PREFACE_BYTES: usize = 24;
-
-/// A connection whose first [`PREFACE_BYTES`] must arrive within [`PREFACE_WITHIN`]:
-/// hyper's HTTP/2 server waits for the preface without a deadline (its keep-alive pings
-/// start after it), so a client that connects and sends nothing would hold its
-/// connection for good. A read past the deadline fails, which ends the connection.
-pub(crate) struct Preface<S> {
-    io: S,
-    /// Preface bytes still to come.
-    want: usize,
-    /// Until the preface has come.
-    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
-}
-
-impl<S> Preface<S> {
-    fn new(io: S) -> Self {
-        Self {
-            io,
-            want: PREFACE_BYTES,
-            deadline: Some(Box::pin(tokio::time::sleep(PREFACE_WITHIN))),
-        }
-    }
-}
-
-impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Preface<S> {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        use std::task::Poll;
-        let this = self.get_mut();
-        let before = buf.filled().len();
-        match Pin::new(&mut this.io).poll_read(cx, buf) {
-            Poll::Ready(Ok(())) => {
-                this.want = this.want.saturating_sub(buf.filled().len() - before);
-                if this.want == 0 {
-                    this.deadline = None;
-                }
-                Poll::Ready(Ok(()))
-            }
-            Poll::Pending => {
-                let late = this
-                    .deadline
-                    .as_mut()
-                    .is_some_and(|deadline| deadline.as_mut().poll(cx).is_ready());
-                if late {
-                    return Poll::Ready(Err(std::io::Error::new(
-                        std::io::ErrorKind::TimedOut,
-                        format!("no HTTP/2 preface within {PREFACE_WITHIN:?}"),
-                    )));
-                }
-                Poll::Pending
-            }
-            failed => failed,
-        }
-    }
-}
-
-impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Preface<S> {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-
-    fn poll_flush(
-        self: Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(
-        self: Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
-    }
-}
-
-impl<S: tonic::transport::server::Connected> tonic::transport::server::Connected for Preface<S> {
-    type ConnectInfo = S::ConnectInfo;
-
-    fn connect_info(&self) -> Self::ConnectInfo {
-        self.io.connect_info()
-    }
-}
 
 /// Connections accepted on `listener`, through a TLS handshake with the configuration
 /// current at accept time, at most `caps` at once, and the task that accepts them.
 /// Failed handshakes are logged and dropped. The task (and the handshakes in progress)
 /// end when the server drops the stream, or when it is aborted.
 fn tls_incoming(
-    listener: TcpListener,
+    listener: Listener,
     tls: valet_proto::reload::Reloading<tokio_rustls::rustls::ServerConfig>,
     caps: HandshakeCaps,
 ) -> (TlsIncoming, tokio::task::JoinHandle<()>) {
@@ -283,6 +179,9 @@ fn tls_incoming(
         let mut peers = std::collections::HashMap::<tokio::task::Id, std::net::IpAddr>::new();
         let mut per_peer = std::collections::HashMap::<std::net::IpAddr, usize>::new();
         let mut warned: Option<tokio::time::Instant> = None;
+        // The task ends when the server drops the stream (or is aborted), not on a
+        // token of its own.
+        let never = tokio_util::sync::CancellationToken::new();
         loop {
             tokio::select! {
                 () = tx.closed() => return,
@@ -300,16 +199,9 @@ fn tls_incoming(
                         }
                     }
                 }
-                accepted = listener.accept(), if handshakes.len() < caps.total => {
-                    let (tcp, peer) = match accepted {
-                        Ok(a) => a,
-                        Err(e) => {
-                            // Out of descriptors, say: back off a little, bounded.
-                            tracing::warn!(error = %e, "cannot accept a connection");
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                            continue;
-                        }
-                    };
+                accepted = listener.accept(&never), if handshakes.len() < caps.total => {
+                    let Some(tcp) = accepted else { return };
+                    let peer = tcp.peer();
                     let ip = peer.ip().to_canonical();
                     let n = per_peer.entry(ip).or_default();
                     if *n >= caps.per_peer {
@@ -323,13 +215,12 @@ fn tls_incoming(
                         continue;
                     }
                     *n += 1;
-                    let _ = tcp.set_nodelay(true);
                     let acceptor = tokio_rustls::TlsAcceptor::from(tls.load());
                     let tx = tx.clone();
                     let handle = handshakes.spawn(async move {
                         match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                             Ok(Ok(stream)) => {
-                                let _ = tx.send(Ok(Preface::new(stream))).await;
+                                let _ = tx.send(Ok(FirstBytes::h2_preface(stream, PREFACE_WITHIN))).await;
                             }
                             Ok(Err(e)) => {
                                 tracing::debug!(%peer, error = %e, "TLS handshake failed");
@@ -738,7 +629,7 @@ mod tests {
             total: 2,
             per_peer: 2,
         };
-        let (_incoming, task) = tls_incoming(listener, tls, caps);
+        let (_incoming, task) = tls_incoming(Listener::new(listener, "test"), tls, caps);
 
         let mut silent = Vec::new();
         for _ in 0..2 {
@@ -769,7 +660,7 @@ mod tests {
             total: 4,
             per_peer: 2,
         };
-        let (_incoming, task) = tls_incoming(listener, tls, caps);
+        let (_incoming, task) = tls_incoming(Listener::new(listener, "test"), tls, caps);
 
         let mut silent = Vec::new();
         for _ in 0..2 {

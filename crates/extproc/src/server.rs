@@ -20,8 +20,8 @@ use tokio::net::TcpListener;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status, Streaming};
+use valet_net::Listener;
 use valet_router::status::RouteRecord;
 use valet_router::{Decision, Router, Verdict};
 
@@ -68,8 +68,9 @@ impl ExtProcServer {
         })
         .max_decoding_message_size(MAX_MESSAGE_BYTES);
         let shutdown = stop.clone();
-        // `Server::tcp_nodelay` is ignored for a given incoming stream: the stream sets it.
-        let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+        // `Server::tcp_nodelay` is ignored for a given incoming stream: the listener
+        // sets it.
+        let incoming = Listener::new(listener, "ext_proc").incoming(stop.clone());
         let done = tokio::spawn(async move {
             let served = tonic::transport::Server::builder()
                 .max_concurrent_streams(Some(max_streams))

@@ -14,6 +14,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use valet_net::{Backoff, Budget, Connections, Keepalive, Listener};
 use valet_router::status::RouteRecord;
 use valet_router::{Decision, Denial, Router, Verdict};
 
@@ -44,16 +45,6 @@ pub struct Limits {
     pub max_connections: usize,
 }
 
-/// [`Limits::max_connections`] by default: half the process's open-file limit
-/// (`RLIMIT_NOFILE`), the other half left for the connections to workers and to the
-/// control plane; at least 64.
-fn default_max_connections() -> usize {
-    let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
-    nofile
-        .map_or(usize::MAX, |n| usize::try_from(n / 2).unwrap_or(usize::MAX))
-        .max(64)
-}
-
 impl Default for Limits {
     fn default() -> Self {
         Self {
@@ -61,7 +52,7 @@ impl Default for Limits {
             max_header_bytes: 64 * 1024,
             idle_timeout: Duration::from_secs(30),
             small_body_within: Duration::from_secs(120),
-            max_connections: default_max_connections(),
+            max_connections: valet_net::Budget::half_the_file_limit().size(),
         }
     }
 }
@@ -131,8 +122,7 @@ impl Tunnels {
 pub struct HttpServer {
     addr: SocketAddr,
     stop: CancellationToken,
-    force: CancellationToken,
-    connections: TaskTracker,
+    connections: Connections,
     tunnels: Tunnels,
 }
 
@@ -161,26 +151,27 @@ impl HttpServer {
         tls: Option<IngressTls>,
     ) -> std::io::Result<Self> {
         let addr = listener.local_addr()?;
-        let force = CancellationToken::new();
+        let connections = Connections::new();
         let tunnels = Tunnels {
             tasks: TaskTracker::new(),
-            close: force.child_token(),
+            close: connections.force().child_token(),
         };
+        // A place per connection: at the cap, connections wait in the listen backlog.
+        let listener = Listener::new(listener, "router")
+            .budget(Budget::new(limits.max_connections))
+            .keepalive(KEEPALIVE);
         let shared = Arc::new(Shared::new(router, limits, tunnels.clone()));
         let stop = CancellationToken::new();
-        let connections = TaskTracker::new();
         connections.spawn(accept_loop(
             listener,
             tls,
             shared,
             stop.clone(),
-            force.clone(),
             connections.clone(),
         ));
         Ok(Self {
             addr,
             stop,
-            force,
             connections,
             tunnels,
         })
@@ -200,7 +191,6 @@ impl HttpServer {
     /// Waits until every connection and every upgraded tunnel has closed (after
     /// [`Self::stop_accepting`]).
     pub async fn drained(&self) {
-        self.connections.close();
         self.connections.wait().await;
         self.tunnels.tasks.close();
         self.tunnels.tasks.wait().await;
@@ -214,7 +204,7 @@ impl HttpServer {
     /// Closes every connection and tunnel still open: the last step of a drain, after
     /// every waiting request has had its verdict.
     pub async fn close(&self) {
-        self.force.cancel();
+        self.connections.force_now();
         self.drained().await;
     }
 
@@ -237,29 +227,13 @@ const KEEPALIVE_IDLE: Duration = Duration::from_secs(60);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 const KEEPALIVE_RETRIES: u32 = 3;
 
-/// An accepted connection's socket options: no Nagle delay, TCP keepalive.
-fn tune(stream: &TcpStream) {
-    let _ = stream.set_nodelay(true);
-    let keepalive = socket2::TcpKeepalive::new()
-        .with_time(KEEPALIVE_IDLE)
-        .with_interval(KEEPALIVE_INTERVAL)
-        .with_retries(KEEPALIVE_RETRIES);
-    let sock = socket2::SockRef::from(stream);
-    if let Err(e) = sock.set_tcp_keepalive(&keepalive) {
-        tracing::debug!(error = %e, "cannot set TCP keepalive");
-    }
-    // Keepalive probes only an idle connection: one whose peer vanished while data was
-    // on its way to it (a streamed answer, a tunnel) ends once that data goes
-    // unacknowledged this long, instead of after the kernel's ~15 minutes of
-    // retransmissions.
-    if let Err(e) = sock.set_tcp_user_timeout(Some(USER_TIMEOUT)) {
-        tracing::debug!(error = %e, "cannot set TCP_USER_TIMEOUT");
-    }
-}
-
-/// How long data sent on an accepted connection may go unacknowledged before the
-/// connection is closed: the keepalive's own reach (`IDLE + INTERVAL × RETRIES`).
-const USER_TIMEOUT: Duration = Duration::from_secs(90);
+/// The keepalive of accepted connections (data sent and left unacknowledged for its
+/// whole reach, 90 s, ends one too).
+const KEEPALIVE: Keepalive = Keepalive {
+    idle: KEEPALIVE_IDLE,
+    interval: KEEPALIVE_INTERVAL,
+    retries: KEEPALIVE_RETRIES,
+};
 
 /// hyper parses up to this many header fields without a heap allocation.
 const HYPER_INLINE_HEADERS: usize = 100;
@@ -286,7 +260,7 @@ enum Protocol {
 /// client closed before sending a byte.
 async fn sniff(stream: &TcpStream) -> std::io::Result<Option<Protocol>> {
     let mut buf = [0u8; H2_PREFACE.len()];
-    let mut pause = Duration::from_millis(2);
+    let mut pause = Backoff::new(Duration::from_millis(2)).cap(Duration::from_millis(200));
     loop {
         let n = stream.peek(&mut buf).await?;
         if n == 0 {
@@ -302,8 +276,7 @@ async fn sniff(stream: &TcpStream) -> std::io::Result<Option<Protocol>> {
         // once, so give the rest a moment to arrive, backing off (2 ms doubling to
         // 200 ms) so a client that stalls mid-preface costs little; the caller bounds
         // the whole wait.
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_millis(200));
+        tokio::time::sleep(pause.next_delay()).await;
     }
 }
 
@@ -348,36 +321,16 @@ fn builders(
 }
 
 async fn accept_loop(
-    listener: TcpListener,
+    listener: Listener,
     tls: Option<IngressTls>,
     shared: Arc<Shared>,
     stop: CancellationToken,
-    force: CancellationToken,
-    connections: TaskTracker,
+    connections: Connections,
 ) {
-    let places = Arc::new(tokio::sync::Semaphore::new(
-        shared.limits.max_connections.max(1),
-    ));
-    loop {
-        // A place first: at the cap, connections wait in the listen backlog.
-        let place = tokio::select! {
-            () = stop.cancelled() => break,
-            place = Arc::clone(&places).acquire_owned() => place.expect("never closed"),
-        };
-        let (stream, peer) = tokio::select! {
-            () = stop.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        tune(&stream);
+    while let Some(accepted) = listener.accept(&stop).await {
+        let (stream, peer, place) = accepted.into_parts();
         let shared = Arc::clone(&shared);
-        let (stop, force) = (stop.clone(), force.clone());
+        let (stop, force) = (stop.clone(), connections.force());
         let tls = tls.clone();
         connections.spawn(async move {
             let _place = place;
@@ -1188,8 +1141,11 @@ fn denied_after_route(
 #[cfg(test)]
 mod tests {
     use super::{Conn, H2_PREFACE, Lean, Protocol, Shared, Tunnels, own_head, sniff};
+    use std::time::Duration;
     use tokio::io::AsyncWriteExt as _;
     use tokio::net::{TcpListener, TcpStream};
+    use tokio_util::sync::CancellationToken;
+    use valet_net::Listener;
 
     /// A connected pair: (client, server).
     async fn pair() -> (TcpStream, TcpStream) {
@@ -1204,8 +1160,11 @@ mod tests {
     /// actor busy, for good).
     #[tokio::test]
     async fn an_accepted_connection_probes_a_silent_peer() {
-        let (_client, server) = pair().await;
-        super::tune(&server);
+        let l = Listener::new(TcpListener::bind("127.0.0.1:0").await.unwrap(), "test")
+            .keepalive(super::KEEPALIVE);
+        let _client = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let stop = CancellationToken::new();
+        let (server, _, _place) = l.accept(&stop).await.unwrap().into_parts();
         let sock = socket2::SockRef::from(&server);
         assert!(sock.keepalive().unwrap());
         assert_eq!(sock.tcp_keepalive_time().unwrap(), super::KEEPALIVE_IDLE);
@@ -1217,7 +1176,11 @@ mod tests {
             sock.tcp_keepalive_retries().unwrap(),
             super::KEEPALIVE_RETRIES
         );
-        assert_eq!(sock.tcp_user_timeout().unwrap(), Some(super::USER_TIMEOUT));
+        assert_eq!(
+            sock.tcp_user_timeout().unwrap(),
+            Some(Duration::from_secs(90)),
+            "IDLE + INTERVAL × RETRIES"
+        );
         assert!(server.nodelay().unwrap());
     }
 

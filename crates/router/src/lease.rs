@@ -11,6 +11,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
+use valet_net::Backoff;
 
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -431,13 +432,12 @@ impl LeaseClient {
     }
 
     async fn watch_loop(self: Arc<Self>, channel: Channel) {
-        const FIRST_BACKOFF: Duration = Duration::from_millis(100);
-        let mut backoff = FIRST_BACKOFF;
+        let mut backoff = Backoff::new(Duration::from_millis(100)).cap(Duration::from_secs(2));
         loop {
             let ended = self.watch_once(channel.clone()).await;
             // A watch that was open (welcomed) starts the back-off over.
             if self.up.swap(false, Ordering::Relaxed) {
-                backoff = FIRST_BACKOFF;
+                backoff.reset();
             }
             self.cache.set_holder(None);
             if matches!(ended, Watched::Lost(_)) {
@@ -458,28 +458,27 @@ impl LeaseClient {
                 }
                 Watched::Lost(why) => {
                     tracing::debug!(error = %why, "lease watch lost; watching again");
-                    backoff
+                    backoff.next_delay()
                 }
                 // The control plane answered: it is reachable (no stale routing), the
                 // watch just needs credentials again (a token that expired ends it).
                 Watched::Refused(why) => {
                     self.cache.answered(true);
                     tracing::info!(error = %why, "lease watch refused; watching again with the token file's current token");
-                    backoff
+                    backoff.next_delay()
                 }
                 // Reachable too: no stale routing while it notices the earlier watch
                 // gone (a reset that reached only this side, say).
                 Watched::Answered(why) => {
                     self.cache.answered(true);
                     tracing::debug!(error = %why, "lease watch refused; watching again");
-                    backoff
+                    backoff.next_delay()
                 }
             };
             tokio::select! {
                 () = tokio::time::sleep(wait) => {}
                 () = self.stop.cancelled() => return,
             }
-            backoff = (backoff * 2).min(Duration::from_secs(2));
         }
     }
 

@@ -12,6 +12,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tonic::Code;
+use valet_net::Backoff;
 use valet_proto::ateapi;
 
 use crate::config::ParkingConfig;
@@ -75,38 +76,13 @@ fn route_of(actor: &ateapi::Actor, default_port: u16) -> Class {
     Class::Route(SocketAddr::new(ip, port))
 }
 
-/// Exponential backoff with jitter and no cap: the budget alone bounds the loop.
-#[derive(Debug, Clone)]
-pub(crate) struct Backoff {
-    next: Duration,
-    factor: f64,
-    jitter: f64,
-}
-
-impl Backoff {
-    pub(crate) fn new(config: &ParkingConfig) -> Self {
-        Self {
-            next: config.retry_interval(),
-            factor: config.retry_factor(),
-            jitter: config.retry_jitter(),
-        }
-    }
-
-    /// The next wait, stretched by a random fraction in `[0, jitter)` of itself.
-    pub(crate) fn next_delay(&mut self) -> Duration {
-        self.next_delay_with(rand::random::<f64>())
-    }
-
-    /// The next wait for a given uniform draw `u` in `[0, 1)`.
-    pub(crate) fn next_delay_with(&mut self, u: f64) -> Duration {
-        let base = self.next;
-        self.next = saturating_mul(base, self.factor);
-        base.saturating_add(saturating_mul(base, self.jitter * u))
-    }
-}
-
-fn saturating_mul(d: Duration, f: f64) -> Duration {
-    Duration::try_from_secs_f64(d.as_secs_f64() * f).unwrap_or(Duration::MAX)
+/// The waits between a flight's attempts: exponential (`--parked-request-retry-*`),
+/// each stretched by up to its jitter fraction, and no cap: the budget alone bounds the
+/// loop.
+pub(crate) fn backoff(config: &ParkingConfig) -> Backoff {
+    Backoff::new(config.retry_interval())
+        .factor(config.retry_factor())
+        .jitter(0.0..config.retry_jitter())
 }
 
 /// What the flight does after a retryable answer.
@@ -129,7 +105,7 @@ pub(crate) struct Pacing {
 impl Pacing {
     pub(crate) fn new(config: &ParkingConfig, deadline: Instant) -> Self {
         Self {
-            backoff: Backoff::new(config),
+            backoff: backoff(config),
             deadline,
         }
     }
@@ -385,7 +361,7 @@ mod tests {
 
     #[test]
     fn backoff_sequence_without_jitter_draw() {
-        let mut b = Backoff::new(&config(100, 1.1, 0.1));
+        let mut b = backoff(&config(100, 1.1, 0.1));
         let waits: Vec<Duration> = (0..5).map(|_| b.next_delay_with(0.0)).collect();
         let want = [100.0, 110.0, 121.0, 133.1, 146.41];
         for (got, want) in waits.iter().zip(want) {
@@ -395,14 +371,14 @@ mod tests {
             );
         }
         // The largest draw stretches by almost the whole jitter fraction.
-        let mut b = Backoff::new(&config(100, 1.1, 0.1));
+        let mut b = backoff(&config(100, 1.1, 0.1));
         let d = b.next_delay_with(0.999_999);
         assert!(d < Duration::from_millis(110) && d > Duration::from_micros(109_999));
     }
 
     #[test]
     fn backoff_jitter_stays_in_bounds_and_varies() {
-        let mut b = Backoff::new(&config(100, 1.1, 0.1));
+        let mut b = backoff(&config(100, 1.1, 0.1));
         let mut base = 0.1_f64;
         let mut seen_nonzero = false;
         for _ in 0..60 {
@@ -419,7 +395,7 @@ mod tests {
 
     #[test]
     fn backoff_has_no_cap() {
-        let mut b = Backoff::new(&config(100, 2.0, 0.0));
+        let mut b = backoff(&config(100, 2.0, 0.0));
         let mut last = Duration::ZERO;
         for _ in 0..40 {
             let d = b.next_delay_with(0.0);

@@ -142,7 +142,8 @@ impl Run {
     /// The pids left (a process stuck in the kernel, say).
     pub(crate) async fn kill_all(&self, within: Duration) -> Result<(), Vec<i32>> {
         let until = tokio::time::Instant::now() + within;
-        let mut pause = Duration::from_millis(1);
+        let mut pause =
+            valet_net::Backoff::new(Duration::from_millis(1)).cap(Duration::from_millis(50));
         loop {
             let run = self.clone();
             let left = tokio::task::spawn_blocking(move || {
@@ -158,8 +159,7 @@ impl Run {
             if tokio::time::Instant::now() >= until {
                 return Err(left);
             }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(50));
+            tokio::time::sleep(pause.next_delay()).await;
         }
     }
 }

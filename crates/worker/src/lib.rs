@@ -33,6 +33,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
+use valet_net::{Backoff, Connections, Listener};
 
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
@@ -457,26 +458,13 @@ async fn serve_app(listener: TcpListener, slot: Slot, stop: CancellationToken) {
         .timer(hyper_util::rt::TokioTimer::new())
         .header_read_timeout(APP_HEADER_TIMEOUT);
     builder.http2().timer(hyper_util::rt::TokioTimer::new());
-    let connections = TaskTracker::new();
+    let listener = Listener::new(listener, "worker");
+    let connections = Connections::new();
     let tunnels = app::Tunnels::default();
-    let force = CancellationToken::new();
-    loop {
-        let (stream, _) = tokio::select! {
-            () = stop.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    // Out of descriptors, say: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        let _ = stream.set_nodelay(true);
+    while let Some(stream) = listener.accept(&stop).await {
         let slot = Arc::clone(&slot);
         let builder = builder.clone();
-        let (stop, force) = (stop.clone(), force.clone());
+        let (stop, force) = (stop.clone(), connections.force());
         let tunnels = tunnels.clone();
         connections.spawn(async move {
             let service = hyper::service::service_fn(move |req| {
@@ -496,7 +484,6 @@ async fn serve_app(listener: TcpListener, slot: Slot, stop: CancellationToken) {
     }
     // New connections are refused from now on, not left in the backlog.
     drop(listener);
-    connections.close();
     let drained = async {
         connections.wait().await;
         tunnels.wait().await;
@@ -506,7 +493,7 @@ async fn serve_app(listener: TcpListener, slot: Slot, stop: CancellationToken) {
             after = ?APP_DRAIN,
             "the app's requests did not end in time; closing their connections"
         );
-        force.cancel();
+        connections.force_now();
         tunnels.close_now();
         connections.wait().await;
         tunnels.wait().await;
@@ -675,7 +662,11 @@ impl Agent {
         stop: CancellationToken,
         mut exits: mpsc::UnboundedReceiver<wk::Exited>,
     ) {
-        let mut backoff = Duration::from_millis(100);
+        // Jittered (half to the whole wait): workers that lost one control plane together
+        // do not all attach again at the same instant.
+        let mut backoff = Backoff::new(Duration::from_millis(100))
+            .cap(Duration::from_secs(2))
+            .jitter(-0.5..0.0);
         // Which replica to attach to next: after an attachment fails or ends, the next
         // one, at once; after every one was tried, wait (backing off) first. The first
         // is chosen by the worker's id, so that a pool's workers spread over replicas
@@ -695,7 +686,7 @@ impl Agent {
             // may still serve its actor, and the control plane must see it attached
             // (draining) meanwhile, not gone with its app port already closed.
             match attached {
-                Ok(()) => backoff = Duration::from_millis(100),
+                Ok(()) => backoff.reset(),
                 Err(e) if e.code() == tonic::Code::AlreadyExists => {
                     tracing::warn!(worker = %self.id, control_plane = %endpoint.uri(), error = %e.message(), "the control plane counts another process with this worker id as live (for up to its hosting lease after that one left); retrying")
                 }
@@ -712,14 +703,9 @@ impl Agent {
             if !turn.advance() {
                 continue;
             }
-            // Jittered (half to the whole backoff): workers that lost one control
-            // plane together do not all attach again at the same instant.
-            let pause = backoff.mul_f64(rand::random_range(0.5..=1.0));
-            tokio::select! {
-                () = stop.cancelled() => return,
-                () = tokio::time::sleep(pause) => {}
+            if !backoff.wait(&stop).await {
+                return;
             }
-            backoff = (backoff * 2).min(Duration::from_secs(2));
         }
     }
 

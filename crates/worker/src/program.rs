@@ -533,7 +533,8 @@ impl Running {
         let ended = tokio::time::timeout(grace, async {
             self.exited().await;
             // Then the rest of its group (children that got the signal too).
-            let mut pause = Duration::from_millis(1);
+            let mut pause =
+                valet_net::Backoff::new(Duration::from_millis(1)).cap(Duration::from_millis(50));
             loop {
                 let run = self.run.clone();
                 let left = tokio::task::spawn_blocking(move || run.live())
@@ -542,8 +543,7 @@ impl Running {
                 if left.is_empty() {
                     return;
                 }
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_millis(50));
+                tokio::time::sleep(pause.next_delay()).await;
             }
         })
         .await;

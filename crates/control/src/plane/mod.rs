@@ -743,7 +743,7 @@ impl Plane {
     /// stops first (the next start settles the record), or once another replica
     /// changed the record (it is that one's to settle).
     pub(crate) async fn write_until_landed(&self, batch: Batch) -> Option<Vec<String>> {
-        let mut backoff = Duration::from_millis(500);
+        let mut backoff = store_backoff();
         loop {
             match self.write_and_apply(batch.clone()).await {
                 Ok(freed) => return Some(freed),
@@ -752,12 +752,12 @@ impl Plane {
                     tracing::info!(error = %e.message(), "the record changed on another replica; leaving it to that one");
                     return None;
                 }
-                Err(_) => tokio::select! {
-                    () = tokio::time::sleep(backoff) => {}
-                    () = self.inner.shutdown.cancelled() => return None,
-                },
+                Err(_) => {
+                    if !backoff.wait(&self.inner.shutdown).await {
+                        return None;
+                    }
+                }
             }
-            backoff = (backoff * 2).min(Duration::from_secs(5));
         }
     }
 
@@ -803,22 +803,19 @@ impl Plane {
     fn spawn_settler(&self) {
         let plane = self.clone();
         self.inner.chores.spawn(async move {
-            const FIRST: Duration = Duration::from_millis(500);
             loop {
                 tokio::select! {
                     () = plane.inner.unsettled.notified() => {}
                     () = plane.inner.shutdown.cancelled() => return,
                 }
-                let mut backoff = FIRST;
+                let mut backoff = store_backoff();
                 loop {
-                    tokio::select! {
-                        () = tokio::time::sleep(backoff) => {}
-                        () = plane.inner.shutdown.cancelled() => return,
+                    if !backoff.wait(&plane.inner.shutdown).await {
+                        return;
                     }
                     if plane.settle_half_way().await {
                         break;
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
             }
         });
@@ -1056,3 +1053,9 @@ pub(crate) use model::{aborted, crashed, no_room, not_found};
 /// How long a shutdown waits at least for the work it does for other replicas
 /// (forwarded suspends' answers) once its operations ended.
 const UNFOLLOW_GRACE: Duration = Duration::from_secs(1);
+
+/// The waits between tries of a write to the store, or of a read of it, that must land
+/// (0.5 s doubling to 5 s): a database restart takes seconds.
+pub fn store_backoff() -> valet_net::Backoff {
+    valet_net::Backoff::new(Duration::from_millis(500)).cap(Duration::from_secs(5))
+}

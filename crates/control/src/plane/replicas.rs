@@ -336,7 +336,7 @@ impl Plane {
         let Some(store) = self.cluster().cloned() else {
             return;
         };
-        let mut backoff = Duration::from_millis(500);
+        let mut backoff = super::store_backoff();
         loop {
             let first = tokio::select! {
                 e = events.recv() => e,
@@ -358,21 +358,17 @@ impl Plane {
             if let Err(e) = done {
                 // Read everything again once the database answers: what was missed
                 // comes with it.
-                tracing::warn!(error = %e, retry_in = ?backoff, "could not follow the other replicas' changes; reading everything again");
-                tokio::select! {
-                    () = tokio::time::sleep(backoff) => {}
-                    () = self.inner.unfollow.cancelled() => return,
+                tracing::warn!(error = %e, "could not follow the other replicas' changes; reading everything again");
+                if !backoff.wait(&self.inner.unfollow).await {
+                    return;
                 }
-                backoff = (backoff * 2).min(Duration::from_secs(5));
                 while self.resync(&store).await.is_err() {
-                    tokio::select! {
-                        () = tokio::time::sleep(backoff) => {}
-                        () = self.inner.unfollow.cancelled() => return,
+                    if !backoff.wait(&self.inner.unfollow).await {
+                        return;
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
             }
-            backoff = Duration::from_millis(500);
+            backoff.reset();
         }
     }
 
@@ -978,7 +974,7 @@ impl Plane {
                 let (plane, store) = (plane.clone(), Arc::clone(&store));
                 plane.inner.followers.clone().spawn(async move {
                     let answer = encode(&plane.suspend_here(key).await);
-                    let mut backoff = OFFER_AGAIN;
+                    let mut backoff = valet_net::Backoff::new(OFFER_AGAIN);
                     for _ in 0..4 {
                         match store.answer(id, answer.clone()).await {
                             Ok(()) => {
@@ -995,8 +991,7 @@ impl Plane {
                             }
                             Err(e) => {
                                 tracing::warn!(error = %e, "could not answer a forwarded suspend; trying again");
-                                tokio::time::sleep(backoff).await;
-                                backoff *= 2;
+                                tokio::time::sleep(backoff.next_delay()).await;
                             }
                         }
                     }

@@ -282,7 +282,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
             }
         };
         history.served = true;
-        history.backoff = History::default().backoff;
+        history.backoff.reset();
         let socket = reserved;
         // SO_REUSEADDR from here on: the connections it accepts inherit it, so that once
         // they linger in TIME_WAIT after this process ends, a restart can bind the port.
@@ -383,8 +383,8 @@ struct History {
     reached: bool,
     /// It served once: the database and its schema work for this binary.
     served: bool,
-    /// The next wait before trying again.
-    backoff: std::time::Duration,
+    /// The waits before trying again.
+    backoff: valet_net::Backoff,
 }
 
 impl Default for History {
@@ -392,7 +392,7 @@ impl Default for History {
         Self {
             reached: false,
             served: false,
-            backoff: std::time::Duration::from_millis(500),
+            backoff: valet_control::plane::store_backoff(),
         }
     }
 }
@@ -421,12 +421,7 @@ impl History {
 
     /// Waits before the next try (0.5 s, doubling to 5 s); false when SIGTERM came.
     async fn pause(&mut self, stopping: &CancellationToken) -> bool {
-        let wait = self.backoff;
-        self.backoff = (self.backoff * 2).min(std::time::Duration::from_secs(5));
-        tokio::select! {
-            () = tokio::time::sleep(wait) => true,
-            () = stopping.cancelled() => false,
-        }
+        self.backoff.wait(stopping).await
     }
 }
 
@@ -451,7 +446,7 @@ async fn open_replica<S>(
                 return Ok(Some(s));
             }
             Err(e) if history.waits_out(&e) => {
-                tracing::warn!(error = %e, retry_in = ?history.backoff, "database unavailable; waiting for it as a standby");
+                tracing::warn!(error = %e, "database unavailable; waiting for it as a standby");
                 if !history.pause(stopping).await {
                     return Ok(None);
                 }
