@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::error::ErrorKind;
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use valet_control::PlaneConfig;
 use valet_router::RouterArgs;
 use valet_router::config::parse_duration;
 
@@ -628,12 +629,6 @@ pub(crate) struct UpArgs {
     #[command(flatten)]
     pub(crate) ingress: IngressArgs,
 
-    /// The embedded control plane's TLS and bearer tokens, as `valet control-plane`
-    /// takes them (with --tls, the throwaway certificate unless --tls-cert-file is
-    /// given). Its workers use the router's --ateapi-* credentials.
-    #[command(flatten)]
-    pub(crate) security: ServerSecurityArgs,
-
     /// Actors to create (if missing) at start, as atespace/name,...; empty for none.
     #[arg(
         long,
@@ -643,32 +638,9 @@ pub(crate) struct UpArgs {
     )]
     pub(crate) demo_actors: String,
 
-    /// Whether the embedded control plane honours wait_for_capacity.
-    #[arg(
-        long,
-        env = "VALET_CAPACITY_WAIT",
-        default_value = "on",
-        value_name = "ON|OFF"
-    )]
-    pub(crate) capacity_wait: OnOff,
-
-    /// Where the embedded control plane serves /metrics, /healthz and /readyz; empty
-    /// turns it off.
-    #[arg(long, env = "VALET_METRICS_LISTEN", default_value = DEFAULT_UP_METRICS_LISTEN, value_name = "ADDR")]
-    pub(crate) metrics_listen: String,
-
-    /// On Ctrl-C, how long checkpointing every running actor (and then the restores
-    /// and checkpoints in progress) may take; an actor not checkpointed by then comes
-    /// back from its last snapshot, with a warning.
-    #[arg(long, env = "VALET_SHUTDOWN_TIMEOUT", default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
-    pub(crate) shutdown_timeout: Duration,
-
-    /// Checkpoint and suspend an actor idle this long; 0 turns it off.
-    #[arg(long, env = "VALET_IDLE_SUSPEND_AFTER", default_value = "5m", value_parser = parse_duration, value_name = "DURATION")]
-    pub(crate) idle_suspend_after: Duration,
-
+    /// The embedded control plane's flags, as `valet control-plane` takes them.
     #[command(flatten)]
-    pub(crate) templates: TemplateArgs,
+    pub(crate) plane: PlaneArgs,
 
     /// Run this program as the demo pool's actors instead of the counter (`'python3
     /// app.py'`): split as a shell would, run from the current directory, with its port
@@ -693,14 +665,6 @@ pub(crate) struct UpArgs {
     /// memory.max and cpu.max. Without it, limits.cpu is refused.
     #[arg(long, env = "VALET_CGROUP", value_name = "DIR")]
     pub(crate) cgroup: Option<PathBuf>,
-
-    #[command(flatten)]
-    pub(crate) leases: LeaseArgs,
-
-    /// While actors wait for a full pool, evict its least recently active actors idle at
-    /// least this long, one per waiting actor; 0 turns it off.
-    #[arg(long, env = "VALET_EVICT_IDLE_AFTER", default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
-    pub(crate) evict_idle_after: Duration,
 }
 
 /// Default `--snapshot-max-bytes`.
@@ -815,6 +779,15 @@ pub(crate) struct ControlPlaneArgs {
     )]
     pub(crate) active_replicas: ActiveReplicas,
 
+    #[command(flatten)]
+    pub(crate) plane: PlaneArgs,
+}
+
+/// The control plane's settings, flags of `valet control-plane` and of `valet up` alike
+/// (`main::command` gives `up` its own defaults for three of them); the one place they
+/// become a [`PlaneConfig`] is [`PlaneArgs::plane_config`].
+#[derive(Debug, Clone, Args)]
+pub(crate) struct PlaneArgs {
     /// Honour ResumeActor's wait_for_capacity (first-come hand-off of freed workers);
     /// off answers at once, like a server without the extension.
     #[arg(
@@ -829,21 +802,23 @@ pub(crate) struct ControlPlaneArgs {
     pub(crate) templates: TemplateArgs,
 
     /// How long a worker may take to restore an actor before it counts as crashed.
-    #[arg(long, env = "VALET_RESTORE_TIMEOUT", default_value = "60s", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "VALET_RESTORE_TIMEOUT", default_value = DEFAULT_WORKER_TIMEOUT, value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) restore_timeout: Duration,
 
     /// How long a worker may take to checkpoint an actor before it counts as crashed.
-    #[arg(long, env = "VALET_CHECKPOINT_TIMEOUT", default_value = "60s", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "VALET_CHECKPOINT_TIMEOUT", default_value = DEFAULT_WORKER_TIMEOUT, value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) checkpoint_timeout: Duration,
 
-    /// On SIGTERM: stop accepting, answer capacity waiters Unavailable, give restores and
-    /// checkpoints in progress this long, tell workers to detach (they keep their actors
-    /// running), exit 0.
-    #[arg(long, env = "VALET_SHUTDOWN_TIMEOUT", default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
+    /// On SIGTERM (Ctrl-C for `valet up`): stop accepting, answer capacity waiters
+    /// Unavailable, give restores and checkpoints in progress this long, tell workers to
+    /// detach (they keep their actors running), exit 0. `valet up` first checkpoints
+    /// every running actor within it; one not checkpointed by then comes back from its
+    /// last snapshot, with a warning.
+    #[arg(long, env = "VALET_SHUTDOWN_TIMEOUT", default_value = DEFAULT_SHUTDOWN_TIMEOUT, value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) shutdown_timeout: Duration,
 
-    /// Where to serve /metrics, /healthz and /readyz; off unless given (port 0 picks
-    /// one). Keep it on loopback or a private network.
+    /// Where the control plane serves /metrics, /healthz and /readyz; empty turns it off
+    /// (port 0 picks one). Keep it on loopback or a private network.
     #[arg(
         long,
         env = "VALET_METRICS_LISTEN",
@@ -854,7 +829,7 @@ pub(crate) struct ControlPlaneArgs {
 
     /// After a restart, how long RUNNING actors' workers have to re-attach before the
     /// actors go back to SUSPENDED.
-    #[arg(long, env = "VALET_REJOIN_GRACE", default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "VALET_REJOIN_GRACE", default_value = DEFAULT_REJOIN_GRACE, value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) rejoin_grace: Duration,
 
     #[command(flatten)]
@@ -863,8 +838,54 @@ pub(crate) struct ControlPlaneArgs {
     #[command(flatten)]
     pub(crate) leases: LeaseArgs,
 
+    /// TLS and bearer tokens (with `valet up --tls`, the throwaway certificate unless
+    /// --tls-cert-file is given; its workers use the router's --ateapi-* credentials).
     #[command(flatten)]
     pub(crate) security: ServerSecurityArgs,
+}
+
+/// Default `--restore-timeout` and `--checkpoint-timeout`
+/// ([`valet_control::plane::DEFAULT_WORKER_TIMEOUT`]).
+pub(crate) const DEFAULT_WORKER_TIMEOUT: &str = "60s";
+/// Default `--shutdown-timeout` ([`valet_control::plane::DEFAULT_SHUTDOWN_TIMEOUT`]).
+pub(crate) const DEFAULT_SHUTDOWN_TIMEOUT: &str = "10s";
+/// Default `--rejoin-grace` ([`valet_control::plane::DEFAULT_REJOIN_GRACE`]).
+pub(crate) const DEFAULT_REJOIN_GRACE: &str = "10s";
+/// `valet up`'s defaults of `--idle-suspend-after` and `--evict-idle-after` (off for
+/// `valet control-plane`).
+/// Default `--route-lease` ([`valet_control::plane::DEFAULT_ROUTE_LEASE`]).
+pub(crate) const DEFAULT_ROUTE_LEASE: &str = "5s";
+/// Default `--hosting-lease` ([`valet_control::plane::DEFAULT_HOSTING_LEASE`]).
+pub(crate) const DEFAULT_HOSTING_LEASE: &str = "15s";
+pub(crate) const DEFAULT_UP_IDLE_SUSPEND_AFTER: &str = "5m";
+pub(crate) const DEFAULT_UP_EVICT_IDLE_AFTER: &str = "10s";
+
+impl PlaneArgs {
+    /// The plane's configuration from these flags, with `templates` (the flags'
+    /// [`TemplateArgs::resolve`], and whatever the command adds to them).
+    ///
+    /// # Errors
+    /// A template that does not fit the timeouts, as an invalid configuration.
+    pub(crate) fn plane_config(
+        &self,
+        templates: &valet_template::Templates,
+    ) -> Result<PlaneConfig, String> {
+        let config = PlaneConfig {
+            capacity_wait: self.capacity_wait == OnOff::On,
+            templates: templates.iter().cloned().collect(),
+            restore_timeout: self.restore_timeout,
+            checkpoint_timeout: self.checkpoint_timeout,
+            rejoin_grace: self.rejoin_grace,
+            idle_suspend_after: self.policies.idle_suspend_after,
+            evict_idle_after: self.policies.evict_idle_after,
+            route_lease: self.leases.route_lease,
+            hosting_lease: self.leases.hosting_lease,
+        };
+        config
+            .check_templates()
+            .map_err(|e| format!("invalid configuration: --templates: {e}"))?;
+        Ok(config)
+    }
 }
 
 /// TLS and bearer tokens of the control plane's gRPC server.
@@ -974,14 +995,14 @@ pub(crate) struct LeaseArgs {
     /// Route lease granted to routers on ResumeActor answers: they route a running
     /// actor's requests without asking, for this long; 0 grants none (one ResumeActor
     /// per request, as the seed's router).
-    #[arg(long, env = "VALET_ROUTE_LEASE", default_value = "5s", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "VALET_ROUTE_LEASE", default_value = DEFAULT_ROUTE_LEASE, value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) route_lease: Duration,
 
     /// A worker whose hosting renewals go unanswered this long fences its actor; an
     /// actor whose worker left may run elsewhere only this long after its last renewal.
     /// At least 4s: workers renew every second, and the control plane routes to an
     /// actor only while its worker renewed within half the lease.
-    #[arg(long, env = "VALET_HOSTING_LEASE", default_value = "15s", value_parser = parse_hosting_lease, value_name = "DURATION")]
+    #[arg(long, env = "VALET_HOSTING_LEASE", default_value = DEFAULT_HOSTING_LEASE, value_parser = parse_hosting_lease, value_name = "DURATION")]
     pub(crate) hosting_lease: Duration,
 }
 
@@ -1222,7 +1243,23 @@ pub(crate) fn parse_error_exit(e: &clap::Error) -> ExitCode {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_log_level;
+    /// The flags' defaults are the control crate's: one value, written twice only
+    /// because clap takes a string.
+    #[test]
+    fn the_control_planes_flag_defaults_are_its_constants() {
+        use valet_control::plane as c;
+        for (flag, want) in [
+            (DEFAULT_WORKER_TIMEOUT, c::DEFAULT_WORKER_TIMEOUT),
+            (DEFAULT_SHUTDOWN_TIMEOUT, c::DEFAULT_SHUTDOWN_TIMEOUT),
+            (DEFAULT_REJOIN_GRACE, c::DEFAULT_REJOIN_GRACE),
+            (DEFAULT_ROUTE_LEASE, c::DEFAULT_ROUTE_LEASE),
+            (DEFAULT_HOSTING_LEASE, c::DEFAULT_HOSTING_LEASE),
+        ] {
+            assert_eq!(parse_duration(flag).unwrap(), want, "{flag}");
+        }
+    }
+
+    use super::*;
 
     /// Blanks around directives are dropped (the log filter would read them as part of
     /// a target's name, and log nothing for it); a word that is not a level is refused.

@@ -61,15 +61,25 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// Exit status of an invalid configuration (`EX_USAGE`).
 const EXIT_CONFIG: u8 = 64;
 
-/// The command line. `valet up` takes the router's flags with two differences its
-/// `--help` shows: its listeners default to loopback, and it has no `--control-plane`
-/// (its router uses the embedded control plane; `VALET_CONTROL_PLANE`, there for
-/// `valet router` and `valet ctl`, is not read).
+/// The command line. `valet up` takes the router's flags and the control plane's, with
+/// differences its `--help` shows: its listeners default to loopback, it has no
+/// `--control-plane` (its router uses the embedded control plane; `VALET_CONTROL_PLANE`,
+/// there for `valet router` and `valet ctl`, is not read), and it suspends idle actors,
+/// evicts for waiters and serves its control plane's metrics by default.
 fn command() -> clap::Command {
     no_default_shown(hyphen_values(Cli::command())).mut_subcommand("up", |up| {
         up.mut_arg("listen", |a| a.default_value("127.0.0.1:8080"))
             .mut_arg("extproc_listen", |a| a.default_value("127.0.0.1:50051"))
             .mut_arg("control_plane", |a| a.hide(true).env(None::<&'static str>))
+            .mut_arg("idle_suspend_after", |a| {
+                a.default_value(cli::DEFAULT_UP_IDLE_SUSPEND_AFTER)
+            })
+            .mut_arg("evict_idle_after", |a| {
+                a.default_value(cli::DEFAULT_UP_EVICT_IDLE_AFTER)
+            })
+            .mut_arg("metrics_listen", |a| {
+                a.default_value(cli::DEFAULT_UP_METRICS_LISTEN)
+            })
     })
 }
 
@@ -169,7 +179,7 @@ fn main() -> ExitCode {
     ) && cp.database.is_some()
         && m.value_source("route_lease") == Some(ValueSource::DefaultValue)
     {
-        cp.leases.route_lease = std::time::Duration::ZERO;
+        cp.plane.leases.route_lease = std::time::Duration::ZERO;
     }
     if let (Command::Up(up), Some(m)) = (&mut cli.command, matches.subcommand_matches("up")) {
         up.listen_https_given = m.value_source("listen_https") != Some(ValueSource::DefaultValue);

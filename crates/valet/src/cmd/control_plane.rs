@@ -6,7 +6,7 @@ use std::sync::Arc;
 use tokio::net::{TcpListener, TcpSocket};
 use tokio_util::sync::CancellationToken;
 use valet_control::store::StoreError;
-use valet_control::{ClusterStore, Plane, PlaneConfig, PostgresStore, SqliteStore, Store};
+use valet_control::{ClusterStore, Plane, PostgresStore, SqliteStore, Store};
 
 use crate::EXIT_CONFIG;
 use crate::cli::{ActiveReplicas, ControlPlaneArgs, OnOff};
@@ -61,8 +61,8 @@ pub(crate) fn optional_listen(
 pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
     // Before anything is printed: see `signal::terminated`.
     let terminated = crate::signal::terminated();
-    let metrics_listen =
-        match optional_listen("--metrics-listen", &args.metrics_listen).and_then(|m| {
+    let metrics_listen = match optional_listen("--metrics-listen", &args.plane.metrics_listen)
+        .and_then(|m| {
             valet_router::config::distinct_listeners(&[
                 ("--listen", Some(args.listen)),
                 ("--metrics-listen", m),
@@ -70,13 +70,13 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
             .map_err(|e| e.to_string())
             .map(|()| m)
         }) {
-            Ok(a) => a,
-            Err(e) => {
-                say_usage!("valet control-plane: {e}");
-                return ExitCode::from(EXIT_CONFIG);
-            }
-        };
-    let security = match args.security.resolve() {
+        Ok(a) => a,
+        Err(e) => {
+            say_usage!("valet control-plane: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let security = match args.plane.security.resolve() {
         Ok(s) => s,
         Err(e) => {
             say_usage!("valet control-plane: {e}");
@@ -84,6 +84,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         }
     };
     if let Some(jwt) = args
+        .plane
         .security
         .jwt_flag()
         .filter(|_| security.jwt.is_some() && security.tls.is_none())
@@ -93,28 +94,20 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         );
         return ExitCode::from(EXIT_CONFIG);
     }
-    let templates = match args.templates.resolve() {
+    let templates = match args.plane.templates.resolve() {
         Ok(t) => t,
         Err(e) => {
             say_usage!("valet control-plane: {e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    let config = PlaneConfig {
-        capacity_wait: args.capacity_wait == OnOff::On,
-        templates: templates.iter().cloned().collect(),
-        restore_timeout: args.restore_timeout,
-        checkpoint_timeout: args.checkpoint_timeout,
-        rejoin_grace: args.rejoin_grace,
-        idle_suspend_after: args.policies.idle_suspend_after,
-        evict_idle_after: args.policies.evict_idle_after,
-        route_lease: args.leases.route_lease,
-        hosting_lease: args.leases.hosting_lease,
+    let config = match args.plane.plane_config(&templates) {
+        Ok(c) => c,
+        Err(e) => {
+            say_usage!("valet control-plane: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
     };
-    if let Err(e) = config.check_templates() {
-        say_usage!("valet control-plane: invalid configuration: --templates: {e}");
-        return ExitCode::from(EXIT_CONFIG);
-    }
     let tls = security.tls.is_some();
     if let Some(url) = &args.database {
         if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
@@ -127,10 +120,10 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
             say_usage!("valet control-plane: invalid configuration: --database: {why}");
             return ExitCode::from(EXIT_CONFIG);
         }
-        if !args.leases.route_lease.is_zero() {
+        if !args.plane.leases.route_lease.is_zero() {
             say_usage!(
                 "valet control-plane: invalid configuration: --route-lease={}: must be 0 with --database (route leases are not shared across replicas yet)",
-                humantime_secs(args.leases.route_lease)
+                humantime_secs(args.plane.leases.route_lease)
             );
             return ExitCode::from(EXIT_CONFIG);
         }
@@ -304,7 +297,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         tracing::info!(
             %addr,
             %database,
-            capacity_wait = args.capacity_wait == OnOff::On,
+            capacity_wait = args.plane.capacity_wait == OnOff::On,
             tls,
             "control plane serving"
         );
@@ -331,7 +324,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
             listener,
             plane,
             stop,
-            args.shutdown_timeout,
+            args.plane.shutdown_timeout,
             security.clone(),
         )
         .await;

@@ -4,10 +4,10 @@
 use std::process::ExitCode;
 
 use valet_cluster::{Cluster, ClusterConfig, PoolSpec};
-use valet_control::{ActorKey, PlaneConfig};
+use valet_control::ActorKey;
 
 use crate::EXIT_CONFIG;
-use crate::cli::{OnOff, UpArgs};
+use crate::cli::UpArgs;
 use crate::serve::RunningRouter;
 
 pub(crate) async fn run(args: UpArgs) -> ExitCode {
@@ -57,7 +57,7 @@ async fn up(
     args: UpArgs,
     terminated: impl std::future::Future<Output = ()>,
 ) -> Result<(), UpError> {
-    let shutdown_timeout = args.shutdown_timeout;
+    let shutdown_timeout = args.plane.shutdown_timeout;
     // A signal during the start stops it there (what started stops with the process;
     // nothing is acknowledged yet): never held until the start ends.
     let mut terminated = std::pin::pin!(terminated);
@@ -83,7 +83,7 @@ async fn up(
 /// exist yet, so the flags they stand in for are checked without them (and again,
 /// whole, once they are made).
 fn precheck(args: &UpArgs) -> Result<valet_router::RouterConfig, UpError> {
-    let https = args.tls || args.security.tls_cert_file.is_some();
+    let https = args.tls || args.plane.security.tls_cert_file.is_some();
     let mut router = args.router.clone();
     if let Some((flag, value)) = router.ateapi.given().into_iter().next()
         && !https
@@ -127,7 +127,7 @@ fn up_templates(
     ),
     UpError,
 > {
-    let mut templates = args.templates.resolve().map_err(UpError::Config)?;
+    let mut templates = args.plane.templates.resolve().map_err(UpError::Config)?;
     if let Some(app) = &args.app {
         let dir = std::env::current_dir().ok();
         let program = valet_template::Program::from_command_line(app, dir)
@@ -175,18 +175,13 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
         ));
     }
     let (templates, demo, cgroup) = up_templates(&args)?;
-    {
-        let plane = PlaneConfig {
-            templates: templates.iter().cloned().collect(),
-            ..PlaneConfig::default()
-        };
-        plane
-            .check_templates()
-            .map_err(|e| UpError::Config(format!("invalid configuration: --templates: {e}")))?;
-    }
+    let plane = args
+        .plane
+        .plane_config(&templates)
+        .map_err(UpError::Config)?;
     // The workers present the router's credentials: what the embedded control plane
     // asks of its clients, they must bring, or they would never join.
-    let jwt = args.security.jwt_flag();
+    let jwt = args.plane.security.jwt_flag();
     if let Some(jwt) = &jwt
         && args.router.ateapi.ateapi_auth != Some(valet_router::config::AteapiAuth::Jwt)
     {
@@ -194,7 +189,7 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
             "invalid configuration: {jwt}: the embedded control plane then asks for bearer tokens, which its workers and the router send only with --ateapi-auth jwt and --ateapi-token-file"
         )));
     }
-    if let Some(ca) = &args.security.client_ca_file
+    if let Some(ca) = &args.plane.security.client_ca_file
         && args.router.ateapi.ateapi_cert_file.is_none()
     {
         return Err(UpError::Config(format!(
@@ -206,12 +201,13 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
     // written); with --tls, the throwaway certificate for what they leave out, below.
     // With --tls and no --tls-cert-file, the client CA goes with the throwaway
     // certificate (checked once that is made).
-    let throwaway_client_ca = if args.tls && args.security.tls_cert_file.is_none() {
-        args.security.client_ca_file.take()
+    let throwaway_client_ca = if args.tls && args.plane.security.tls_cert_file.is_none() {
+        args.plane.security.client_ca_file.take()
     } else {
         None
     };
     let mut server = args
+        .plane
         .security
         .resolve()
         .map_err(|e| UpError::Config(e.to_string()))?;
@@ -221,7 +217,7 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
         )));
     }
     let metrics_listen =
-        crate::cmd::control_plane::optional_listen("--metrics-listen", &args.metrics_listen)
+        crate::cmd::control_plane::optional_listen("--metrics-listen", &args.plane.metrics_listen)
             .map_err(UpError::Config)?;
     if args.check && args.tls {
         return Err(UpError::Config(
@@ -324,16 +320,9 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
             data_dir: args.data_dir.clone(),
             listen: args.control_plane_listen,
             metrics_listen,
-            shutdown_timeout: args.shutdown_timeout,
+            shutdown_timeout: args.plane.shutdown_timeout,
             tls: cluster_tls,
-            plane: PlaneConfig {
-                capacity_wait: args.capacity_wait == OnOff::On,
-                idle_suspend_after: args.idle_suspend_after,
-                evict_idle_after: args.evict_idle_after,
-                route_lease: args.leases.route_lease,
-                hosting_lease: args.leases.hosting_lease,
-                ..PlaneConfig::default()
-            },
+            plane,
             restore_delay: args.restore_delay,
             templates: templates.clone(),
             snapshot_max_bytes: args.snapshot_max_bytes,
