@@ -20,7 +20,7 @@ use hdrhistogram::Histogram;
 use tokio::net::TcpListener;
 use tonic::transport::Channel;
 use valet_control::tempdb::TempPostgres;
-use valet_control::{ClusterStore, Plane, PlaneConfig};
+use valet_control::{Plane, PlaneConfig, ReplicaStore};
 use valet_proto::ateapi::{self, control_client::ControlClient};
 use valet_worker::{Worker, WorkerConfig};
 
@@ -50,8 +50,8 @@ struct Replica {
 }
 
 async fn replica(db: &str) -> Replica {
-    let store = Arc::new(ClusterStore::join(db).await.unwrap());
-    let plane = Plane::open_cluster(store, PlaneConfig::default())
+    let store = Arc::new(ReplicaStore::join(db).await.unwrap());
+    let plane = Plane::open_replica(store, PlaneConfig::default())
         .await
         .unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();

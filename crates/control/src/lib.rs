@@ -15,22 +15,22 @@
 
 pub mod admin;
 pub mod auth;
-pub mod cluster;
 pub mod grpc;
 mod link;
 mod metrics;
 pub mod model;
 pub mod plane;
 pub mod postgres;
+pub mod replica_store;
 pub mod store;
 #[cfg(any(test, feature = "tempdb"))]
 pub mod tempdb;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
-pub use cluster::ClusterStore;
 pub use grpc::serve;
 pub use model::{ActorKey, ActorStatus, Template};
 pub use plane::{Plane, PlaneConfig, StatsSnapshot};
 pub use postgres::PostgresStore;
+pub use replica_store::ReplicaStore;
 pub use store::{SqliteStore, Store};

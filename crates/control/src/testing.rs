@@ -256,7 +256,7 @@ impl FakeWorker {
     }
 
     /// [`Self::attach`] through the path a worker's attach stream takes: with several
-    /// replicas (a plane on a `ClusterStore`), the attachment, and whether it keeps
+    /// replicas (a plane on a `ReplicaStore`), the attachment, and whether it keeps
     /// `hosting`, is written to the store first.
     ///
     /// # Errors

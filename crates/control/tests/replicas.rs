@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tonic::Code;
 use valet_control::tempdb::TempPostgres;
-use valet_control::{ClusterStore, Plane, PlaneConfig};
+use valet_control::{Plane, PlaneConfig, ReplicaStore};
 use valet_proto::ateapi;
 use valet_worker::Worker;
 
@@ -18,7 +18,7 @@ use common::{Served, WAIT, addr_of, create_on, resume_on, status, suspend_on};
 /// One replica: its plane served over gRPC, and its store.
 struct Replica {
     served: Served,
-    store: Arc<ClusterStore>,
+    store: Arc<ReplicaStore>,
 }
 
 impl std::ops::Deref for Replica {
@@ -29,8 +29,8 @@ impl std::ops::Deref for Replica {
 }
 
 async fn replica(url: &str, config: PlaneConfig) -> Replica {
-    let store = Arc::new(ClusterStore::join(url).await.unwrap());
-    let plane = Plane::open_cluster(Arc::clone(&store), config)
+    let store = Arc::new(ReplicaStore::join(url).await.unwrap());
+    let plane = Plane::open_replica(Arc::clone(&store), config)
         .await
         .unwrap();
     Replica {
@@ -619,8 +619,8 @@ async fn a_worker_back_during_its_checkpoint_keeps_the_actor_on_a_replica() {
     use valet_proto::worker::worker_command::Command;
     common::log_if_asked();
     let pg = TempPostgres::start_async().await;
-    let store = Arc::new(ClusterStore::join(&pg.url()).await.unwrap());
-    let plane = Plane::open_cluster(store, PlaneConfig::default())
+    let store = Arc::new(ReplicaStore::join(&pg.url()).await.unwrap());
+    let plane = Plane::open_replica(store, PlaneConfig::default())
         .await
         .unwrap();
     let a = ActorKey::new("demo", "a").unwrap();

@@ -336,14 +336,14 @@ async fn other_messages_get_their_own_response_type() {
 /// plane and a real worker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parked_streams_released_when_a_worker_frees() {
-    use valet_cluster::{Cluster, ClusterConfig};
+    use valet_embedded::{Embedded, EmbeddedConfig};
     use valet_proto::ateapi::{self, control_client::ControlClient};
     let dir = tempfile::tempdir().unwrap();
-    let cluster = Cluster::start(ClusterConfig::counter(dir.path().join("data"), 1))
+    let embedded = Embedded::start(EmbeddedConfig::counter(dir.path().join("data"), 1))
         .await
         .unwrap();
-    let cp_addr = cluster.addr;
-    let worker = &cluster.workers[0];
+    let cp_addr = embedded.addr;
+    let worker = &embedded.workers[0];
     let mut ctl = ControlClient::new(
         tonic::transport::Endpoint::from_shared(format!("http://{cp_addr}"))
             .unwrap()

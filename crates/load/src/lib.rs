@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! gen (schedule → requests) ─▶ Record per request ─▶ stats (summaries) ─▶ CSV, chart (SVG)
-//! scenario: system (embedded control plane + workers + router, a cluster of processes,
+//! scenario: system (embedded control plane + workers + router, a set of processes,
 //!           or given URLs) + gen
 //! ```
 

@@ -1,8 +1,8 @@
-//! A cluster of real processes for scenarios (`valet load scenario … --cluster`):
+//! Real processes for scenarios (`valet load scenario … --processes`):
 //! PostgreSQL (a given URL, or a throwaway server this module starts), two
 //! `valet control-plane` replicas on it (all active, with no leader),
 //! `valet worker` processes listing both replicas, and two `valet router` processes
-//! listing both replicas. Every child is killed when the cluster is dropped; their
+//! listing both replicas. Every child is killed when they are dropped; their
 //! logs (at `warn`) go to files in a temporary directory, quoted when a part fails to
 //! start.
 
@@ -29,9 +29,9 @@ pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a part may take to start.
 const START_WITHIN: Duration = Duration::from_secs(30);
 
-/// How to build the cluster.
+/// Which processes to start.
 #[derive(Debug, Clone)]
-pub struct ClusterOpts {
+pub struct ProcessesOpts {
     /// The `valet` binary every part runs as.
     pub exe: PathBuf,
     /// A PostgreSQL URL (`postgres://…`); a throwaway server when `None`.
@@ -171,7 +171,7 @@ async fn spawn(
         ));
     }
     // Keep draining stdout so the child never blocks on a full pipe (owned by the
-    // cluster: aborted when it is dropped).
+    // processes: aborted when it is dropped).
     drains.spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     Ok((child, seen))
 }
@@ -182,13 +182,15 @@ impl Processes {
     ///
     /// # Errors
     /// When a part does not start (the message names it).
-    pub async fn start(opts: &ClusterOpts) -> Result<Self, String> {
+    pub async fn start(opts: &ProcessesOpts) -> Result<Self, String> {
         if opts.replicas == 0 || opts.routers == 0 {
-            return Err("a cluster needs at least one replica and one router".into());
+            return Err("the processes need at least one replica and one router".into());
         }
         if opts.database.is_none() {
             valet_control::tempdb::installed().map_err(|e| {
-                format!("a throwaway database for --cluster: {e}; or pass --database postgres://…")
+                format!(
+                    "a throwaway database for --processes: {e}; or pass --database postgres://…"
+                )
             })?;
         }
         let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
@@ -268,7 +270,7 @@ impl Processes {
                 "--snapshot-dir",
                 &snapshots.display().to_string(),
                 "--worker-id",
-                &format!("cluster-w{i}"),
+                &format!("processes-w{i}"),
                 "--restore-delay",
                 &valet_router::config::fmt_duration(opts.restore_delay),
             ]

@@ -16,10 +16,10 @@ use valet_proto::ateapi::{self, control_client::ControlClient};
 use valet_proxy::{HttpServer, Limits};
 use valet_router::{GrpcControlPlane, Metrics, Router, RouterArgs};
 
-use valet_cluster::{Cluster, ClusterConfig, PoolSpec};
+use valet_embedded::{Embedded, EmbeddedConfig, PoolSpec};
 
 use crate::generate::HttpClient;
-use crate::processes::{ClusterOpts, Processes};
+use crate::processes::{Processes, ProcessesOpts};
 
 /// The default actor domain.
 pub const DOMAIN: &str = "actors.resources.substrate.ate.dev";
@@ -79,7 +79,7 @@ pub struct System {
     pub routers: Vec<SocketAddr>,
     next_router: AtomicUsize,
     ctl: ControlClient<Channel>,
-    cluster: Option<Cluster>,
+    embedded: Option<Embedded>,
     processes: Option<Processes>,
     _dir: Option<tempfile::TempDir>,
     child: Option<tokio::process::Child>,
@@ -129,7 +129,7 @@ impl System {
             }
             None => "counter",
         };
-        let cluster = Cluster::start(ClusterConfig {
+        let embedded = Embedded::start(EmbeddedConfig {
             templates,
             plane: PlaneConfig {
                 capacity_wait: opts.capacity_wait,
@@ -150,15 +150,15 @@ impl System {
                     id_prefix: "load-echo".into(),
                 },
             ],
-            ..ClusterConfig::counter(dir.path().join("data"), opts.workers)
+            ..EmbeddedConfig::counter(dir.path().join("data"), opts.workers)
         })
         .await?;
-        cluster
+        embedded
             .plane
             .create_atespace("demo")
             .await
             .map_err(|e| e.message().to_owned())?;
-        let cp_url = cluster.url();
+        let cp_url = embedded.url();
 
         let own_process = opts.router_exe.is_some();
         // A router in its own process also serves ext_proc and admin (the parked-scale
@@ -249,7 +249,7 @@ impl System {
             routers: vec![router],
             next_router: AtomicUsize::new(0),
             ctl: ctl_client(&cp_url)?,
-            cluster: Some(cluster),
+            embedded: Some(embedded),
             processes: None,
             _dir: Some(dir),
             child,
@@ -270,7 +270,7 @@ impl System {
             routers: vec![router],
             next_router: AtomicUsize::new(0),
             ctl: ctl_client(control_plane)?,
-            cluster: None,
+            embedded: None,
             processes: None,
             _dir: None,
             child: None,
@@ -279,12 +279,12 @@ impl System {
         })
     }
 
-    /// A cluster of processes over PostgreSQL (see [`Processes`]): requests go to its
+    /// A set of processes over PostgreSQL (see [`Processes`]): requests go to its
     /// routers in turn; actors are managed through its active replica.
     ///
     /// # Errors
     /// When a part does not start.
-    pub async fn cluster(opts: &ClusterOpts) -> Result<Self, String> {
+    pub async fn start_processes(opts: &ProcessesOpts) -> Result<Self, String> {
         let processes = Processes::start(opts).await?;
         Ok(Self {
             router: processes.routers[0],
@@ -293,7 +293,7 @@ impl System {
             routers: processes.routers.clone(),
             next_router: AtomicUsize::new(0),
             ctl: processes.control_client()?,
-            cluster: None,
+            embedded: None,
             processes: Some(processes),
             _dir: None,
             child: None,
@@ -308,9 +308,9 @@ impl System {
         self.routers[i]
     }
 
-    /// The requests each of a cluster's routers has counted
+    /// The requests each of the processes' routers has counted
     /// (`atenet_router_requests_total`, from its own `/metrics`); empty unless the
-    /// system is a cluster.
+    /// system is a set of processes.
     pub async fn requests_per_router(&self) -> Vec<(SocketAddr, f64)> {
         let Some(p) = &self.processes else {
             return Vec::new();
@@ -334,7 +334,7 @@ impl System {
         out
     }
 
-    /// The cluster's processes, when it is one.
+    /// Its processes, when it is a set of processes.
     pub fn processes(&self) -> Option<&Processes> {
         self.processes.as_ref()
     }
@@ -416,14 +416,14 @@ impl System {
             let (a, n) = actor.split_once('/')?;
             ActorKey::new(a, n).ok()?
         };
-        self.cluster
+        self.embedded
             .as_ref()
             .map(|c| c.plane.resume_calls_for(key.atespace(), key.name()))
     }
 
     /// The embedded control plane's `/metrics` text, when it runs in this process.
     pub fn control_plane_metrics(&self) -> Option<String> {
-        self.cluster.as_ref().map(|c| c.plane.render_metrics())
+        self.embedded.as_ref().map(|c| c.plane.render_metrics())
     }
 
     /// How long `actor` has been idle, when it runs and is idle.
@@ -535,8 +535,8 @@ impl System {
             server.stop_accepting();
             router.stop_leases().await;
         }
-        if let Some(cluster) = self.cluster.take() {
-            cluster.shutdown().await;
+        if let Some(embedded) = self.embedded.take() {
+            embedded.shutdown().await;
         }
         if let Some(processes) = self.processes.take() {
             processes.shutdown().await;

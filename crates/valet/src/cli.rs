@@ -209,13 +209,19 @@ pub(crate) struct TargetArgs {
         value_parser = parse_target_control_plane
     )]
     pub(crate) control_plane: Option<String>,
-    /// Run against a cluster of processes this command starts: two control-plane
+    /// Run against processes this command starts: two control-plane
     /// replicas on PostgreSQL (one active, one standby), the scenario's workers, and two
     /// routers listing both replicas, requests sent to each router in turn (timeline,
     /// steady, bursts and overflow).
-    #[arg(long, env = "VALET_TARGET_CLUSTER", conflicts_with = "router")]
-    pub(crate) cluster: bool,
-    /// The cluster's PostgreSQL (postgres://…): an empty database no control plane
+    /// (`--cluster` is an older name of it.)
+    #[arg(
+        long,
+        env = "VALET_TARGET_PROCESSES",
+        alias = "cluster",
+        conflicts_with = "router"
+    )]
+    pub(crate) processes: bool,
+    /// The processes' PostgreSQL (postgres://…): an empty database no control plane
     /// uses, which the run writes to; when unset, a throwaway server in a temporary
     /// directory (initdb and pg_ctl from /usr/lib/postgresql/*/bin, PATH or
     /// VALET_PG_BIN).
@@ -224,20 +230,20 @@ pub(crate) struct TargetArgs {
         env = "VALET_TARGET_DATABASE",
         hide_env_values = true,
         value_name = "URL",
-        requires = "cluster"
+        requires = "processes"
     )]
     pub(crate) database: Option<String>,
-    /// The parking budget of the embedded router (or the --cluster routers).
+    /// The parking budget of the embedded router (or the --processes routers).
     #[arg(long, env = "VALET_TARGET_BUDGET", default_value = "5s", value_parser = positive_duration, value_name = "DURATION")]
     pub(crate) budget: Duration,
-    /// Each restore's extra time on embedded (or --cluster) workers (the seed measured
+    /// Each restore's extra time on embedded (or --processes) workers (the seed measured
     /// 230ms; with --app, give 0s to measure the app's own restore).
     #[arg(long, env = "VALET_TARGET_RESTORE_DELAY", default_value = "230ms", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) restore_delay: Duration,
     /// Run this program as the scenario's actors (template and pool `app`) instead of
     /// the counter, on embedded parts: as `valet up --app` takes it (its port in $PORT,
     /// its data directory in $VALET_DATA_DIR).
-    #[arg(long, env = "VALET_TARGET_APP", value_name = "COMMAND", conflicts_with_all = ["router", "cluster"])]
+    #[arg(long, env = "VALET_TARGET_APP", value_name = "COMMAND", conflicts_with_all = ["router", "processes"])]
     pub(crate) app: Option<String>,
 }
 
@@ -338,7 +344,7 @@ pub(crate) struct ScenarioArgs {
     #[command(flatten)]
     pub(crate) target: TargetArgs,
     /// Run with the control plane's capacity wait on, off, or both (embedded or
-    /// --cluster parts; not with --router).
+    /// --processes parts; not with --router).
     #[arg(
         long,
         env = "VALET_SCENARIO_CAPACITY_WAIT",

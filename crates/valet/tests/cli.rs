@@ -266,13 +266,13 @@ fn envoy_bootstrap_refuses_a_breaker_below_the_lot() {
 }
 
 #[test]
-fn load_cluster_flags_are_checked_before_anything_starts() {
-    let o = valet(&["load", "scenario", "parked-scale", "--cluster"], &[]);
+fn load_processes_flags_are_checked_before_anything_starts() {
+    let o = valet(&["load", "scenario", "parked-scale", "--processes"], &[]);
     assert_eq!(o.status.code(), Some(64));
     assert_eq!(
         stderr_lines(&o),
         vec![
-            "valet load: invalid configuration: --cluster: runs timeline, steady, bursts and overflow, not parked-scale"
+            "valet load: invalid configuration: --processes: runs timeline, steady, bursts and overflow, not parked-scale"
         ]
     );
     let o = valet(
@@ -280,7 +280,7 @@ fn load_cluster_flags_are_checked_before_anything_starts() {
             "load",
             "scenario",
             "overflow",
-            "--cluster",
+            "--processes",
             "--database",
             "mysql://db",
         ],
@@ -291,7 +291,7 @@ fn load_cluster_flags_are_checked_before_anything_starts() {
         stderr_lines(&o),
         vec!["valet load: invalid configuration: --database: must be a postgres:// URL"]
     );
-    // --database needs --cluster; --cluster excludes --router.
+    // --database needs --processes; --processes excludes --router.
     let o = valet(
         &[
             "load",
@@ -305,13 +305,13 @@ fn load_cluster_flags_are_checked_before_anything_starts() {
     assert_eq!(o.status.code(), Some(64));
     let lines = stderr_lines(&o);
     assert_eq!(lines.len(), 1, "{lines:?}");
-    assert!(lines[0].contains("--cluster"), "{}", lines[0]);
+    assert!(lines[0].contains("--processes"), "{}", lines[0]);
     let o = valet(
         &[
             "load",
             "scenario",
             "overflow",
-            "--cluster",
+            "--processes",
             "--router",
             "127.0.0.1:1",
             "--control-plane",
@@ -323,7 +323,7 @@ fn load_cluster_flags_are_checked_before_anything_starts() {
     let lines = stderr_lines(&o);
     assert_eq!(lines.len(), 1, "{lines:?}");
     assert!(
-        lines[0].contains("--cluster") && lines[0].contains("--router"),
+        lines[0].contains("--processes") && lines[0].contains("--router"),
         "{}",
         lines[0]
     );

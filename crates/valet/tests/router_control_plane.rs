@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::time::Instant;
-use valet_cluster::{Cluster, ClusterConfig};
 use valet_control::Plane;
+use valet_embedded::{Embedded, EmbeddedConfig};
 use valet_proto::ateapi::{self, control_client::ControlClient};
 use valet_router::{Decision, GrpcControlPlane, Metrics, Router, RouterArgs};
 
@@ -26,7 +26,7 @@ fn p1_attempt(timeout: Duration) -> valet_router::control::ResumeRequest {
 }
 
 struct Setup {
-    cluster: Cluster,
+    embedded: Embedded,
     plane: Plane,
     router: Router,
     client: ControlClient<tonic::transport::Channel>,
@@ -35,10 +35,10 @@ struct Setup {
 
 async fn setup(router_flags: &[&str]) -> Setup {
     let dir = tempfile::tempdir().unwrap();
-    let cluster = Cluster::start(ClusterConfig::counter(dir.path().join("data"), 1))
+    let embedded = Embedded::start(EmbeddedConfig::counter(dir.path().join("data"), 1))
         .await
         .unwrap();
-    let url = cluster.url();
+    let url = embedded.url();
     let mut flags = vec!["--control-plane", &url];
     flags.extend_from_slice(router_flags);
     let config = RouterArgs::try_parse_flags(flags)
@@ -72,8 +72,8 @@ async fn setup(router_flags: &[&str]) -> Setup {
         .unwrap();
     }
     Setup {
-        plane: cluster.plane.clone(),
-        cluster,
+        plane: embedded.plane.clone(),
+        embedded,
         router,
         client,
         _dir: dir,
@@ -93,7 +93,7 @@ async fn routes_parks_and_is_handed_a_freed_worker() {
     let s = setup(&[]).await;
     let d = s.router.decide(&host("p1"), deadline()).await;
     match &d {
-        Decision::Route(r) => assert_eq!(r.addr, s.cluster.workers[0].app_addr()),
+        Decision::Route(r) => assert_eq!(r.addr, s.embedded.workers[0].app_addr()),
         other => panic!("{other:?}"),
     }
 
@@ -120,7 +120,7 @@ async fn routes_parks_and_is_handed_a_freed_worker() {
         .unwrap();
     let d = parked.await.unwrap();
     assert!(
-        matches!(d, Decision::Route(ref r) if r.addr == s.cluster.workers[0].app_addr()),
+        matches!(d, Decision::Route(ref r) if r.addr == s.embedded.workers[0].app_addr()),
         "{d:?}"
     );
     assert_eq!(
@@ -137,7 +137,7 @@ async fn routes_parks_and_is_handed_a_freed_worker() {
         ),
         1.0
     );
-    s.cluster.shutdown().await;
+    s.embedded.shutdown().await;
 }
 
 #[tokio::test]
@@ -166,7 +166,7 @@ async fn budget_exhausted_and_not_found_bodies_come_from_the_control_plane() {
         (v.status().as_u16(), v.body()),
         (404, "actor demo/nope not found")
     );
-    s.cluster.shutdown().await;
+    s.embedded.shutdown().await;
 }
 
 #[tokio::test]
@@ -209,10 +209,10 @@ async fn unreachable_control_plane_is_unavailable_after_the_budget() {
 #[tokio::test]
 async fn silent_control_plane_is_unavailable_not_a_timeout() {
     let dir = tempfile::tempdir().unwrap();
-    let cluster = Cluster::start(ClusterConfig::counter(dir.path().join("data"), 1))
+    let embedded = Embedded::start(EmbeddedConfig::counter(dir.path().join("data"), 1))
         .await
         .unwrap();
-    let plane = cluster.plane.clone();
+    let plane = embedded.plane.clone();
     plane.create_atespace("demo").await.unwrap();
     for a in ["p1", "p2"] {
         let key = valet_control::ActorKey::new("demo", a).unwrap();
@@ -221,7 +221,7 @@ async fn silent_control_plane_is_unavailable_not_a_timeout() {
             .await
             .unwrap();
     }
-    let (url, drop_all) = common::netfault::blackhole_proxy(cluster.addr).await;
+    let (url, drop_all) = common::netfault::blackhole_proxy(embedded.addr).await;
     let config =
         RouterArgs::try_parse_flags(["--control-plane", &url, "--parked-request-budget", "2s"])
             .unwrap()
@@ -263,7 +263,7 @@ async fn silent_control_plane_is_unavailable_not_a_timeout() {
         ),
         1.0
     );
-    cluster.shutdown().await;
+    embedded.shutdown().await;
 }
 
 /// A control plane that takes the call and never answers gives `DeadlineExceeded`
@@ -306,7 +306,7 @@ async fn a_replica_that_answers_unavailable_is_left_for_the_next() {
         .resolve()
         .unwrap();
     let cp = GrpcControlPlane::replicas(
-        &[refusing, s.cluster.url()],
+        &[refusing, s.embedded.url()],
         config.credentials(),
         config.control_plane_ping_interval(),
     )
@@ -321,7 +321,7 @@ async fn a_replica_that_answers_unavailable_is_left_for_the_next() {
         .await
         .expect("the second attempt goes to the live replica");
     assert_eq!(second.actor.status, ateapi::actor::Status::Running as i32);
-    s.cluster.shutdown().await;
+    s.embedded.shutdown().await;
 }
 
 /// A `--control-plane` host name with several addresses (a headless Service) is a
@@ -336,7 +336,7 @@ async fn a_name_with_several_addresses_is_a_replica_per_address() {
     let s = setup(&[]).await;
     let at = |url: &str| -> SocketAddr { url.strip_prefix("http://").unwrap().parse().unwrap() };
     let refusing = at(&common::netfault::unavailable_server().await);
-    let live = at(&s.cluster.url());
+    let live = at(&s.embedded.url());
     // `.invalid` never resolves through the system's resolver.
     let cp = GrpcControlPlane::replicas(
         &["http://replicas.invalid:7070".to_owned()],
@@ -398,7 +398,7 @@ async fn a_name_with_several_addresses_is_a_replica_per_address() {
     for _ in 0..3 {
         assert_eq!(outcome(attempt().await), running);
     }
-    s.cluster.shutdown().await;
+    s.embedded.shutdown().await;
 }
 
 /// A replica pinned to an address that refuses connections (a dual-stack name whose
@@ -409,7 +409,7 @@ async fn a_pinned_address_that_refuses_falls_back_to_the_name() {
     use valet_router::ControlPlane as _;
     let s = setup(&[]).await;
     let live: std::net::SocketAddr = s
-        .cluster
+        .embedded
         .url()
         .strip_prefix("http://")
         .unwrap()
@@ -430,7 +430,7 @@ async fn a_pinned_address_that_refuses_falls_back_to_the_name() {
         .await
         .expect("served through the name");
     assert_eq!(resumed.actor.status, ateapi::actor::Status::Running as i32);
-    s.cluster.shutdown().await;
+    s.embedded.shutdown().await;
 }
 
 /// `--control-plane-ping-interval`: the router pings an idle control plane at that

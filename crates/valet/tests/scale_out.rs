@@ -927,15 +927,15 @@ async fn a_router_with_a_replica_list_is_reachable_through_any_replica() {
     .await;
 }
 
-/// Runs `valet load scenario <scenario> --cluster` (capacity wait on, a 3 s budget,
+/// Runs `valet load scenario <scenario> --processes` (capacity wait on, a 3 s budget,
 /// 10 ms restores) with its records in `out`; its output, once it succeeded.
-async fn cluster_scenario(scenario: &str, out: &std::path::Path) -> String {
+async fn processes_scenario(scenario: &str, out: &std::path::Path) -> String {
     let run = tokio::process::Command::new(env!("CARGO_BIN_EXE_valet"))
         .args([
             "load",
             "scenario",
             scenario,
-            "--cluster",
+            "--processes",
             "--capacity-wait",
             "on",
             "--budget",
@@ -961,16 +961,16 @@ async fn cluster_scenario(scenario: &str, out: &std::path::Path) -> String {
     stdout
 }
 
-/// `valet load scenario overflow --cluster`: two replicas on a throwaway PostgreSQL,
+/// `valet load scenario overflow --processes`: two replicas on a throwaway PostgreSQL,
 /// both serving (started by the scenario), 16 workers and two routers, all processes; requests alternate between the
 /// routers. The first burst's counts match the single-process run (14 of 32 served,
 /// 18 × 503 into 14 free places); more are served once 16 are freed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_overflow_scenario_runs_on_a_cluster_of_processes() {
+async fn the_overflow_scenario_runs_on_processes() {
     let out = tempfile::tempdir().unwrap();
-    let stdout = cluster_scenario("overflow", out.path()).await;
+    let stdout = processes_scenario("overflow", out.path()).await;
     assert!(
-        stdout.contains("cluster: 16 workers; replicas "),
+        stdout.contains("processes: 16 workers; replicas "),
         "{stdout}"
     );
     assert!(stdout.contains("throwaway PostgreSQL"), "{stdout}");
@@ -1000,19 +1000,19 @@ async fn the_overflow_scenario_runs_on_a_cluster_of_processes() {
     assert_eq!(counts, ["34", "34"], "{stdout}");
     assert!(
         out.path()
-            .join("overflow-cluster-capacity-wait-on.csv")
+            .join("overflow-processes-capacity-wait-on.csv")
             .exists()
     );
 }
 
-/// `valet load scenario timeline --cluster`: the same processes with two workers;
+/// `valet load scenario timeline --processes`: the same processes with two workers;
 /// the full pool's nine requests get 503 at their budget, the parked one is served
 /// once a worker is freed, and requests went through both routers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_timeline_scenario_runs_on_a_cluster_of_processes() {
+async fn the_timeline_scenario_runs_on_processes() {
     let out = tempfile::tempdir().unwrap();
-    let stdout = cluster_scenario("timeline", out.path()).await;
-    assert!(stdout.contains("cluster: 2 workers; replicas "), "{stdout}");
+    let stdout = processes_scenario("timeline", out.path()).await;
+    assert!(stdout.contains("processes: 2 workers; replicas "), "{stdout}");
     assert!(stdout.contains("(all active)"), "{stdout}");
     assert!(stdout.contains("full pool: 9 returned 503"), "{stdout}");
     let served = stdout.lines().any(|l| {
@@ -1035,7 +1035,7 @@ async fn the_timeline_scenario_runs_on_a_cluster_of_processes() {
     );
     assert!(
         out.path()
-            .join("timeline-cluster-capacity-wait-on.csv")
+            .join("timeline-processes-capacity-wait-on.csv")
             .exists()
     );
 }

@@ -180,7 +180,7 @@ impl State {
             .queues
             .get(pool)
             .is_some_and(|q| q.iter().any(Waiter::is_live))
-            || self.cluster.queued_in(pool)
+            || self.replicas.queued_in(pool)
         {
             return None;
         }
@@ -242,7 +242,7 @@ impl Plane {
     /// stays free. Call only after the change that freed it is durable, and never with
     /// the state lock held.
     pub(crate) fn hand_off(&self, worker: &str) {
-        if self.cluster().is_some() {
+        if self.replica_store().is_some() {
             self.offer(worker);
             return;
         }
@@ -295,7 +295,7 @@ impl Plane {
     pub(crate) fn dequeue(&self, seq: i64) {
         // By the task that writes the queue, after this replica's earlier changes of it.
         if let Some(queue) = &self.inner.queue_writes {
-            self.lock().cluster.waiting.remove(&seq);
+            self.lock().replicas.waiting.remove(&seq);
             let _ = queue.send(super::replicas::QueueWrite::Delete { seq });
         }
     }

@@ -608,7 +608,7 @@ impl Plane {
                     || row
                         .worker
                         .as_ref()
-                        .is_some_and(|w| st.cluster.attached_elsewhere(w))
+                        .is_some_and(|w| st.replicas.attached_elsewhere(w))
                 {
                     return Err(aborted());
                 }

@@ -60,7 +60,7 @@ impl Unrecorded {
 
 impl Drop for Unrecorded {
     fn drop(&mut self) {
-        let (Some(attach), Some(store)) = (self.attach, self.plane.cluster().cloned()) else {
+        let (Some(attach), Some(store)) = (self.attach, self.plane.replica_store().cloned()) else {
             return;
         };
         // Leaving altogether: its leaving takes every attachment of it out.
@@ -128,7 +128,7 @@ impl Plane {
         join: &wk::Join,
         link: Arc<WorkerLink>,
     ) -> Result<bool, Status> {
-        let Some(store) = self.cluster().cloned() else {
+        let Some(store) = self.replica_store().cloned() else {
             return self.worker_joined(join, link);
         };
         if self.is_shutting_down() {
@@ -139,7 +139,7 @@ impl Plane {
         // the attachment is written (a release built from it elsewhere then fails).
         self.refuse_duplicate(&self.lock(), join)?;
         let keep = hosting;
-        let row = crate::cluster::WorkerRow {
+        let row = crate::replica_store::WorkerRow {
             id: join.worker_id.clone(),
             pool: join.pool.clone(),
             app_address: join.app_address.clone(),
@@ -272,7 +272,7 @@ impl Plane {
             let mut st = self.lock();
             self.refuse_duplicate(&st, join)?;
             // Attached here now (several replicas): not another replica's any more.
-            st.cluster.workers.remove(&id);
+            st.replicas.workers.remove(&id);
             let previous = st.workers.remove(&id);
             // Back: what it hosts is decided below, not by a lease running out.
             let reserved = st.departed.remove(&id).and_then(|d| d.reserved);
@@ -550,7 +550,7 @@ impl Plane {
     /// when there is nothing to do again (one control plane, shutting down, or the
     /// database not answering).
     async fn releases_still_due(&self, rows: &[ActorRow]) -> Option<Vec<ActorRow>> {
-        let store = self.cluster()?.clone();
+        let store = self.replica_store()?.clone();
         if self.is_shutting_down() {
             return None;
         }
@@ -599,7 +599,7 @@ impl Plane {
             }
             tracing::info!(worker, pool = %rec.pool, "worker draining: checkpointing its actor, giving it no new one");
         }
-        if let Some(store) = self.cluster().cloned() {
+        if let Some(store) = self.replica_store().cloned() {
             let worker = worker.to_owned();
             self.inner.followers.spawn(async move {
                 if let Err(e) = store.worker_leaving(&worker).await {
@@ -729,7 +729,7 @@ impl Plane {
                 return;
             }
             let rec = st.workers.remove(worker).expect("checked above");
-            if let Some(store) = self.cluster().cloned() {
+            if let Some(store) = self.replica_store().cloned() {
                 let (worker, attach) = (worker.to_owned(), rec.attach);
                 self.inner.followers.spawn(async move {
                     if let Err(e) = store.detach_worker(&worker, attach).await {
@@ -834,7 +834,7 @@ impl Plane {
         let st = self.lock();
         // Attached to another replica: that one decides what it hosts (its attach
         // evicted what the records do not place on it).
-        if st.cluster.attached_elsewhere(worker) {
+        if st.replicas.attached_elsewhere(worker) {
             return None;
         }
         match (st.workers.get(worker), st.departed.get(worker)) {
@@ -896,7 +896,7 @@ impl Plane {
     fn attached(&self, worker: &str) -> bool {
         let st = self.lock();
         st.workers.get(worker).is_some_and(|w| !w.link.is_closed())
-            || st.cluster.attached_elsewhere(worker)
+            || st.replicas.attached_elsewhere(worker)
     }
 
     /// Releases `key`, whose worker left, once the worker must have fenced it (see
@@ -912,7 +912,7 @@ impl Plane {
             // left again (that departure's release decides).
             let gone = |st: &State| {
                 let back =
-                    st.workers.contains_key(&worker) || st.cluster.attached_elsewhere(&worker);
+                    st.workers.contains_key(&worker) || st.replicas.attached_elsewhere(&worker);
                 let superseded = st
                     .departed
                     .get(&worker)
@@ -1014,7 +1014,7 @@ impl Plane {
                             && !r.worker.as_ref().is_some_and(|w| {
                                 st.workers.contains_key(w)
                                     || st.departed.contains_key(w)
-                                    || st.cluster.attached_elsewhere(w)
+                                    || st.replicas.attached_elsewhere(w)
                             })
                     })
                     .map(|(_, r)| r.clone())
@@ -1068,10 +1068,10 @@ impl Plane {
         });
         // Those attached to other replicas, with the actor the records place there.
         let remote = st
-            .cluster
+            .replicas
             .workers
             .iter()
-            .filter(|(_, w)| st.cluster.live.contains(&w.replica))
+            .filter(|(_, w)| st.replicas.live.contains(&w.replica))
             .map(|(id, w)| {
                 let actor = st
                     .actors

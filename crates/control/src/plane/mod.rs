@@ -261,7 +261,7 @@ pub(crate) struct State {
     /// stream) instead of evicting it with everything it did since its last snapshot.
     pub(crate) awaiting_worker: std::collections::HashSet<ActorKey>,
     /// Several replicas on one database: what this one knows of the others.
-    pub(crate) cluster: replicas::Known,
+    pub(crate) replicas: replicas::Known,
 }
 
 impl State {
@@ -284,14 +284,14 @@ impl State {
         match self.workers.get(worker) {
             Some(w) => w.last_renewal.elapsed() < hosting_lease / 2,
             // Attached to another live replica, which renews its hosting.
-            None => self.cluster.attached_elsewhere(worker),
+            None => self.replicas.attached_elsewhere(worker),
         }
     }
 
     /// Whether another live replica's operation holds `row` (several replicas).
     pub(crate) fn held_elsewhere(&self, row: &ActorRow) -> bool {
         row.op_replica
-            .is_some_and(|r| Some(r) != self.cluster.me && self.cluster.live.contains(&r))
+            .is_some_and(|r| Some(r) != self.replicas.me && self.replicas.live.contains(&r))
     }
 
     pub(crate) fn busy(&self, key: &ActorKey) -> Option<&OpKind> {
@@ -306,7 +306,7 @@ impl State {
             self.workers
                 .get(id)
                 .map(|w| w.app_addr)
-                .or_else(|| self.cluster.remote_address(id))
+                .or_else(|| self.replicas.remote_address(id))
                 .map(|addr| (id, addr))
         });
         let running = row.status == ActorStatus::Running;
@@ -355,7 +355,7 @@ impl State {
     /// worker slots follow actor rows.
     fn apply(&mut self, batch: &Batch) -> Vec<String> {
         let mut freed = Vec::new();
-        self.cluster.written(batch);
+        self.replicas.written(batch);
         for name in &batch.put_atespaces {
             self.atespaces.insert(name.clone());
         }
@@ -450,7 +450,7 @@ pub(crate) struct Inner {
     /// renewal before the start).
     workers_unknown_until: tokio::time::Instant,
     /// Several replicas on one database: the store they share.
-    cluster: Option<Arc<crate::cluster::ClusterStore>>,
+    replicas: Option<Arc<crate::replica_store::ReplicaStore>>,
     /// Several replicas: this replica's waiters to write into the queue they share,
     /// in order.
     queue_writes: Option<tokio::sync::mpsc::UnboundedSender<replicas::QueueWrite>>,
@@ -491,8 +491,8 @@ impl Plane {
     ///
     /// # Errors
     /// When the store cannot be read or written.
-    pub async fn open_cluster(
-        store: Arc<crate::cluster::ClusterStore>,
+    pub async fn open_replica(
+        store: Arc<crate::replica_store::ReplicaStore>,
         config: PlaneConfig,
     ) -> Result<Self, StoreError> {
         Self::open_with(Arc::clone(&store) as Arc<dyn Store>, config, Some(store)).await
@@ -501,10 +501,10 @@ impl Plane {
     async fn open_with(
         store: Arc<dyn Store>,
         config: PlaneConfig,
-        cluster: Option<Arc<crate::cluster::ClusterStore>>,
+        replica_store: Option<Arc<crate::replica_store::ReplicaStore>>,
     ) -> Result<Self, StoreError> {
         // The others first: an actor another live replica holds is not half-way.
-        let (known, events) = match &cluster {
+        let (known, events) = match &replica_store {
             Some(c) => {
                 let events = c.events();
                 (replicas::Known::read(c).await?, events)
@@ -560,7 +560,7 @@ impl Plane {
         };
         let mut state = State {
             atespaces: loaded.atespaces.into_iter().collect(),
-            cluster: known,
+            replicas: known,
             ..State::default()
         };
         let mut half_way = 0;
@@ -598,7 +598,7 @@ impl Plane {
                 unsettled: tokio::sync::Notify::new(),
                 leases_unknown_until,
                 workers_unknown_until,
-                cluster,
+                replicas: replica_store,
                 queue_writes,
             }),
         };
@@ -622,7 +622,7 @@ impl Plane {
         }
         plane.spawn_policies();
         if let (Some(events), Some(writes)) = (events, writes) {
-            plane.spawn_cluster(events, writes);
+            plane.spawn_replicas(events, writes);
         }
         Ok(plane)
     }

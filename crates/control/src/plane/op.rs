@@ -134,8 +134,8 @@ impl Drop for Op {
             // another replica) while this operation held it; a free worker here is
             // offered again.
             match &self.target {
-                OpTarget::Actor(k) if st.cluster.queued(k) => {
-                    st.cluster.waiters_seen += 1;
+                OpTarget::Actor(k) if st.replicas.queued(k) => {
+                    st.replicas.waiters_seen += 1;
                     st.actors.get(k).map(|r| r.pool.clone())
                 }
                 _ => None,

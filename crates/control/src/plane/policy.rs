@@ -171,7 +171,7 @@ impl Plane {
                     .as_ref()
                     .and_then(|w| st.workers.get(w))
                     .is_some_and(|w| !w.link.is_closed());
-                if st.cluster.me.is_some() && !here {
+                if st.replicas.me.is_some() && !here {
                     continue;
                 }
                 let Some(a) = st.activity.get(key) else {
@@ -257,7 +257,7 @@ impl Plane {
             // Several replicas: an eviction serves one waiter, claimed in the queue
             // they share, so that two replicas never evict for the same one (a
             // router that polls instead of waiting is this replica's own demand).
-            let claimed = match (why, plane.cluster()) {
+            let claimed = match (why, plane.replica_store()) {
                 (Why::Evict, Some(store)) => match store.claim_eviction(&pool).await {
                     Ok(Some(seq)) => Some((std::sync::Arc::clone(store), seq)),
                     Ok(None) if plane.lock().refused_demand(&pool) > 0 => None,
@@ -295,7 +295,7 @@ impl Plane {
                 if let Err(e) = store.release_eviction(seq).await {
                     tracing::debug!(seq, error = %e, "could not release an eviction's claim");
                 }
-                if let Some(w) = plane.lock().cluster.waiting.get_mut(&seq) {
+                if let Some(w) = plane.lock().replicas.waiting.get_mut(&seq) {
                     w.evicting = None;
                 }
             }
@@ -308,7 +308,7 @@ impl super::State {
     /// How many more actors of `pool` to evict now: the distinct actors waiting for it
     /// (queued, or refused lately), less its free workers and the workers being freed.
     fn eviction_demand(&self, pool: &str) -> usize {
-        if self.cluster.me.is_some() {
+        if self.replicas.me.is_some() {
             return self.shared_eviction_demand(pool);
         }
         let mut waiting: BTreeSet<&ActorKey> = self
@@ -367,7 +367,7 @@ impl super::State {
     /// free.
     fn shared_eviction_demand(&self, pool: &str) -> usize {
         let mut waiting: BTreeSet<&ActorKey> = self
-            .cluster
+            .replicas
             .waiting
             .values()
             .filter(|w| w.pool == pool && w.evicting.is_none())

@@ -26,8 +26,8 @@ use super::capacity::Handed;
 use super::membership::Departure;
 use super::op::CapacityWait;
 use super::{Op, OpKind, OpTarget, Outcome, Plane, Slot, crashed, not_found, shutting_down};
-use crate::cluster::{Answer, ClusterStore, Event, HandOff, QueueOp, WaiterRow, WorkerRow};
 use crate::model::{ActorKey, ActorStatus};
+use crate::replica_store::{Answer, Event, HandOff, QueueOp, ReplicaStore, WaiterRow, WorkerRow};
 use crate::store::{ActorRow, Batch, StoreError};
 
 /// How long a resume that may not wait queues all the same when another replica
@@ -101,9 +101,9 @@ struct Reading {
 impl Reading {
     fn start(plane: &Plane) -> Self {
         let mut st = plane.lock();
-        st.cluster.next_read += 1;
-        let id = st.cluster.next_read;
-        st.cluster.reads.insert(id, Touched::default());
+        st.replicas.next_read += 1;
+        let id = st.replicas.next_read;
+        st.replicas.reads.insert(id, Touched::default());
         Self {
             plane: plane.clone(),
             id,
@@ -113,7 +113,7 @@ impl Reading {
 
 impl Drop for Reading {
     fn drop(&mut self) {
-        self.plane.lock().cluster.reads.remove(&self.id);
+        self.plane.lock().replicas.reads.remove(&self.id);
     }
 }
 
@@ -126,7 +126,7 @@ pub(crate) struct Writing {
 
 impl Writing {
     pub(crate) fn start(plane: &Plane, batch: &Batch) -> Option<Self> {
-        plane.inner.cluster.as_ref()?;
+        plane.inner.replicas.as_ref()?;
         let keys: Vec<ActorKey> = batch
             .put_actors
             .iter()
@@ -135,7 +135,7 @@ impl Writing {
             .collect();
         let mut st = plane.lock();
         for k in &keys {
-            *st.cluster.writing.entry(k.clone()).or_default() += 1;
+            *st.replicas.writing.entry(k.clone()).or_default() += 1;
         }
         Some(Self {
             plane: plane.clone(),
@@ -150,11 +150,11 @@ impl Drop for Writing {
             let mut st = self.plane.lock();
             let mut again = Vec::new();
             for k in &self.keys {
-                if let Some(n) = st.cluster.writing.get_mut(k) {
+                if let Some(n) = st.replicas.writing.get_mut(k) {
                     *n -= 1;
                     if *n == 0 {
-                        st.cluster.writing.remove(k);
-                        if st.cluster.skipped.remove(k) {
+                        st.replicas.writing.remove(k);
+                        if st.replicas.skipped.remove(k) {
                             again.push(k.clone());
                         }
                     }
@@ -173,7 +173,7 @@ impl Drop for Writing {
 
 impl Known {
     /// The others as recorded now, for a replica that starts.
-    pub(super) async fn read(store: &ClusterStore) -> Result<Self, StoreError> {
+    pub(super) async fn read(store: &ReplicaStore) -> Result<Self, StoreError> {
         let view = store.view().await?;
         let me = store.replica();
         let waiting = view.waiting_by_seq();
@@ -234,10 +234,10 @@ impl super::State {
     /// How many workers of `pool` seem free on other live replicas.
     pub(crate) fn free_elsewhere_count(&self, pool: &str) -> usize {
         let candidates: Vec<&str> = self
-            .cluster
+            .replicas
             .workers
             .values()
-            .filter(|w| w.pool == pool && !w.leaving && self.cluster.live.contains(&w.replica))
+            .filter(|w| w.pool == pool && !w.leaving && self.replicas.live.contains(&w.replica))
             .map(|w| w.id.as_str())
             .collect();
         if candidates.is_empty() {
@@ -252,7 +252,7 @@ impl super::State {
     }
 }
 
-impl crate::cluster::View {
+impl crate::replica_store::View {
     fn waiting_by_seq(&self) -> BTreeMap<i64, WaiterRow> {
         self.waiters.iter().map(|w| (w.seq, w.clone())).collect()
     }
@@ -307,13 +307,13 @@ pub(crate) enum QueueWrite {
 
 impl Plane {
     /// The store the replicas share, with several replicas on one database.
-    pub(super) fn cluster(&self) -> Option<&Arc<ClusterStore>> {
-        self.inner.cluster.as_ref()
+    pub(super) fn replica_store(&self) -> Option<&Arc<ReplicaStore>> {
+        self.inner.replicas.as_ref()
     }
 
     /// Follows the other replicas' announcements, and declares silent ones dead,
     /// until the plane stops.
-    pub(super) fn spawn_cluster(
+    pub(super) fn spawn_replicas(
         &self,
         events: mpsc::Receiver<Event>,
         writes: mpsc::UnboundedReceiver<QueueWrite>,
@@ -333,7 +333,7 @@ impl Plane {
     }
 
     async fn follow(&self, mut events: mpsc::Receiver<Event>) {
-        let Some(store) = self.cluster().cloned() else {
+        let Some(store) = self.replica_store().cloned() else {
             return;
         };
         let mut backoff = super::store_backoff();
@@ -377,7 +377,7 @@ impl Plane {
     /// finds the claim in memory (the claim's announcement comes first).
     async fn apply_events(
         &self,
-        store: &Arc<ClusterStore>,
+        store: &Arc<ReplicaStore>,
         batch: Vec<Event>,
     ) -> Result<(), StoreError> {
         let me = store.replica();
@@ -428,15 +428,15 @@ impl Plane {
                 Event::Evicting { seq, by } => {
                     {
                         let mut st = self.lock();
-                        if let Some(w) = st.cluster.waiting.get_mut(&seq) {
+                        if let Some(w) = st.replicas.waiting.get_mut(&seq) {
                             w.evicting = by;
                         }
-                        st.cluster.waiters_seen += 1;
+                        st.replicas.waiters_seen += 1;
                     }
                     self.wake_policies();
                 }
                 Event::Replica { id, dead: false } => {
-                    self.lock().cluster.live.insert(id);
+                    self.lock().replicas.live.insert(id);
                 }
                 Event::Replica { id, dead: true } => self.replica_died(id),
                 Event::Forward { target, .. } if target == me => self.spawn_forwarded(),
@@ -464,7 +464,7 @@ impl Plane {
     ) {
         let (freed, evict) = {
             let mut st = self.lock();
-            let touched = st.cluster.reads.remove(&reading.id).unwrap_or_default();
+            let touched = st.replicas.reads.remove(&reading.id).unwrap_or_default();
             let mut freed = Vec::new();
             let mut evict = Vec::new();
             let mut seen = HashSet::new();
@@ -475,8 +475,8 @@ impl Plane {
                 if touched.actors.contains(&key) {
                     continue;
                 }
-                if st.cluster.writing.contains_key(&key) {
-                    st.cluster.skipped.insert(key);
+                if st.replicas.writing.contains_key(&key) {
+                    st.replicas.skipped.insert(key);
                     continue;
                 }
                 let cached = st.actors.get(&key);
@@ -513,7 +513,7 @@ impl Plane {
                     .filter(|k| {
                         !seen.contains(*k)
                             && !touched.actors.contains(*k)
-                            && !st.cluster.writing.contains_key(*k)
+                            && !st.replicas.writing.contains_key(*k)
                     })
                     .cloned()
                     .collect();
@@ -546,10 +546,10 @@ impl Plane {
     fn apply_worker(&self, id: &str, row: Option<WorkerRow>) {
         let moved = {
             let mut st = self.lock();
-            let me = st.cluster.me;
+            let me = st.replicas.me;
             match row {
                 Some(r) if Some(r.replica) == me => {
-                    st.cluster.workers.remove(id);
+                    st.replicas.workers.remove(id);
                     None
                 }
                 // A read older than what is known (an attachment here, or elsewhere,
@@ -557,7 +557,7 @@ impl Plane {
                 Some(r)
                     if st.workers.get(id).is_some_and(|w| w.attach >= r.attach)
                         || st
-                            .cluster
+                            .replicas
                             .workers
                             .get(id)
                             .is_some_and(|w| w.attach > r.attach) =>
@@ -566,7 +566,7 @@ impl Plane {
                 }
                 Some(r) => {
                     let pool = r.pool.clone();
-                    st.cluster.workers.insert(id.to_owned(), r);
+                    st.replicas.workers.insert(id.to_owned(), r);
                     // It attached to another replica after it attached here: its
                     // stream here is stale. Its actor went with it, so it leaves here
                     // without a departure, and what it did here is that replica's now.
@@ -586,7 +586,7 @@ impl Plane {
                     moved
                 }
                 None => {
-                    st.cluster.workers.remove(id);
+                    st.replicas.workers.remove(id);
                     None
                 }
             }
@@ -604,10 +604,10 @@ impl Plane {
         let pool = row.pool.clone();
         {
             let mut st = self.lock();
-            st.cluster.waiters_seen += 1;
-            let seen = st.cluster.waiters_seen;
-            st.cluster.added.insert(row.seq, seen);
-            st.cluster.waiting.insert(row.seq, row);
+            st.replicas.waiters_seen += 1;
+            let seen = st.replicas.waiters_seen;
+            st.replicas.added.insert(row.seq, seen);
+            st.replicas.waiting.insert(row.seq, row);
         }
         self.offer_free(&pool);
         self.wake_policies();
@@ -634,9 +634,9 @@ impl Plane {
     fn waiter_gone(&self, seq: i64, actor: &ActorKey, pool: &str, handed_by: Option<i64>) {
         let waiter = {
             let mut st = self.lock();
-            st.cluster.waiting.remove(&seq);
-            st.cluster.added.remove(&seq);
-            if handed_by.is_some() && handed_by == st.cluster.me {
+            st.replicas.waiting.remove(&seq);
+            st.replicas.added.remove(&seq);
+            if handed_by.is_some() && handed_by == st.replicas.me {
                 None
             } else {
                 st.queues
@@ -670,14 +670,14 @@ impl Plane {
         let lease = self.config().hosting_lease;
         let orphans = {
             let mut st = self.lock();
-            if !st.cluster.live.remove(&id) {
+            if !st.replicas.live.remove(&id) {
                 return;
             }
-            st.cluster.waiting.retain(|_, w| w.replica != id);
-            let known = &mut st.cluster;
+            st.replicas.waiting.retain(|_, w| w.replica != id);
+            let known = &mut st.replicas;
             known.added.retain(|seq, _| known.waiting.contains_key(seq));
             let workers: Vec<WorkerRow> = st
-                .cluster
+                .replicas
                 .workers
                 .values()
                 .filter(|w| w.replica == id)
@@ -685,7 +685,7 @@ impl Plane {
                 .collect();
             let mut orphans = Vec::new();
             for w in workers {
-                st.cluster.workers.remove(&w.id);
+                st.replicas.workers.remove(&w.id);
                 let Ok(app) = w.app_address.parse() else {
                     continue;
                 };
@@ -727,10 +727,10 @@ impl Plane {
         self.wake_policies();
     }
 
-    /// Declares replicas silent for [`crate::cluster::DEAD_AFTER`] dead, every
+    /// Declares replicas silent for [`crate::replica_store::DEAD_AFTER`] dead, every
     /// heartbeat, until the plane stops.
     async fn watch_replicas(&self) {
-        let Some(store) = self.cluster().cloned() else {
+        let Some(store) = self.replica_store().cloned() else {
             return;
         };
         let mut tick = tokio::time::interval(crate::postgres::HEARTBEAT);
@@ -747,7 +747,7 @@ impl Plane {
                 match store.declare_dead(id, false).await {
                     Ok(true) => tracing::warn!(
                         replica = id,
-                        after = ?crate::cluster::DEAD_AFTER,
+                        after = ?crate::replica_store::DEAD_AFTER,
                         "declared a silent replica dead"
                     ),
                     Ok(false) => {}
@@ -761,7 +761,7 @@ impl Plane {
 
     /// Reads everything again (after a reconnect, or having fallen behind) and makes
     /// memory agree with it.
-    async fn resync(&self, store: &Arc<ClusterStore>) -> Result<(), StoreError> {
+    async fn resync(&self, store: &Arc<ReplicaStore>) -> Result<(), StoreError> {
         let reading = Reading::start(self);
         let (view, atespaces, actors) = store.snapshot().await?;
         let rows = actors.into_iter().map(|r| (r.key(), Some(r))).collect();
@@ -770,10 +770,10 @@ impl Plane {
         let (died, pools, moved) = {
             let mut st = self.lock();
             let live: BTreeSet<i64> = view.live.iter().copied().chain([me]).collect();
-            let died: Vec<i64> = st.cluster.live.difference(&live).copied().collect();
-            st.cluster.live.extend(live);
-            st.cluster.waiting = view.waiting_by_seq();
-            let known = &mut st.cluster;
+            let died: Vec<i64> = st.replicas.live.difference(&live).copied().collect();
+            st.replicas.live.extend(live);
+            st.replicas.waiting = view.waiting_by_seq();
+            let known = &mut st.replicas;
             known.added.retain(|seq, _| known.waiting.contains_key(seq));
             // Waiters of this replica whose rows went while it did not listen.
             let mut vanished = Vec::new();
@@ -791,7 +791,7 @@ impl Plane {
                 }
             }
             let pools: BTreeSet<String> = st
-                .cluster
+                .replicas
                 .waiting
                 .values()
                 .map(|w| w.pool.clone())
@@ -824,7 +824,7 @@ impl Plane {
         {
             let mut st = self.lock();
             let attached: HashSet<&str> = view.workers.iter().map(|w| w.id.as_str()).collect();
-            st.cluster
+            st.replicas
                 .workers
                 .retain(|id, _| attached.contains(id.as_str()));
         }
@@ -836,7 +836,7 @@ impl Plane {
             self.offer_free(&pool);
         }
         self.spawn_forwarded();
-        let waiting: Vec<i64> = self.lock().cluster.forwards.keys().copied().collect();
+        let waiting: Vec<i64> = self.lock().replicas.forwards.keys().copied().collect();
         for id in waiting {
             self.spawn_answer(id);
         }
@@ -851,7 +851,7 @@ impl Plane {
     /// handed [`Handed::Elsewhere`]; one whose resume left meanwhile has its row taken
     /// out.
     async fn write_queue(&self, mut writes: mpsc::UnboundedReceiver<QueueWrite>) {
-        let Some(store) = self.cluster().cloned() else {
+        let Some(store) = self.replica_store().cloned() else {
             return;
         };
         loop {
@@ -955,7 +955,7 @@ impl Plane {
 
     /// Carries out the suspends forwarded to this replica not answered yet.
     fn spawn_forwarded(&self) {
-        let Some(store) = self.cluster().cloned() else {
+        let Some(store) = self.replica_store().cloned() else {
             return;
         };
         let plane = self.clone();
@@ -968,7 +968,7 @@ impl Plane {
                 }
             };
             for (id, key) in pending {
-                if !plane.lock().cluster.executing.insert(id) {
+                if !plane.lock().replicas.executing.insert(id) {
                     continue;
                 }
                 let (plane, store) = (plane.clone(), Arc::clone(&store));
@@ -981,11 +981,11 @@ impl Plane {
                                 // Kept a while: a listing read before the answer was
                                 // written may name it still.
                                 let mut st = plane.lock();
-                                st.cluster.carried_out.push_back(id);
-                                if st.cluster.carried_out.len() > CARRIED_OUT_KEPT
-                                    && let Some(old) = st.cluster.carried_out.pop_front()
+                                st.replicas.carried_out.push_back(id);
+                                if st.replicas.carried_out.len() > CARRIED_OUT_KEPT
+                                    && let Some(old) = st.replicas.carried_out.pop_front()
                                 {
-                                    st.cluster.executing.remove(&old);
+                                    st.replicas.executing.remove(&old);
                                 }
                                 return;
                             }
@@ -1005,20 +1005,20 @@ impl Plane {
     /// Takes the answer of this replica's forwarded suspend `id` and hands it to the
     /// call waiting for it.
     fn spawn_answer(&self, id: i64) {
-        let Some(store) = self.cluster().cloned() else {
+        let Some(store) = self.replica_store().cloned() else {
             return;
         };
         let plane = self.clone();
         self.inner.followers.spawn(async move {
             if let Ok(Some(answer)) = store.take_answer(id).await {
                 let mut st = plane.lock();
-                match st.cluster.forwards.remove(&id) {
+                match st.replicas.forwards.remove(&id) {
                     Some(tx) => {
                         let _ = tx.send(answer);
                     }
                     // Its caller has not waited yet: it finds the answer here.
                     None => {
-                        st.cluster.answers.insert(id, answer);
+                        st.replicas.answers.insert(id, answer);
                     }
                 }
             }
@@ -1033,7 +1033,7 @@ impl Plane {
         replica: i64,
         key: &ActorKey,
     ) -> Result<ateapi::Actor, Status> {
-        let Some(store) = self.cluster().cloned() else {
+        let Some(store) = self.replica_store().cloned() else {
             return Err(Status::internal("forwarding needs several replicas"));
         };
         let id = store
@@ -1044,10 +1044,10 @@ impl Plane {
         {
             let mut st = self.lock();
             // Its answer may have come before the wait was registered.
-            if let Some(answer) = st.cluster.answers.remove(&id) {
+            if let Some(answer) = st.replicas.answers.remove(&id) {
                 return decode(answer);
             }
-            st.cluster.forwards.insert(id, tx);
+            st.replicas.forwards.insert(id, tx);
         }
         self.spawn_answer(id);
         let within = self.config().checkpoint_timeout + MARGIN;
@@ -1058,8 +1058,8 @@ impl Plane {
         };
         {
             let mut st = self.lock();
-            st.cluster.forwards.remove(&id);
-            st.cluster.answers.remove(&id);
+            st.replicas.forwards.remove(&id);
+            st.replicas.answers.remove(&id);
         }
         match answer {
             Some(a) => decode(a),
@@ -1078,7 +1078,7 @@ impl Plane {
     /// it. Nobody waiting: it is free again (and offered again if a waiter came
     /// meanwhile).
     pub(super) fn offer(&self, worker: &str) {
-        let Some(store) = self.cluster().cloned() else {
+        let Some(store) = self.replica_store().cloned() else {
             return;
         };
         // Stopping: it claims no other replica's waiter any more.
@@ -1088,7 +1088,7 @@ impl Plane {
         let pool = {
             let mut st = self.lock();
             let queued = |st: &super::State, pool: &str| {
-                st.cluster.queued_in(pool)
+                st.replicas.queued_in(pool)
                     || st
                         .queues
                         .get(pool)
@@ -1113,7 +1113,7 @@ impl Plane {
         });
     }
 
-    async fn offer_to_queue(&self, store: &ClusterStore, worker: &str, pool: &str) {
+    async fn offer_to_queue(&self, store: &ReplicaStore, worker: &str, pool: &str) {
         loop {
             let plane = self.clone();
             let take = move |key: &ActorKey| {
@@ -1131,7 +1131,7 @@ impl Plane {
                     )
                 })
             };
-            let seen = self.lock().cluster.waiters_seen;
+            let seen = self.lock().replicas.waiters_seen;
             let handed = store.hand_off(pool, worker, take).await;
             /// What to do once the state lock is released.
             enum Then {
@@ -1152,7 +1152,7 @@ impl Plane {
                     Ok(HandOff::Nobody(present)) => {
                         // The pool's waiters memory lists that the database no longer
                         // has (heard before this offer) are gone.
-                        let known = &mut st.cluster;
+                        let known = &mut st.replicas;
                         let added = &known.added;
                         known.waiting.retain(|seq, w| {
                             w.pool != pool
@@ -1162,7 +1162,7 @@ impl Plane {
                         known.added.retain(|seq, _| known.waiting.contains_key(seq));
                         if !offered {
                             Then::Done
-                        } else if st.cluster.waiters_seen != seen {
+                        } else if st.replicas.waiters_seen != seen {
                             // A waiter came meanwhile: it is offered the worker too.
                             Then::Again
                         } else {
@@ -1301,7 +1301,7 @@ impl Plane {
                             (Some(done(Ok((st.to_proto(r), true)))), false)
                         }
                         ActorStatus::Crashed => (Some(done(Err(crashed()))), false),
-                        ActorStatus::Suspended if st.cluster.queued(key) => {
+                        ActorStatus::Suspended if st.replicas.queued(key) => {
                             announced_by = None;
                             (None, true)
                         }
@@ -1364,7 +1364,7 @@ impl Plane {
 
     /// Reads the records `batch` wrote again (another replica changed one of them).
     pub(super) fn refresh(&self, batch: &Batch) {
-        let Some(store) = self.cluster().cloned() else {
+        let Some(store) = self.replica_store().cloned() else {
             return;
         };
         let keys: Vec<ActorKey> = batch
@@ -1385,7 +1385,7 @@ impl Plane {
     /// Reads `keys` (and the atespaces, with `atespaces`) again and applies them.
     async fn read_again(
         &self,
-        store: &ClusterStore,
+        store: &ReplicaStore,
         keys: &[ActorKey],
         atespaces: bool,
     ) -> Result<(), StoreError> {
@@ -1410,10 +1410,10 @@ impl Plane {
     /// The replica `worker` is attached to, when it is another live one.
     pub(super) fn replica_of(&self, worker: &str) -> Option<i64> {
         let st = self.lock();
-        st.cluster
+        st.replicas
             .workers
             .get(worker)
             .map(|w| w.replica)
-            .filter(|r| st.cluster.live.contains(r))
+            .filter(|r| st.replicas.live.contains(r))
     }
 }

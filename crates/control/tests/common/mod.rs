@@ -53,12 +53,12 @@ pub async fn system_with(workers: usize, config: PlaneConfig, restore_delay: Dur
     log_if_asked();
     let dir = tempfile::tempdir().unwrap();
     // On PostgreSQL, as one of the replicas that serve together (`valet
-    // control-plane --database`'s default): a cluster of one.
+    // control-plane --database`'s default): replicas of one.
     let (plane, postgres) = match std::env::var("VALET_TEST_STORE").as_deref() {
         Ok("postgres") => {
             let pg = valet_control::tempdb::TempPostgres::start_async().await;
-            let store = valet_control::ClusterStore::join(&pg.url()).await.unwrap();
-            let plane = Plane::open_cluster(std::sync::Arc::new(store), config)
+            let store = valet_control::ReplicaStore::join(&pg.url()).await.unwrap();
+            let plane = Plane::open_replica(std::sync::Arc::new(store), config)
                 .await
                 .unwrap();
             (plane, Some(pg))

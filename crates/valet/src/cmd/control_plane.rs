@@ -6,7 +6,7 @@ use std::sync::Arc;
 use tokio::net::{TcpListener, TcpSocket};
 use tokio_util::sync::CancellationToken;
 use valet_control::store::StoreError;
-use valet_control::{ClusterStore, Plane, PostgresStore, SqliteStore, Store};
+use valet_control::{Plane, PostgresStore, ReplicaStore, SqliteStore, Store};
 
 use crate::EXIT_CONFIG;
 use crate::cli::{ActiveReplicas, ControlPlaneArgs, OnOff};
@@ -205,56 +205,59 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         // Losing the database's active lock (one active replica), or this replica's
         // heartbeat (all active): another replica may take over, so stop serving (and
         // wait as a standby, or join again, as a new replica).
-        let (store, lost, cluster): (Arc<dyn Store>, CancellationToken, Option<Arc<ClusterStore>>) =
-            match (&args.database, args.active_replicas) {
-                (None, _) => match sqlite
-                    .take()
-                    .map_or_else(|| SqliteStore::open(&args.data_dir), Ok)
+        let (store, lost, replicas): (
+            Arc<dyn Store>,
+            CancellationToken,
+            Option<Arc<ReplicaStore>>,
+        ) = match (&args.database, args.active_replicas) {
+            (None, _) => match sqlite
+                .take()
+                .map_or_else(|| SqliteStore::open(&args.data_dir), Ok)
+            {
+                Ok(s) => (Arc::new(s), CancellationToken::new(), None),
+                Err(e) => {
+                    say_err!("valet control-plane: {e}");
+                    break ExitCode::FAILURE;
+                }
+            },
+            (Some(url), ActiveReplicas::One) => {
+                match open_replica(url, &mut history, &stopping, async |u| {
+                    PostgresStore::open(u).await
+                })
+                .await
                 {
-                    Ok(s) => (Arc::new(s), CancellationToken::new(), None),
+                    Ok(Some(s)) => {
+                        let lost = s.lost();
+                        (Arc::new(s), lost, None)
+                    }
+                    Ok(None) => break ExitCode::SUCCESS,
                     Err(e) => {
                         say_err!("valet control-plane: {e}");
                         break ExitCode::FAILURE;
                     }
-                },
-                (Some(url), ActiveReplicas::One) => {
-                    match open_replica(url, &mut history, &stopping, async |u| {
-                        PostgresStore::open(u).await
-                    })
-                    .await
-                    {
-                        Ok(Some(s)) => {
-                            let lost = s.lost();
-                            (Arc::new(s), lost, None)
-                        }
-                        Ok(None) => break ExitCode::SUCCESS,
-                        Err(e) => {
-                            say_err!("valet control-plane: {e}");
-                            break ExitCode::FAILURE;
-                        }
+                }
+            }
+            (Some(url), ActiveReplicas::All) => {
+                match open_replica(url, &mut history, &stopping, async |u| {
+                    ReplicaStore::join(u).await
+                })
+                .await
+                {
+                    Ok(Some(s)) => {
+                        let s = Arc::new(s);
+                        (Arc::clone(&s) as Arc<dyn Store>, s.lost(), Some(s))
+                    }
+                    Ok(None) => break ExitCode::SUCCESS,
+                    Err(e) => {
+                        say_err!("valet control-plane: {e}");
+                        break ExitCode::FAILURE;
                     }
                 }
-                (Some(url), ActiveReplicas::All) => {
-                    match open_replica(url, &mut history, &stopping, async |u| {
-                        ClusterStore::join(u).await
-                    })
-                    .await
-                    {
-                        Ok(Some(s)) => {
-                            let s = Arc::new(s);
-                            (Arc::clone(&s) as Arc<dyn Store>, s.lost(), Some(s))
-                        }
-                        Ok(None) => break ExitCode::SUCCESS,
-                        Err(e) => {
-                            say_err!("valet control-plane: {e}");
-                            break ExitCode::FAILURE;
-                        }
-                    }
-                }
-            };
+            }
+        };
         let database = store.describe();
-        let opened = match &cluster {
-            Some(c) => Plane::open_cluster(Arc::clone(c), config.clone()).await,
+        let opened = match &replicas {
+            Some(c) => Plane::open_replica(Arc::clone(c), config.clone()).await,
             None => Plane::open(store, config.clone()).await,
         };
         let plane = match opened {
@@ -330,7 +333,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         .await;
         step_down.abort();
         slot.set(None);
-        if let Some(c) = &cluster {
+        if let Some(c) = &replicas {
             if lost.is_cancelled() && !stopping.is_cancelled() {
                 tracing::warn!(
                     %database,

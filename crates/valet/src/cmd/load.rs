@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use valet_load::generate::{HttpClient, closed_loop_until, open_loop_until, schedule};
-use valet_load::processes::ClusterOpts;
+use valet_load::processes::ProcessesOpts;
 use valet_load::record::write_csv_file;
 use valet_load::scenario::{self, Report};
 use valet_load::system::{System, SystemOpts};
@@ -19,7 +19,7 @@ use crate::cli::{
 };
 
 /// Runs `work` until it ends or SIGTERM/SIGINT arrives; then it is dropped, and with
-/// it every part it started (a cluster's processes are killed and its throwaway
+/// it every part it started (the processes of --processes are killed and its throwaway
 /// database stopped).
 async fn until_terminated<F>(work: F) -> Result<(), Failure>
 where
@@ -217,8 +217,8 @@ fn check_app(target: &TargetArgs) -> Result<(), String> {
 }
 
 async fn system(target: &TargetArgs, opts: &SystemOpts) -> Result<System, String> {
-    if target.cluster {
-        let cluster = ClusterOpts {
+    if target.processes {
+        let processes = ProcessesOpts {
             exe: std::env::current_exe().map_err(|e| format!("this valet binary: {e}"))?,
             database: target.database.clone(),
             replicas: 2,
@@ -228,10 +228,10 @@ async fn system(target: &TargetArgs, opts: &SystemOpts) -> Result<System, String
             capacity_wait: opts.capacity_wait,
             router_flags: opts.router_flags.clone(),
         };
-        let sys = System::cluster(&cluster).await?;
+        let sys = System::start_processes(&processes).await?;
         if let Some(p) = sys.processes() {
             say!(
-                "cluster: {} workers; replicas {} (all active) on {}; routers {}\n",
+                "processes: {} workers; replicas {} (all active) on {}; routers {}\n",
                 opts.workers,
                 p.replicas.join(" "),
                 p.database,
@@ -250,7 +250,7 @@ async fn system(target: &TargetArgs, opts: &SystemOpts) -> Result<System, String
     }
 }
 
-/// Stops `sys` after a scenario; on a cluster, the report says how many requests
+/// Stops `sys` after a scenario; on processes, the report says how many requests
 /// each router counted.
 async fn finish(sys: System, report: Result<Report, String>) -> Result<Report, String> {
     let counted = sys.requests_per_router().await;
@@ -266,11 +266,11 @@ async fn finish(sys: System, report: Result<Report, String>) -> Result<Report, S
     Ok(report)
 }
 
-/// Checks the target flags against the scenario: which run on a cluster, and the
+/// Checks the target flags against the scenario: which run on processes, and the
 /// database URL.
 fn check_target(target: &TargetArgs, scenario: Option<Scenario>) -> Result<(), Failure> {
     check_app(target).map_err(Failure::Usage)?;
-    if !target.cluster {
+    if !target.processes {
         return Ok(());
     }
     if let Some(s) = scenario
@@ -283,7 +283,7 @@ fn check_target(target: &TargetArgs, scenario: Option<Scenario>) -> Result<(), F
             .map(|v| v.get_name().to_owned())
             .unwrap_or_default();
         return Err(Failure::Usage(format!(
-            "invalid configuration: --cluster: runs timeline, steady, bursts and overflow, not {name}"
+            "invalid configuration: --processes: runs timeline, steady, bursts and overflow, not {name}"
         )));
     }
     if let Some(url) = &target.database
@@ -305,7 +305,7 @@ async fn run_scenario(args: ScenarioArgs) -> Result<(), Failure> {
         (false, CapacityWait::Both) => vec![true, false],
     };
     let t = &args.target;
-    let cluster = if t.cluster { "-cluster" } else { "" };
+    let processes = if t.processes { "-processes" } else { "" };
     // A mode whose run fails its check does not keep the other from running.
     let mut failures = Vec::new();
     let both = modes.len() > 1;
@@ -313,9 +313,9 @@ async fn run_scenario(args: ScenarioArgs) -> Result<(), Failure> {
         let tag = if remote {
             String::new()
         } else if cw {
-            format!("{cluster}-capacity-wait-on")
+            format!("{processes}-capacity-wait-on")
         } else {
-            format!("{cluster}-capacity-wait-off")
+            format!("{processes}-capacity-wait-off")
         };
         let name = args
             .scenario
@@ -467,7 +467,7 @@ pub(crate) async fn demo_parking(args: DemoArgs) -> ExitCode {
     }
     let result = until_terminated(with_progress("valet demo parking", async {
         let t = &args.target;
-        let tag = if t.cluster { "-cluster" } else { "" };
+        let tag = if t.processes { "-processes" } else { "" };
         say!(
             "valet demo parking: pool of 2 workers (restore {:?}), actors p1..p4, budget {:?}\n",
             t.restore_delay,

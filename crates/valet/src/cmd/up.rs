@@ -3,8 +3,8 @@
 
 use std::process::ExitCode;
 
-use valet_cluster::{Cluster, ClusterConfig, PoolSpec};
 use valet_control::ActorKey;
+use valet_embedded::{Embedded, EmbeddedConfig, PoolSpec};
 
 use crate::EXIT_CONFIG;
 use crate::cli::UpArgs;
@@ -61,7 +61,7 @@ async fn up(
     // A signal during the start stops it there (what started stops with the process;
     // nothing is acknowledged yet): never held until the start ends.
     let mut terminated = std::pin::pin!(terminated);
-    let (cluster, running) = tokio::select! {
+    let (embedded, running) = tokio::select! {
         started = start(args) => started?,
         () = &mut terminated => {
             tracing::info!("stopped during the start");
@@ -72,8 +72,8 @@ async fn up(
 
     terminated.await;
     running.drain().await;
-    cluster.checkpoint_all(shutdown_timeout).await;
-    cluster.shutdown().await;
+    embedded.checkpoint_all(shutdown_timeout).await;
+    embedded.shutdown().await;
     tracing::info!("valet up stopped");
     Ok(())
 }
@@ -167,7 +167,7 @@ fn up_templates(
     Ok((templates, demo, cgroup))
 }
 
-async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
+async fn start(mut args: UpArgs) -> Result<(Embedded, RunningRouter), UpError> {
     let actors = demo_actors(&args.demo_actors).map_err(UpError::Config)?;
     if args.workers == 0 {
         return Err(UpError::Config(
@@ -296,7 +296,7 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
     // credentials as the router.
     args.router.control_plane = format!("{scheme}://{}", args.control_plane_listen);
     let cluster_tls = match args.router.resolve() {
-        Ok(config) if scheme == "https" => Some(valet_cluster::ClusterTls {
+        Ok(config) if scheme == "https" => Some(valet_embedded::EmbeddedTls {
             server,
             client: config.credentials().clone(),
         }),
@@ -314,9 +314,9 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
         args.ingress.ingress_tls_key_file = Some(t.ingress_key.clone());
     }
     let https = args.ingress.resolve().map_err(UpError::Config)?;
-    let cluster = Cluster::start_on(
+    let embedded = Embedded::start_on(
         store,
-        ClusterConfig {
+        EmbeddedConfig {
             data_dir: args.data_dir.clone(),
             listen: args.control_plane_listen,
             metrics_listen,
@@ -343,15 +343,15 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
     )
     .await
     .map_err(UpError::Start)?;
-    // From here on the cluster runs: an error below stops it cleanly (its workers
+    // From here on the embedded system runs: an error below stops it cleanly (its workers
     // detach, its store closes) before the error is reported.
     let started = async {
-        let cp_addr = cluster.addr;
+        let cp_addr = embedded.addr;
         say!("listening control-plane {cp_addr}");
-        if let Some(m) = cluster.metrics_addr {
+        if let Some(m) = embedded.metrics_addr {
             say!("listening metrics {m}");
         }
-        let plane = cluster.plane.clone();
+        let plane = embedded.plane.clone();
         let n = args.workers;
 
         for key in &actors {
@@ -430,9 +430,9 @@ async fn start(mut args: UpArgs) -> Result<(Cluster, RunningRouter), UpError> {
     }
     .await;
     match started {
-        Ok(running) => Ok((cluster, running)),
+        Ok(running) => Ok((embedded, running)),
         Err(e) => {
-            cluster.shutdown().await;
+            embedded.shutdown().await;
             Err(e)
         }
     }

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full};
-use valet_cluster::{Cluster, ClusterConfig};
 use valet_control::ActorKey;
+use valet_embedded::{Embedded, EmbeddedConfig};
 use valet_proto::ateapi::actor::Status;
 use valet_template::{Kind, Program, Template};
 
@@ -48,7 +48,7 @@ fn with_program(p: Program) -> Template {
 
 struct System {
     dir: tempfile::TempDir,
-    cluster: Cluster,
+    embedded: Embedded,
 }
 
 impl System {
@@ -59,27 +59,27 @@ impl System {
     async fn start_with(
         template: Template,
         workers: usize,
-        tune: impl FnOnce(&mut ClusterConfig),
+        tune: impl FnOnce(&mut EmbeddedConfig),
     ) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let mut config = ClusterConfig::counter(dir.path(), 0).with_template(template, workers);
+        let mut config = EmbeddedConfig::counter(dir.path(), 0).with_template(template, workers);
         tune(&mut config);
-        let cluster = Cluster::start(config).await.unwrap();
-        cluster.plane.create_atespace("demo").await.unwrap();
+        let embedded = Embedded::start(config).await.unwrap();
+        embedded.plane.create_atespace("demo").await.unwrap();
         for name in ["p1", "p2"] {
-            cluster
+            embedded
                 .plane
                 .create_actor(key(name), "default", "app", Vec::new())
                 .await
                 .unwrap();
         }
-        Self { dir, cluster }
+        Self { dir, embedded }
     }
 
     /// Resumes `name`; where its worker answers.
     async fn resume(&self, name: &str) -> Result<SocketAddr, tonic::Status> {
         let (a, _) = self
-            .cluster
+            .embedded
             .plane
             .resume_actor(key(name), Some(WITHIN))
             .await?;
@@ -90,13 +90,13 @@ impl System {
     }
 
     fn actor(&self, name: &str) -> valet_proto::ateapi::Actor {
-        self.cluster.plane.get_actor(&key(name)).unwrap()
+        self.embedded.plane.get_actor(&key(name)).unwrap()
     }
 
     async fn until_status(&self, name: &str, status: Status) {
         let k = key(name);
         let reached = self
-            .cluster
+            .embedded
             .plane
             .wait_until(WITHIN, |p| {
                 p.get_actor(&k).is_ok_and(|a| a.status == status as i32)
@@ -123,7 +123,7 @@ impl System {
     }
 
     async fn stop(self) {
-        self.cluster.shutdown().await;
+        self.embedded.shutdown().await;
     }
 }
 
@@ -221,7 +221,7 @@ async fn state_survives_suspend_resume_and_eviction_and_actors_keep_their_own() 
     // The worker's own environment stays out.
     assert_eq!(get(p1, "p1", "/env/CARGO_MANIFEST_DIR").await.1, "\n");
 
-    let suspended = sys.cluster.plane.suspend_actor(key("p1")).await.unwrap();
+    let suspended = sys.embedded.plane.suspend_actor(key("p1")).await.unwrap();
     assert_eq!(suspended.status, Status::Suspended as i32);
     assert!(
         programs_in(&sys.live("p1")).is_empty(),
@@ -243,7 +243,7 @@ async fn state_survives_suspend_resume_and_eviction_and_actors_keep_their_own() 
         "its own count"
     );
     assert_eq!(get(p2, "p2", "/read/note").await.0, 404, "not p1's data");
-    sys.cluster.plane.suspend_actor(key("p2")).await.unwrap();
+    sys.embedded.plane.suspend_actor(key("p2")).await.unwrap();
     let p1 = sys.resume("p1").await.unwrap();
     assert_eq!(
         get(p1, "p1", "/").await,
@@ -310,7 +310,7 @@ async fn a_program_that_exits_at_start_or_is_never_ready_crashes_its_actor() {
             );
         }
         assert_eq!(
-            sys.cluster.plane.pool("app"),
+            sys.embedded.plane.pool("app"),
             (1, 1),
             "{mode}: the worker is free"
         );
@@ -330,7 +330,7 @@ async fn a_program_that_crashes_while_hosted_is_crashed_and_reverted_from_its_la
     let sys = System::start(app(""), 1).await;
     let p1 = sys.resume("p1").await.unwrap();
     request(p1, "demo/p1", "PUT", "/write/kept", b"snapshotted").await;
-    sys.cluster.plane.suspend_actor(key("p1")).await.unwrap();
+    sys.embedded.plane.suspend_actor(key("p1")).await.unwrap();
     let p1 = sys.resume("p1").await.unwrap();
     request(p1, "demo/p1", "PUT", "/write/lost", b"not snapshotted").await;
     let (status, body) = get(p1, "p1", "/crash").await;
@@ -350,7 +350,7 @@ async fn a_program_that_crashes_while_hosted_is_crashed_and_reverted_from_its_la
         a.status_reason
     );
     let freed = sys
-        .cluster
+        .embedded
         .plane
         .wait_until(WITHIN, |p| p.pool("app") == (1, 1))
         .await;
@@ -358,7 +358,7 @@ async fn a_program_that_crashes_while_hosted_is_crashed_and_reverted_from_its_la
     // Fails fast while CRASHED, as the spec says (once the release that wrote it has
     // let the actor go: until then, Aborted).
     assert!(
-        sys.cluster
+        sys.embedded
             .plane
             .wait_until(WITHIN, |p| !p.is_busy("demo", "p1"))
             .await
@@ -366,7 +366,7 @@ async fn a_program_that_crashes_while_hosted_is_crashed_and_reverted_from_its_la
     let e = sys.resume("p1").await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::FailedPrecondition);
     // Its output outlives it.
-    let (logs, _) = sys.cluster.plane.actor_logs(&key("p1")).await.unwrap();
+    let (logs, _) = sys.embedded.plane.actor_logs(&key("p1")).await.unwrap();
     let logs = String::from_utf8(logs).unwrap();
     assert!(logs.contains("[err] crashing on purpose"), "{logs}");
     assert!(
@@ -374,7 +374,7 @@ async fn a_program_that_crashes_while_hosted_is_crashed_and_reverted_from_its_la
         "{logs}"
     );
 
-    let reverted = sys.cluster.plane.revert_actor(key("p1")).await.unwrap();
+    let reverted = sys.embedded.plane.revert_actor(key("p1")).await.unwrap();
     assert_eq!(reverted.status, Status::Suspended as i32);
     assert!(reverted.status_reason.is_empty());
     let p1 = sys.resume("p1").await.unwrap();
@@ -405,7 +405,7 @@ async fn stopping_kills_what_ignores_the_signal_and_every_child() {
             assert_eq!(programs_in(&sys.live("p1")).len(), 3);
         }
         let started = tokio::time::Instant::now();
-        let a = sys.cluster.plane.suspend_actor(key("p1")).await.unwrap();
+        let a = sys.embedded.plane.suspend_actor(key("p1")).await.unwrap();
         assert_eq!(a.status, Status::Suspended as i32, "{mode}");
         if mode == "ignore-term" {
             assert!(
@@ -441,11 +441,11 @@ async fn a_data_directory_over_the_limit_keeps_running_and_its_last_snapshot() {
     let sys = System::start_with(app(""), 1, |c| c.snapshot_max_bytes = 1 << 20).await;
     let p1 = sys.resume("p1").await.unwrap();
     request(p1, "demo/p1", "PUT", "/write/note", b"small").await;
-    sys.cluster.plane.suspend_actor(key("p1")).await.unwrap();
+    sys.embedded.plane.suspend_actor(key("p1")).await.unwrap();
     let p1 = sys.resume("p1").await.unwrap();
     get(p1, "p1", "/grow/2000000").await;
     let e = sys
-        .cluster
+        .embedded
         .plane
         .suspend_actor(key("p1"))
         .await
@@ -470,7 +470,7 @@ async fn a_data_directory_over_the_limit_keeps_running_and_its_last_snapshot() {
     );
     get(p1, "p1", "/crash").await;
     sys.until_status("p1", Status::Crashed).await;
-    sys.cluster.plane.revert_actor(key("p1")).await.unwrap();
+    sys.embedded.plane.revert_actor(key("p1")).await.unwrap();
     let p1 = sys.resume("p1").await.unwrap();
     assert_eq!(get(p1, "p1", "/read/note").await, (200, "small".into()));
     assert_eq!(
@@ -493,7 +493,7 @@ async fn a_snapshot_that_cannot_be_written_restarts_the_program() {
     std::fs::create_dir_all(blocked.parent().unwrap()).unwrap();
     std::fs::write(&blocked, "a file where the snapshots go").unwrap();
     let e = sys
-        .cluster
+        .embedded
         .plane
         .suspend_actor(key("p1"))
         .await
@@ -518,7 +518,7 @@ async fn a_snapshot_that_cannot_be_written_restarts_the_program() {
         "served again"
     );
     std::fs::remove_file(&blocked).unwrap();
-    sys.cluster.plane.suspend_actor(key("p1")).await.unwrap();
+    sys.embedded.plane.suspend_actor(key("p1")).await.unwrap();
     let p1 = sys.resume("p1").await.unwrap();
     assert_eq!(get(p1, "p1", "/read/note").await, (200, "not lost".into()));
     sys.stop().await;
@@ -567,11 +567,11 @@ async fn a_full_disk_fails_the_checkpoint_and_the_actor_serves_on() {
     }
     let p1 = sys.resume("p1").await.unwrap();
     request(p1, "demo/p1", "PUT", "/write/note", b"small").await;
-    sys.cluster.plane.suspend_actor(key("p1")).await.unwrap();
+    sys.embedded.plane.suspend_actor(key("p1")).await.unwrap();
     let p1 = sys.resume("p1").await.unwrap();
     get(p1, "p1", "/random/4000000").await;
     let e = sys
-        .cluster
+        .embedded
         .plane
         .suspend_actor(key("p1"))
         .await
@@ -595,7 +595,7 @@ async fn a_full_disk_fails_the_checkpoint_and_the_actor_serves_on() {
     );
     get(p1, "p1", "/crash").await;
     sys.until_status("p1", Status::Crashed).await;
-    sys.cluster.plane.revert_actor(key("p1")).await.unwrap();
+    sys.embedded.plane.revert_actor(key("p1")).await.unwrap();
     let p1 = sys.resume("p1").await.unwrap();
     assert_eq!(
         get(p1, "p1", "/read/note").await,
@@ -614,7 +614,7 @@ async fn a_damaged_or_missing_snapshot_fails_the_restore() {
     let sys = System::start(app(""), 1).await;
     let p1 = sys.resume("p1").await.unwrap();
     request(p1, "demo/p1", "PUT", "/write/note", b"precious").await;
-    sys.cluster.plane.suspend_actor(key("p1")).await.unwrap();
+    sys.embedded.plane.suspend_actor(key("p1")).await.unwrap();
     let archive = std::fs::read_dir(sys.snapshots("p1"))
         .unwrap()
         .flatten()
@@ -642,7 +642,7 @@ async fn a_damaged_or_missing_snapshot_fails_the_restore() {
     assert!(programs_in(&sys.live("p1")).is_empty(), "never started");
 
     std::fs::remove_file(&archive).unwrap();
-    sys.cluster.plane.revert_actor(key("p1")).await.unwrap();
+    sys.embedded.plane.revert_actor(key("p1")).await.unwrap();
     sys.resume("p1").await.unwrap_err();
     let reason = sys.actor("p1").status_reason;
     assert!(reason.contains("is missing"), "{reason}");
@@ -704,7 +704,7 @@ async fn bodies_upgrades_and_h2c_reach_the_program() {
     // An open tunnel is a request in flight: a policy's checkpoint would not take it.
     assert!(
         sys.actor("p1").busy || {
-            sys.cluster
+            sys.embedded
                 .plane
                 .wait_until(WITHIN, |p| p.get_actor(&key("p1")).is_ok_and(|a| a.busy))
                 .await
@@ -753,7 +753,7 @@ async fn an_unmodified_http_server_serves_its_restored_data() {
     );
     // What the app's own writes would be: the directory it serves.
     std::fs::write(sys.live("p1").join("hello.txt"), "hello from a snapshot\n").unwrap();
-    sys.cluster.plane.suspend_actor(key("p1")).await.unwrap();
+    sys.embedded.plane.suspend_actor(key("p1")).await.unwrap();
     assert!(
         programs_in(&sys.live("p1")).is_empty(),
         "stopped while SUSPENDED"
@@ -792,7 +792,7 @@ async fn limits_apply_and_going_over_them_is_a_crash() {
         "{reason}"
     );
 
-    sys.cluster.plane.revert_actor(key("p1")).await.unwrap();
+    sys.embedded.plane.revert_actor(key("p1")).await.unwrap();
     let p1 = sys.resume("p1").await.unwrap();
     assert_eq!(get(p1, "p1", "/spin").await.0, 502);
     sys.until_status("p1", Status::Crashed).await;
@@ -812,7 +812,7 @@ async fn a_template_that_cannot_run_here_is_refused_at_the_start() {
     let dir = tempfile::tempdir().unwrap();
     let missing =
         with_program(Program::from_command_line("valet-no-such-program --x", None).unwrap());
-    let e = Cluster::start(ClusterConfig::counter(dir.path(), 0).with_template(missing, 1))
+    let e = Embedded::start(EmbeddedConfig::counter(dir.path(), 0).with_template(missing, 1))
         .await
         .unwrap_err();
     assert_eq!(
@@ -824,7 +824,7 @@ async fn a_template_that_cannot_run_here_is_refused_at_the_start() {
     std::fs::write(&not_exec, "#!/bin/sh\n").unwrap();
     let t =
         with_program(Program::from_command_line(&not_exec.display().to_string(), None).unwrap());
-    let e = Cluster::start(ClusterConfig::counter(dir.path(), 0).with_template(t, 1))
+    let e = Embedded::start(EmbeddedConfig::counter(dir.path(), 0).with_template(t, 1))
         .await
         .unwrap_err();
     assert!(
@@ -834,9 +834,10 @@ async fn a_template_that_cannot_run_here_is_refused_at_the_start() {
 
     let mut p = Program::from_command_line("python3 -V", None).unwrap();
     p.limits.cpu = Some(0.5);
-    let e = Cluster::start(ClusterConfig::counter(dir.path(), 0).with_template(with_program(p), 1))
-        .await
-        .unwrap_err();
+    let e =
+        Embedded::start(EmbeddedConfig::counter(dir.path(), 0).with_template(with_program(p), 1))
+            .await
+            .unwrap_err();
     assert!(
         e.starts_with("template app: limits.cpu needs a cgroup v2"),
         "{e}"

@@ -1,4 +1,4 @@
-//! An embedded cluster: the reference control plane serving gRPC on loopback (and its
+//! valet, embedded: the reference control plane serving gRPC on loopback (and its
 //! probes and metrics, if asked), with in-process workers attached to it. `valet up`,
 //! the scenarios and the tests that need a real control plane all start it the same
 //! way.
@@ -44,9 +44,9 @@ impl PoolSpec {
     }
 }
 
-/// How to start a cluster.
+/// How to start an embedded system.
 #[derive(Debug, Clone)]
-pub struct ClusterConfig {
+pub struct EmbeddedConfig {
     /// The database and the snapshots live here.
     pub data_dir: PathBuf,
     /// The control plane's gRPC address (port 0 picks one).
@@ -63,7 +63,7 @@ pub struct ClusterConfig {
     pub shutdown_timeout: Duration,
     /// TLS: the control plane's server settings and the workers' credentials; h2c
     /// when `None`.
-    pub tls: Option<ClusterTls>,
+    pub tls: Option<EmbeddedTls>,
     /// The templates the control plane and the workers know (the plane's own list is
     /// taken from here).
     pub templates: valet_template::Templates,
@@ -73,17 +73,17 @@ pub struct ClusterConfig {
     pub cgroup: Option<valet_worker::Cgroup>,
 }
 
-/// TLS inside the embedded cluster.
+/// TLS inside the embedded system.
 #[derive(Debug, Clone)]
-pub struct ClusterTls {
+pub struct EmbeddedTls {
     /// The control plane's server side.
     pub server: valet_control::auth::ServerSecurity,
     /// What the workers present and check.
     pub client: valet_proto::auth::ClientCredentials,
 }
 
-impl ClusterConfig {
-    /// A cluster in `data_dir` on a free loopback port with `workers` workers in pool
+impl EmbeddedConfig {
+    /// An embedded system in `data_dir` on a free loopback port with `workers` workers in pool
     /// `counter`.
     pub fn counter(data_dir: impl Into<PathBuf>, workers: usize) -> Self {
         Self {
@@ -112,7 +112,7 @@ impl ClusterConfig {
 
 /// A running control plane with its workers.
 #[derive(Debug)]
-pub struct Cluster {
+pub struct Embedded {
     /// The control plane.
     pub plane: Plane,
     /// Where it serves gRPC.
@@ -126,13 +126,13 @@ pub struct Cluster {
     metrics: Option<tokio::task::JoinHandle<()>>,
 }
 
-impl Cluster {
+impl Embedded {
     /// Opens the store, serves the control plane, starts the workers and waits until
     /// every pool is complete.
     ///
     /// # Errors
     /// When a part cannot start, naming it.
-    pub async fn start(config: ClusterConfig) -> Result<Self, String> {
+    pub async fn start(config: EmbeddedConfig) -> Result<Self, String> {
         let store = SqliteStore::open(&config.data_dir).map_err(|e| e.to_string())?;
         Self::start_on(store, config).await
     }
@@ -143,7 +143,7 @@ impl Cluster {
     ///
     /// # Errors
     /// When a part cannot start, naming it.
-    pub async fn start_on(store: SqliteStore, mut config: ClusterConfig) -> Result<Self, String> {
+    pub async fn start_on(store: SqliteStore, mut config: EmbeddedConfig) -> Result<Self, String> {
         config.plane.templates = config.templates.iter().cloned().collect();
         config.plane.check_templates()?;
         // Every port first: nothing is running yet should one be taken.
@@ -185,7 +185,7 @@ impl Cluster {
                 }
             })
         };
-        let mut cluster = Self {
+        let mut embedded = Self {
             plane,
             addr,
             metrics_addr,
@@ -194,18 +194,18 @@ impl Cluster {
             server,
             metrics,
         };
-        if let Err(e) = cluster.start_workers(&config, &credentials, scheme).await {
-            cluster.shutdown().await;
+        if let Err(e) = embedded.start_workers(&config, &credentials, scheme).await {
+            embedded.shutdown().await;
             return Err(e);
         }
-        Ok(cluster)
+        Ok(embedded)
     }
 
     /// Starts the workers of every pool and waits until each pool has as many (at
     /// least: a worker started separately may have joined too).
     async fn start_workers(
         &mut self,
-        config: &ClusterConfig,
+        config: &EmbeddedConfig,
         credentials: &valet_proto::auth::ClientCredentials,
         scheme: &str,
     ) -> Result<(), String> {

@@ -1,4 +1,4 @@
-//! [`ClusterStore`]: the record in PostgreSQL for several control-plane replicas active
+//! [`ReplicaStore`]: the record in PostgreSQL for several control-plane replicas active
 //! at once, with no leader (docs/scale-out.md, "Several active replicas").
 //!
 //! - A replica registers a row in `valet_replicas` as it joins; the row's id is its
@@ -161,7 +161,7 @@ pub(crate) type Answer = (i32, String, Option<Vec<u8>>);
 
 /// The record in PostgreSQL for several active replicas. Cheap to clone.
 #[derive(Clone)]
-pub struct ClusterStore {
+pub struct ReplicaStore {
     inner: Arc<Inner>,
 }
 
@@ -179,9 +179,9 @@ struct Inner {
     overflowed: Arc<std::sync::atomic::AtomicBool>,
 }
 
-impl std::fmt::Debug for ClusterStore {
+impl std::fmt::Debug for ReplicaStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ClusterStore")
+        f.debug_struct("ReplicaStore")
             .field("database", &self.inner.db.database)
             .field("replica", &self.inner.me)
             .finish_non_exhaustive()
@@ -349,7 +349,7 @@ const SELECT_WAITER: &str =
 const SELECT_WORKER: &str =
     "SELECT id, pool, app_address, replica, incarnation, leaving, attach FROM valet_workers";
 
-impl ClusterStore {
+impl ReplicaStore {
     /// Connects to `url` (refusing a schema newer than this binary's at once), takes
     /// the active lock shared (waiting while a replica that holds the database alone
     /// runs), brings the schema up to date under the migration lock, and registers
@@ -1341,7 +1341,7 @@ impl ClusterStore {
     }
 }
 
-impl Store for ClusterStore {
+impl Store for ReplicaStore {
     fn load(&self) -> StoreFuture<'_, Loaded> {
         Box::pin(async move {
             tokio::time::timeout(WRITE_WITHIN, self.db().load_all())
@@ -1402,7 +1402,7 @@ impl Store for ClusterStore {
 /// announced.
 async fn write_batch(
     tx: &deadpool_postgres::Transaction<'_>,
-    store: &ClusterStore,
+    store: &ReplicaStore,
     batch: &Batch,
 ) -> Result<(), StoreError> {
     let err = store.db().err();
