@@ -6,8 +6,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode, Uri, Version};
-use http_body_util::combinators::BoxBody;
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use hyper::body::Body as _;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -15,11 +14,10 @@ use hyper_util::rt::TokioIo;
 use valet_proto::hop::{is_upgrade, strip_hop_by_hop};
 use valet_router::{CallerEnd, Denial, Route, Verdict};
 
+use crate::answer::{Body, render};
 use crate::body::{Failure, RequestBody};
-use crate::server::Tunnels;
-
-/// The body of every response the data plane sends.
-pub(crate) type Body = BoxBody<Bytes, hyper::Error>;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 /// The header naming the actor on every routed request.
 pub(crate) const ACTOR_REF: &str = "x-actor-ref";
@@ -75,28 +73,6 @@ fn join_fields(headers: &mut HeaderMap, name: HeaderName, separator: &[u8]) -> O
         joined.extend_from_slice(v.as_bytes());
     }
     Some(joined)
-}
-
-pub(crate) fn full(status: StatusCode, content_type: &str, body: String) -> Response<Body> {
-    Response::builder()
-        .status(status)
-        .header(header::CONTENT_TYPE, content_type)
-        .body(
-            Full::new(Bytes::from(body))
-                .map_err(|never| match never {})
-                .boxed(),
-        )
-        .expect("static parts are valid")
-}
-
-/// A verdict as an HTTP response.
-pub(crate) fn render(v: &Verdict) -> Response<Body> {
-    let mut resp = full(v.status(), v.content_type(), v.body().to_owned());
-    if let Some(secs) = v.retry_after_secs() {
-        resp.headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
-    }
-    resp
 }
 
 /// Whether an `Upgrade` value offers h2c.
@@ -397,6 +373,56 @@ fn worker_uri(addr: SocketAddr, target: Option<&http::uri::PathAndQuery>) -> Uri
     parts.authority = http::uri::Authority::try_from(addr.to_string()).ok();
     parts.path_and_query = Some(path);
     Uri::from_parts(parts).expect("a scheme, a socket address and a path make a URI")
+}
+
+/// The upgraded connections (WebSocket and other protocols) spliced to workers: owned
+/// here, so a drain waits for them and can close them.
+#[derive(Debug, Clone)]
+pub(crate) struct Tunnels {
+    tasks: TaskTracker,
+    close: CancellationToken,
+}
+
+impl Tunnels {
+    /// Tunnels closed when `close` is cancelled.
+    pub(crate) fn new(close: CancellationToken) -> Self {
+        Self {
+            tasks: TaskTracker::new(),
+            close,
+        }
+    }
+
+    /// Takes no more tunnels, and waits until every one has ended.
+    pub(crate) async fn wait(&self) {
+        self.tasks.close();
+        self.tasks.wait().await;
+    }
+
+    /// Closes every tunnel at once.
+    pub(crate) fn close_now(&self) {
+        self.close.cancel();
+    }
+
+    /// Tunnels open now.
+    pub(crate) fn len(&self) -> usize {
+        self.tasks.len()
+    }
+
+    /// Resolves at the drain's cut-off.
+    pub(crate) async fn closing(&self) {
+        self.close.cancelled().await;
+    }
+
+    /// Runs `splice` until it ends or the tunnels are closed.
+    pub(crate) fn spawn(&self, splice: impl std::future::Future<Output = ()> + Send + 'static) {
+        let close = self.close.clone();
+        self.tasks.spawn(async move {
+            tokio::select! {
+                () = splice => {}
+                () = close.cancelled() => {}
+            }
+        });
+    }
 }
 
 #[cfg(test)]

@@ -28,7 +28,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use valet_router::Verdict;
 
-use crate::server::Limits;
+use crate::limits::Limits;
 
 /// Most bytes of a request head decided here (peeked at in one read).
 pub(crate) const PEEK: usize = 2048;
@@ -352,7 +352,7 @@ mod tests {
                 v.status().canonical_reason().unwrap()
             )));
             // Every header the hyper path's rendering of the verdict has.
-            for (name, value) in crate::forward::render(&v).headers() {
+            for (name, value) in crate::answer::render(&v).headers() {
                 let line = format!("\r\n{name}: {}\r\n", value.to_str().unwrap());
                 assert!(out.contains(&line), "{line:?} missing from {head}");
             }

@@ -18,10 +18,13 @@
 
 #![forbid(unsafe_code)]
 
+mod answer;
 mod body;
 mod forward;
 mod lean;
+mod limits;
 mod server;
 pub mod tls;
 
-pub use server::{HttpServer, Limits};
+pub use limits::Limits;
+pub use server::HttpServer;

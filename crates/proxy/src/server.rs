@@ -13,49 +13,16 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 use valet_net::{Backoff, Budget, Connections, Keepalive, Listener};
 use valet_router::status::RouteRecord;
 use valet_router::{Decision, Denial, Router, Verdict};
 
+use crate::answer::{Body, certificate_refused, connect_refused, options_asterisk, render};
 use crate::body::{Held, RequestBody};
-use crate::forward::{Body, Outgoing, Sent, full, render};
+use crate::forward::{Outgoing, Sent, Tunnels};
 use crate::lean::{self, Replayed};
+use crate::limits::Limits;
 use crate::tls::IngressTls;
-
-/// Explicit input limits of the data plane.
-#[derive(Debug, Clone, Copy)]
-pub struct Limits {
-    /// Most request header fields.
-    pub max_headers: usize,
-    /// Most bytes of request header names and values together.
-    pub max_header_bytes: usize,
-    /// Longest a connection may wait without a request: for its TLS handshake and
-    /// first request head, for the next head after an answer, and over HTTP/2 while
-    /// it has no request open. Then it is closed (HTTP/2: GOAWAY). Over HTTP/2 it is
-    /// also the interval of keep-alive pings (each may go unanswered 20 s).
-    pub idle_timeout: Duration,
-    /// Longest a small request body (read whole, so a 421 can replay it) may take to
-    /// arrive in all, however steadily it trickles.
-    pub small_body_within: Duration,
-    /// Most client connections one listener serves at once: past it none is accepted
-    /// (they wait in the listen backlog) until one closes, so that a flood of them
-    /// cannot take every file descriptor the router needs for its workers and its
-    /// control plane. (A connection upgraded to a tunnel no longer counts.)
-    pub max_connections: usize,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Self {
-            max_headers: 100,
-            max_header_bytes: 64 * 1024,
-            idle_timeout: Duration::from_secs(30),
-            small_body_within: Duration::from_secs(120),
-            max_connections: valet_net::Budget::half_the_file_limit().size(),
-        }
-    }
-}
 
 struct Shared {
     router: Router,
@@ -87,32 +54,6 @@ impl Shared {
             http1,
             http2,
         }
-    }
-}
-
-/// The upgraded connections (WebSocket and other protocols) spliced to workers: owned
-/// here, so a drain waits for them and can close them.
-#[derive(Debug, Clone)]
-pub(crate) struct Tunnels {
-    tasks: TaskTracker,
-    close: CancellationToken,
-}
-
-impl Tunnels {
-    /// Resolves at the drain's cut-off.
-    pub(crate) async fn closing(&self) {
-        self.close.cancelled().await;
-    }
-
-    /// Runs `splice` until it ends or the tunnels are closed.
-    pub(crate) fn spawn(&self, splice: impl std::future::Future<Output = ()> + Send + 'static) {
-        let close = self.close.clone();
-        self.tasks.spawn(async move {
-            tokio::select! {
-                () = splice => {}
-                () = close.cancelled() => {}
-            }
-        });
     }
 }
 
@@ -152,10 +93,7 @@ impl HttpServer {
     ) -> std::io::Result<Self> {
         let addr = listener.local_addr()?;
         let connections = Connections::new();
-        let tunnels = Tunnels {
-            tasks: TaskTracker::new(),
-            close: connections.force().child_token(),
-        };
+        let tunnels = Tunnels::new(connections.force().child_token());
         // A place per connection: at the cap, connections wait in the listen backlog.
         let listener = Listener::new(listener, "router")
             .budget(Budget::new(limits.max_connections))
@@ -192,13 +130,12 @@ impl HttpServer {
     /// [`Self::stop_accepting`]).
     pub async fn drained(&self) {
         self.connections.wait().await;
-        self.tunnels.tasks.close();
-        self.tunnels.tasks.wait().await;
+        self.tunnels.wait().await;
     }
 
     /// Closes every upgraded tunnel (WebSocket and the like): at the drain's cut-off.
     pub fn close_tunnels(&self) {
-        self.tunnels.close.cancel();
+        self.tunnels.close_now();
     }
 
     /// Closes every connection and tunnel still open: the last step of a drain, after
@@ -215,7 +152,7 @@ impl HttpServer {
 
     /// Upgraded tunnels open now.
     pub fn open_tunnels(&self) -> usize {
-        self.tunnels.tasks.len()
+        self.tunnels.len()
     }
 }
 
@@ -570,11 +507,7 @@ impl Conn {
             async move {
                 let response = match refused {
                     Some(why) => {
-                        let resp = full(
-                            http::StatusCode::FORBIDDEN,
-                            "text/plain; charset=utf-8",
-                            format!("client certificate not allowed: {why}\n"),
-                        );
+                        let resp = certificate_refused(&why);
                         let (parts, body) = req.into_parts();
                         shared
                             .router
@@ -818,23 +751,6 @@ fn own_head<B>(req: Request<B>) -> Request<B> {
 const DISCARD_WITHIN: Duration = Duration::from_secs(2);
 const DISCARD_MAX: u64 = 64 * 1024 * 1024;
 
-/// `OPTIONS *` (the only request with an asterisk-form target) asks about the server
-/// in general, not about a resource (RFC 9110, 9.3.7): the router answers it itself,
-/// with no actor resumed and nothing forwarded.
-fn options_asterisk() -> Response<Body> {
-    let mut resp = full(
-        http::StatusCode::NO_CONTENT,
-        "text/plain; charset=utf-8",
-        String::new(),
-    );
-    resp.headers_mut().remove(header::CONTENT_TYPE);
-    resp.headers_mut().insert(
-        header::ALLOW,
-        http::HeaderValue::from_static(ALLOWED_METHODS),
-    );
-    resp
-}
-
 /// An answer the data plane gives itself to a request it does not forward (a verdict,
 /// `OPTIONS *`). HTTP/1: the rest of the body, still coming, is read and thrown away
 /// first (up to DISCARD_MAX within DISCARD_WITHIN), so that the answer is not lost to a
@@ -857,24 +773,6 @@ async fn unforwarded(
         resp.headers_mut()
             .insert(header::CONNECTION, http::HeaderValue::from_static("close"));
     }
-    resp
-}
-
-/// The methods the router forwards (for `Allow`).
-const ALLOWED_METHODS: &str = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS";
-
-/// CONNECT asks for a tunnel, which the router makes to no one.
-fn connect_refused() -> Response<Body> {
-    let mut resp = full(
-        http::StatusCode::METHOD_NOT_ALLOWED,
-        "text/plain; charset=utf-8",
-        "CONNECT is not supported: the router forwards requests to actors, it tunnels to no one"
-            .into(),
-    );
-    resp.headers_mut().insert(
-        header::ALLOW,
-        http::HeaderValue::from_static(ALLOWED_METHODS),
-    );
     resp
 }
 
@@ -1186,12 +1084,9 @@ mod tests {
 
     /// A connection's task for `router`, as the accept loop makes it.
     fn conn(router: valet_router::Router) -> Conn {
-        let tunnels = Tunnels {
-            tasks: tokio_util::task::TaskTracker::new(),
-            close: tokio_util::sync::CancellationToken::new(),
-        };
+        let tunnels = Tunnels::new(tokio_util::sync::CancellationToken::new());
         Conn {
-            shared: std::sync::Arc::new(Shared::new(router, super::Limits::default(), tunnels)),
+            shared: std::sync::Arc::new(Shared::new(router, crate::Limits::default(), tunnels)),
             peer: "127.0.0.1:1".parse().unwrap(),
             stop: tokio_util::sync::CancellationToken::new(),
             force: tokio_util::sync::CancellationToken::new(),
