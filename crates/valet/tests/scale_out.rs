@@ -1012,7 +1012,10 @@ async fn the_overflow_scenario_runs_on_processes() {
 async fn the_timeline_scenario_runs_on_processes() {
     let out = tempfile::tempdir().unwrap();
     let stdout = processes_scenario("timeline", out.path()).await;
-    assert!(stdout.contains("processes: 2 workers; replicas "), "{stdout}");
+    assert!(
+        stdout.contains("processes: 2 workers; replicas "),
+        "{stdout}"
+    );
     assert!(stdout.contains("(all active)"), "{stdout}");
     assert!(stdout.contains("full pool: 9 returned 503"), "{stdout}");
     let served = stdout.lines().any(|l| {
