@@ -22,6 +22,7 @@ pub mod model;
 pub mod plane;
 pub mod postgres;
 pub mod replica_store;
+pub mod standby;
 pub mod store;
 #[cfg(any(test, feature = "tempdb"))]
 pub mod tempdb;

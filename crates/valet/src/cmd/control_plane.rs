@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use tokio::net::{TcpListener, TcpSocket};
 use tokio_util::sync::CancellationToken;
-use valet_control::store::StoreError;
-use valet_control::{Plane, PostgresStore, ReplicaStore, SqliteStore, Store};
+use valet_control::standby::{Active, Next, Opened, Replica};
+use valet_control::{Plane, PostgresStore, SqliteStore};
 
 use crate::EXIT_CONFIG;
 use crate::cli::{ActiveReplicas, ControlPlaneArgs, OnOff};
@@ -193,7 +193,14 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
     // same port, also when it was picked at random.
     let bound = socket.local_addr().unwrap_or(args.listen);
     let mut socket = Some(socket);
-    let mut history = History::default();
+    // With --database: a replica of it, waiting as a standby while it may not serve.
+    let mut replica = args.database.as_ref().map(|url| {
+        let active = match args.active_replicas {
+            ActiveReplicas::All => Active::All,
+            ActiveReplicas::One => Active::One,
+        };
+        Replica::new(url.clone(), active)
+    });
     let code = loop {
         let reserved = match socket.take().map_or_else(|| reserve(bound), Ok) {
             Ok(s) => s,
@@ -205,69 +212,48 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         // Losing the database's active lock (one active replica), or this replica's
         // heartbeat (all active): another replica may take over, so stop serving (and
         // wait as a standby, or join again, as a new replica).
-        let (store, lost, replicas): (
-            Arc<dyn Store>,
-            CancellationToken,
-            Option<Arc<ReplicaStore>>,
-        ) = match (&args.database, args.active_replicas) {
-            (None, _) => match sqlite
+        let opened = match replica.as_mut() {
+            None => match sqlite
                 .take()
                 .map_or_else(|| SqliteStore::open(&args.data_dir), Ok)
             {
-                Ok(s) => (Arc::new(s), CancellationToken::new(), None),
+                Ok(s) => Opened {
+                    store: Arc::new(s),
+                    lost: CancellationToken::new(),
+                    replicas: None,
+                },
                 Err(e) => {
                     say_err!("valet control-plane: {e}");
                     break ExitCode::FAILURE;
                 }
             },
-            (Some(url), ActiveReplicas::One) => {
-                match open_replica(url, &mut history, &stopping, async |u| {
-                    PostgresStore::open(u).await
-                })
-                .await
-                {
-                    Ok(Some(s)) => {
-                        let lost = s.lost();
-                        (Arc::new(s), lost, None)
-                    }
-                    Ok(None) => break ExitCode::SUCCESS,
-                    Err(e) => {
-                        say_err!("valet control-plane: {e}");
-                        break ExitCode::FAILURE;
-                    }
+            Some(replica) => match replica.open(&stopping).await {
+                Ok(Some(opened)) => opened,
+                Ok(None) => break ExitCode::SUCCESS,
+                Err(e) => {
+                    say_err!("valet control-plane: {e}");
+                    break ExitCode::FAILURE;
                 }
-            }
-            (Some(url), ActiveReplicas::All) => {
-                match open_replica(url, &mut history, &stopping, async |u| {
-                    ReplicaStore::join(u).await
-                })
-                .await
-                {
-                    Ok(Some(s)) => {
-                        let s = Arc::new(s);
-                        (Arc::clone(&s) as Arc<dyn Store>, s.lost(), Some(s))
-                    }
-                    Ok(None) => break ExitCode::SUCCESS,
-                    Err(e) => {
-                        say_err!("valet control-plane: {e}");
-                        break ExitCode::FAILURE;
-                    }
-                }
-            }
+            },
         };
+        let (store, lost) = (Arc::clone(&opened.store), opened.lost.clone());
         let database = store.describe();
-        let opened = match &replicas {
+        let loaded = match &opened.replicas {
             Some(c) => Plane::open_replica(Arc::clone(c), config.clone()).await,
             None => Plane::open(store, config.clone()).await,
         };
-        let plane = match opened {
+        let plane = match loaded {
             Ok(p) => p,
             // The database went away again while the records loaded: wait as a
             // standby again (with the same port).
-            Err(e) if args.database.is_some() && history.waits_out(&e) => {
+            Err(e) if replica.as_mut().is_some_and(|r| r.waits_out(&e)) => {
                 tracing::warn!(error = %e, "database unavailable while loading the records; waiting for it as a standby");
                 socket = Some(reserved);
-                if !history.pause(&stopping).await {
+                let waited = match replica.as_mut() {
+                    Some(r) => r.pause(&stopping).await,
+                    None => false,
+                };
+                if !waited {
                     break ExitCode::SUCCESS;
                 }
                 continue;
@@ -277,8 +263,9 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
                 break ExitCode::FAILURE;
             }
         };
-        history.served = true;
-        history.backoff.reset();
+        if let Some(r) = replica.as_mut() {
+            r.serving();
+        }
         let socket = reserved;
         // SO_REUSEADDR from here on: the connections it accepts inherit it, so that once
         // they linger in TIME_WAIT after this process ends, a restart can bind the port.
@@ -333,24 +320,11 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         .await;
         step_down.abort();
         slot.set(None);
-        if let Some(c) = &replicas {
-            if lost.is_cancelled() && !stopping.is_cancelled() {
-                tracing::warn!(
-                    %database,
-                    "this replica may have been declared dead (its heartbeat or a commit failed): stopped serving; joining again as a new replica"
-                );
-                continue;
+        if let Some(r) = replica.as_mut() {
+            match r.after_serving(&opened, stopping.is_cancelled()).await {
+                Next::JoinAgain | Next::Standby => continue,
+                Next::Exit => {}
             }
-            // Its waiters and workers' attachments go now: the others take over at
-            // once instead of after its heartbeats stop.
-            c.leave().await;
-        }
-        if lost.is_cancelled() && !stopping.is_cancelled() {
-            tracing::warn!(
-                %database,
-                "lost the database lock: another replica may take over; stopped serving, waiting as a standby"
-            );
-            continue;
         }
         break match result {
             Ok(()) => {
@@ -371,144 +345,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
     code
 }
 
-/// What this process has done with its database so far, which decides whether a
-/// failure is waited out or ends the process.
-#[derive(Debug)]
-struct History {
-    /// It connected once: the URL, host and credentials are right.
-    reached: bool,
-    /// It served once: the database and its schema work for this binary.
-    served: bool,
-    /// The waits before trying again.
-    backoff: valet_net::Backoff,
-}
-
-impl Default for History {
-    fn default() -> Self {
-        Self {
-            reached: false,
-            served: false,
-            backoff: valet_control::plane::store_backoff(),
-        }
-    }
-}
-
-impl History {
-    /// Whether to wait for the database and try again rather than exit. A schema
-    /// newer than this binary always ends it (a newer version took the database
-    /// over); a database never reached ends it (a wrong host, port or password shows
-    /// at once); a lost connection never does (a database restart ends no replica);
-    /// anything else (a refused statement) ends it until it has served once.
-    fn waits_out(&mut self, e: &StoreError) -> bool {
-        match e {
-            StoreError::NewerSchema { .. } => false,
-            StoreError::Unreachable { .. } => self.reached,
-            // Another replica took over (its epoch is newer): wait as its standby.
-            StoreError::Lost { .. } | StoreError::Refused(_) => {
-                self.reached = true;
-                true
-            }
-            _ => {
-                self.reached = true;
-                self.served
-            }
-        }
-    }
-
-    /// Waits before the next try (0.5 s, doubling to 5 s); false when SIGTERM came.
-    async fn pause(&mut self, stopping: &CancellationToken) -> bool {
-        self.backoff.wait(stopping).await
-    }
-}
-
-/// Opens a PostgreSQL store with `open` (as the active replica, waiting as a
-/// standby until it is; or joining the replicas); `None` when SIGTERM ends the wait.
-/// Failures [`History::waits_out`] are waited out, trying again every few seconds;
-/// the others are returned.
-async fn open_replica<S>(
-    url: &str,
-    history: &mut History,
-    stopping: &CancellationToken,
-    open: impl AsyncFn(&str) -> Result<S, StoreError>,
-) -> Result<Option<S>, StoreError> {
-    loop {
-        let opened = tokio::select! {
-            opened = open(url) => opened,
-            () = stopping.cancelled() => return Ok(None),
-        };
-        match opened {
-            Ok(s) => {
-                history.reached = true;
-                return Ok(Some(s));
-            }
-            Err(e) if history.waits_out(&e) => {
-                tracing::warn!(error = %e, "database unavailable; waiting for it as a standby");
-                if !history.pause(stopping).await {
-                    return Ok(None);
-                }
-            }
-            Err(e) => return Err(e),
-        }
-    }
-}
-
 /// `d` as the flag would take it (`5s`, `1.5s`).
 fn humantime_secs(d: std::time::Duration) -> String {
     format!("{}s", d.as_secs_f64())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn errors() -> [StoreError; 5] {
-        let (database, why) = (String::from("db"), String::from("x"));
-        [
-            StoreError::NewerSchema {
-                database: database.clone(),
-                found: 9,
-                supported: 3,
-            },
-            StoreError::Unreachable {
-                database: database.clone(),
-                why: why.clone(),
-            },
-            StoreError::Lost {
-                database: database.clone(),
-                why: why.clone(),
-            },
-            StoreError::Refused("epoch 3 is no longer current".into()),
-            StoreError::Postgres { database, why },
-        ]
-    }
-
-    /// What a replica waits out, by what it has done: a fresh one exits on what may be
-    /// a configuration mistake, one that served waits out everything but a newer schema,
-    /// and a lost connection is waited out always (and counts as reached).
-    #[test]
-    fn a_replica_waits_out_only_what_a_restart_would_fix() {
-        let cases = [
-            // (reached, served) → newer, unreachable, lost, taken over, refused
-            ((false, false), [false, false, true, true, false]),
-            ((true, false), [false, true, true, true, false]),
-            ((true, true), [false, true, true, true, true]),
-        ];
-        for ((reached, served), expected) in cases {
-            for (e, wait) in errors().iter().zip(expected) {
-                let mut h = History {
-                    reached,
-                    served,
-                    ..History::default()
-                };
-                assert_eq!(
-                    h.waits_out(e),
-                    wait,
-                    "{e} after reached={reached} served={served}"
-                );
-            }
-        }
-        let mut fresh = History::default();
-        assert!(fresh.waits_out(&errors()[2]));
-        assert!(fresh.reached, "a lost connection was a connection");
-    }
 }
