@@ -17,6 +17,7 @@ use deadpool_postgres::GenericClient;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::{Client, Config, NoTls};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::model::ActorStatus;
 use crate::store::{ActorRow, Batch, Loaded, SCHEMA_VERSION, Store, StoreError, StoreFuture};
@@ -211,6 +212,8 @@ pub(crate) struct Db {
     pub(crate) pool: Pool,
     pub(crate) database: String,
     pub(crate) lost: CancellationToken,
+    /// The store's own tasks: its session's connection, the heartbeat, the listener.
+    pub(crate) tasks: TaskTracker,
     /// Since when, and until when, no pooled connection could be opened, while every
     /// try since has failed.
     pool_failing:
@@ -293,7 +296,7 @@ pub(crate) fn session_config(url: &str) -> Result<(Config, String), StoreError> 
 pub(crate) async fn connect_session(
     config: &Config,
     database: &str,
-) -> Result<(Client, CancellationToken), StoreError> {
+) -> Result<(Client, CancellationToken, TaskTracker), StoreError> {
     let (client, connection) =
         config
             .connect(NoTls)
@@ -303,11 +306,12 @@ pub(crate) async fn connect_session(
                 why: why(&e),
             })?;
     let lost = CancellationToken::new();
+    let tasks = TaskTracker::new();
     {
         let lost = lost.clone();
         let database = database.to_owned();
         let held = lost.clone();
-        tokio::spawn(async move {
+        tasks.spawn(async move {
             tokio::select! {
                 ended = connection => {
                     if let Err(e) = ended {
@@ -319,7 +323,7 @@ pub(crate) async fn connect_session(
             lost.cancel();
         });
     }
-    Ok((client, lost))
+    Ok((client, lost, tasks))
 }
 
 /// A replica's own session on the database, holding its active lock(s), with no
@@ -329,6 +333,8 @@ pub(crate) struct Session {
     pub(crate) database: String,
     pub(crate) client: Client,
     pub(crate) lost: CancellationToken,
+    /// Its connection's task, and the tasks the store adds (heartbeat, listener).
+    pub(crate) tasks: TaskTracker,
     pub(crate) migration_locks: Vec<i64>,
 }
 
@@ -348,7 +354,7 @@ impl Session {
     ) -> Result<Self, StoreError> {
         let (config, database) = session_config(url)?;
         let err = |e: tokio_postgres::Error| store_error(&database, &e);
-        let (client, lost) = connect_session(&config, &database).await?;
+        let (client, lost, tasks) = connect_session(&config, &database).await?;
         check_version(&client, &database).await?;
         client.batch_execute(SERVER_KEEPALIVE).await.map_err(err)?;
         let keys = schema_keys(&client, &config, &database).await?;
@@ -363,6 +369,7 @@ impl Session {
             database,
             client,
             lost,
+            tasks,
         })
     }
 }
@@ -512,6 +519,7 @@ impl PostgresStore {
             database,
             client,
             lost,
+            tasks,
             migration_locks,
         } = Session::open(
             url,
@@ -573,6 +581,7 @@ impl PostgresStore {
         let client = std::sync::Arc::new(client);
         // On the lock's own connection: this replica's epoch is still the current one.
         spawn_heartbeat(
+            &tasks,
             std::sync::Arc::downgrade(&client),
             lost.clone(),
             database.clone(),
@@ -590,7 +599,7 @@ impl PostgresStore {
         );
         let pool = build_pool(config, &database)?;
         Ok(Self {
-            db: Db::new(pool, database, lost),
+            db: Db::new(pool, database, lost, tasks),
             epoch,
             active: client,
         })
@@ -700,11 +709,24 @@ impl PostgresStore {
 }
 
 impl Db {
-    pub(crate) fn new(pool: Pool, database: String, lost: CancellationToken) -> Self {
+    /// Ends the store's tasks (cancelling `lost` ends each) and waits for them.
+    pub(crate) async fn close(&self) {
+        self.lost.cancel();
+        self.tasks.close();
+        self.tasks.wait().await;
+    }
+
+    pub(crate) fn new(
+        pool: Pool,
+        database: String,
+        lost: CancellationToken,
+        tasks: TaskTracker,
+    ) -> Self {
         Self {
             pool,
             database,
             lost,
+            tasks,
             pool_failing: std::sync::Arc::default(),
         }
     }
@@ -876,13 +898,14 @@ pub(crate) type Check =
 /// reason and cancels `lost` (the replica stops). Ends with the store (its client
 /// dropped) or once `lost` is cancelled.
 pub(crate) fn spawn_heartbeat(
+    tasks: &TaskTracker,
     client: std::sync::Weak<Client>,
     lost: CancellationToken,
     database: String,
     stopping: &'static str,
     check: impl Fn(std::sync::Arc<Client>) -> Check + Send + 'static,
 ) {
-    tokio::spawn(async move {
+    tasks.spawn(async move {
         let mut tick = tokio::time::interval(HEARTBEAT);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -1039,6 +1062,10 @@ pub(crate) fn actor_of(r: &tokio_postgres::Row, database: &str) -> Result<ActorR
 }
 
 impl Store for PostgresStore {
+    fn close(&self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
+        Box::pin(self.db.close())
+    }
+
     fn load(&self) -> StoreFuture<'_, Loaded> {
         Box::pin(async move {
             tokio::time::timeout(WRITE_WITHIN, self.db.load_all())

@@ -32,6 +32,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_postgres::{AsyncMessage, Client, Config, NoTls};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::model::{ActorKey, ActorStatus};
 use crate::postgres::{
@@ -364,6 +365,7 @@ impl ReplicaStore {
             database,
             client,
             lost,
+            tasks,
             migration_locks,
         } = Session::open(
             url,
@@ -428,11 +430,12 @@ impl ReplicaStore {
         tracing::info!(%database, replica = me, "joined the database's replicas");
         let session = Arc::new(client);
         let pool = build_pool(config.clone(), &database)?;
-        let db = Db::new(pool, database.clone(), lost.clone());
+        let db = Db::new(pool, database.clone(), lost.clone(), tasks.clone());
         let (tx, rx) = mpsc::channel(EVENTS);
         let overflowed = Arc::new(std::sync::atomic::AtomicBool::new(false));
         // Renews this replica's heartbeat with the database's clock, on its own session.
         spawn_heartbeat(
+            &tasks,
             Arc::downgrade(&session),
             lost.clone(),
             database.clone(),
@@ -450,7 +453,7 @@ impl ReplicaStore {
                 })
             },
         );
-        spawn_listen(config, database, tx, Arc::clone(&overflowed), lost);
+        spawn_listen(&tasks, config, database, tx, Arc::clone(&overflowed), lost);
         Ok(Self {
             inner: Arc::new(Inner {
                 db,
@@ -1342,6 +1345,10 @@ impl ReplicaStore {
 }
 
 impl Store for ReplicaStore {
+    fn close(&self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
+        Box::pin(self.db().close())
+    }
+
     fn load(&self) -> StoreFuture<'_, Loaded> {
         Box::pin(async move {
             tokio::time::timeout(WRITE_WITHIN, self.db().load_all())
@@ -1558,13 +1565,14 @@ async fn attached_here(
 /// doubling to 5 s between tries) whenever it ends, and sends [`Event::Resync`] after
 /// every connect. Ends once `lost` is cancelled or the plane stops taking events.
 fn spawn_listen(
+    tasks: &TaskTracker,
     config: Config,
     database: String,
     tx: mpsc::Sender<Event>,
     overflowed: Arc<std::sync::atomic::AtomicBool>,
     lost: CancellationToken,
 ) {
-    tokio::spawn(async move {
+    tasks.spawn(async move {
         let mut backoff = crate::plane::store_backoff();
         // Since when no session listens (set once one was lost).
         let mut deaf_since: Option<tokio::time::Instant> = None;

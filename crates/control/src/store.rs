@@ -207,6 +207,13 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     fn ping(&self) -> StoreFuture<'_, ()> {
         Box::pin(async { Ok(()) })
     }
+
+    /// Ends the store's own tasks (a database session, its heartbeat, its listener)
+    /// and waits for them: the store serves no more. Bounded (each task ends at once,
+    /// or after a statement's timeout).
+    fn close(&self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
+        Box::pin(async {})
+    }
 }
 
 /// The schema version this binary writes. Both stores record theirs and upgrade an

@@ -282,6 +282,27 @@ async fn a_standby_takes_over_and_the_replaced_replica_is_fenced() {
     assert_eq!(names, ["p1", "p3"]);
 }
 
+/// A closed store has ended its own tasks: its session (and with it the active lock)
+/// is let go at once, so a standby takes over without waiting for the process to end
+/// (before, the session's task had no owner and lived as long as its client).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_store_lets_go_of_its_lock_at_once() {
+    let pg = TempPostgres::start_async().await;
+    let url = pg.url();
+    let active = PostgresStore::open(&url).await.unwrap();
+    let standby = opening(&url);
+    standby_waiting(&url).await;
+    tokio::time::timeout(Duration::from_secs(5), active.close())
+        .await
+        .expect("closing is bounded");
+    assert!(active.lost().is_cancelled(), "it serves no more");
+    let next = took_over(standby).await;
+    assert_eq!(next.epoch(), active.epoch() + 1);
+    // The closed one is still held (its pool, its lock's client), yet fenced.
+    let e = active.write(Batch::put([row("p1")])).await.unwrap_err();
+    assert!(matches!(e, StoreError::Refused(_)), "{e}");
+}
+
 /// A TCP relay to `upstream` that, once `armed`, swallows the first client message
 /// holding `COMMIT` and forwards nothing more on that connection, either way: a commit
 /// whose answer never comes (a network that went silent at the worst moment).

@@ -248,6 +248,7 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
             // standby again (with the same port).
             Err(e) if replica.as_mut().is_some_and(|r| r.waits_out(&e)) => {
                 tracing::warn!(error = %e, "database unavailable while loading the records; waiting for it as a standby");
+                opened.store.close().await;
                 socket = Some(reserved);
                 let waited = match replica.as_mut() {
                     Some(r) => r.pause(&stopping).await,
@@ -320,11 +321,15 @@ pub(crate) async fn run(args: ControlPlaneArgs) -> ExitCode {
         .await;
         step_down.abort();
         slot.set(None);
-        if let Some(r) = replica.as_mut() {
-            match r.after_serving(&opened, stopping.is_cancelled()).await {
-                Next::JoinAgain | Next::Standby => continue,
-                Next::Exit => {}
-            }
+        let next = match replica.as_mut() {
+            Some(r) => r.after_serving(&opened, stopping.is_cancelled()).await,
+            None => Next::Exit,
+        };
+        // The store's own tasks (its session, heartbeat and listener) end here, before
+        // the next store is opened or the process exits.
+        opened.store.close().await;
+        if next != Next::Exit {
+            continue;
         }
         break match result {
             Ok(()) => {
