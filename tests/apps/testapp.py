@@ -5,7 +5,7 @@ an app can misbehave. Standard library only.
 It serves on $PORT and keeps its state under $VALET_DATA_DIR. TESTAPP_MODE picks a
 misbehaviour at start:
   exit-at-start   prints a line and exits 2 before it listens
-  wrong-port      listens on $PORT + 1
+  wrong-port      listens on another port (one the kernel picks), not $PORT
   not-ready       answers 503 to everything
   ignore-term     ignores SIGTERM (so it is killed after the grace)
   fork            starts a child and a grandchild (its own session) that append to
@@ -164,7 +164,8 @@ def main():
         children.append(subprocess.Popen([sys.executable, "-c", writer]))
         # This one leaves the group, and keeps every descriptor (the directory's lock).
         children.append(subprocess.Popen([sys.executable, "-c", writer], start_new_session=True, close_fds=False))
-    port = PORT + 1 if MODE == "wrong-port" else PORT
+    # Port 0: the kernel picks a free one (PORT + 1 may be taken by another test).
+    port = 0 if MODE == "wrong-port" else PORT
     server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
     server.daemon_threads = True
     log("listening on 127.0.0.1:%d, data in %s" % (port, DATA))

@@ -1598,7 +1598,7 @@ fn spawn_listen(
                 return;
             }
             if let Err(e) = ended {
-                tracing::warn!(%database, error = %e, "lost the session announcements come on; connecting again");
+                tracing::warn!(%database, error = %e, retry_in = ?backoff.peek(), "lost the session announcements come on; connecting again");
             }
             if !backoff.wait(&lost).await {
                 return;

@@ -135,7 +135,7 @@ impl Replica {
                     return Ok(Some(s));
                 }
                 Err(e) if self.waits_out(&e) => {
-                    tracing::warn!(error = %e, "database unavailable; waiting for it as a standby");
+                    tracing::warn!(error = %e, retry_in = ?self.backoff.peek(), "database unavailable; waiting for it as a standby");
                     if !self.pause(stopping).await {
                         return Ok(None);
                     }

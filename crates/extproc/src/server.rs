@@ -21,12 +21,15 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::{Request, Response, Status, Streaming};
-use valet_net::Listener;
+use valet_net::{FirstBytes, Listener};
 use valet_router::status::RouteRecord;
 use valet_router::{Decision, Router, Verdict};
 
 /// The request headers that name the actor; whichever comes last wins (as upstream).
 pub const HOST_HEADERS: [&str; 2] = [":authority", "host"];
+
+/// How long a connection may take to send the HTTP/2 preface.
+const PREFACE_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// How long [`ExtProcServer::close`] waits for streams to end before it drops the
 /// server.
@@ -70,7 +73,13 @@ impl ExtProcServer {
         let shutdown = stop.clone();
         // `Server::tcp_nodelay` is ignored for a given incoming stream: the listener
         // sets it.
-        let incoming = Listener::new(listener, "ext_proc").incoming(stop.clone());
+        // A client that connects and sends nothing is closed after PREFACE_WITHIN:
+        // hyper's HTTP/2 server waits for the preface without a deadline.
+        let incoming = {
+            Listener::new(listener, "ext_proc")
+                .incoming(stop.clone())
+                .map(|c| c.map(|c| FirstBytes::h2_preface(c, PREFACE_WITHIN)))
+        };
         let done = tokio::spawn(async move {
             let served = tonic::transport::Server::builder()
                 .max_concurrent_streams(Some(max_streams))

@@ -513,3 +513,39 @@ async fn a_stream_that_sends_nothing_ends() {
     assert_eq!(server.open_streams(), 0);
     drop(s);
 }
+
+/// A client that connects and never sends the HTTP/2 preface is closed after 10 s
+/// (before, hyper waited for it without a deadline, holding the connection and its
+/// place in the listener's budget for good).
+#[tokio::test(start_paused = true)]
+async fn a_connection_that_never_sends_its_preface_is_closed() {
+    use tokio::io::AsyncReadExt as _;
+    let (cp, _calls) = Scripted::new();
+    let config = RouterArgs::try_parse_flags::<[&str; 0], &str>([])
+        .unwrap()
+        .resolve()
+        .unwrap();
+    let router = Router::new(Arc::new(config), cp, Arc::new(Metrics::new()));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut server = ExtProcServer::spawn(listener, router).unwrap();
+    let mut silent = tokio::net::TcpStream::connect(server.local_addr())
+        .await
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    let mut buf = [0u8; 256];
+    let closed = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            match silent.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "still open after 60 s");
+    assert!(
+        started.elapsed() >= Duration::from_secs(10),
+        "not before 10 s"
+    );
+    server.close().await;
+}

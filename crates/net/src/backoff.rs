@@ -84,6 +84,11 @@ impl Backoff {
         }
     }
 
+    /// The next wait before its jitter, without taking it (for a log line).
+    pub fn peek(&self) -> Duration {
+        self.next
+    }
+
     /// Starts over from the first wait (after a try that succeeded).
     pub fn reset(&mut self) {
         self.next = self.first.min(self.cap);

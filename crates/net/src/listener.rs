@@ -37,7 +37,9 @@ impl Budget {
 
     /// Half the process's open-file limit (`RLIMIT_NOFILE`), at least 64: the other
     /// half is left for the connections the process opens itself (to workers, to the
-    /// control plane, to its database) and its files.
+    /// control plane, to its database) and its files. Each listener without a budget of
+    /// its own gets one of these: where one process runs several servers (`valet up`),
+    /// their budgets together exceed the limit until they share one.
     pub fn half_the_file_limit() -> Self {
         let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
         Self::new(
@@ -55,6 +57,11 @@ impl Budget {
     /// How many places are taken now.
     pub fn in_use(&self) -> usize {
         self.size - self.places.available_permits()
+    }
+
+    /// A place now, if one is free.
+    pub fn try_place(&self) -> Option<Place> {
+        Arc::clone(&self.places).try_acquire_owned().ok().map(Place)
     }
 
     /// A place, once one is free.
@@ -98,7 +105,15 @@ pub struct Listener {
     budget: Budget,
     keepalive: Option<Keepalive>,
     what: &'static str,
+    /// The waits after failed accepts, kept across calls (an accept cancelled while
+    /// it waits does not start them over), reset by a successful one.
+    again: std::sync::Mutex<Backoff>,
+    /// When a full budget was last said.
+    said_full: std::sync::Mutex<Option<tokio::time::Instant>>,
 }
+
+/// How often a listener whose budget is spent says so, at most.
+const SAY_FULL_EVERY: Duration = Duration::from_secs(10);
 
 /// The first wait after a failed `accept`, and the longest.
 const ACCEPT_AGAIN: Duration = Duration::from_millis(5);
@@ -113,6 +128,8 @@ impl Listener {
             budget: Budget::half_the_file_limit(),
             keepalive: None,
             what,
+            again: std::sync::Mutex::new(Backoff::new(ACCEPT_AGAIN).cap(ACCEPT_AGAIN_MAX)),
+            said_full: std::sync::Mutex::new(None),
         }
     }
 
@@ -139,11 +156,16 @@ impl Listener {
     /// cancelled. A failed `accept` (out of descriptors, say) is logged and tried again
     /// after a wait (5 ms doubling to 1 s), never in a spin.
     pub async fn accept(&self, stop: &CancellationToken) -> Option<Accepted> {
-        let place = tokio::select! {
-            () = stop.cancelled() => return None,
-            place = self.budget.place() => place,
+        let place = match self.budget.try_place() {
+            Some(place) => place,
+            None => {
+                self.say_full();
+                tokio::select! {
+                    () = stop.cancelled() => return None,
+                    place = self.budget.place() => place,
+                }
+            }
         };
-        let mut again = Backoff::new(ACCEPT_AGAIN).cap(ACCEPT_AGAIN_MAX);
         loop {
             let accepted = tokio::select! {
                 () = stop.cancelled() => return None,
@@ -151,6 +173,10 @@ impl Listener {
             };
             match accepted {
                 Ok((stream, peer)) => {
+                    self.again
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .reset();
                     self.tune(&stream);
                     return Some(Accepted {
                         stream,
@@ -159,12 +185,35 @@ impl Listener {
                     });
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, what = self.what, "cannot accept a connection");
-                    if !again.wait(stop).await {
-                        return None;
+                    let wait = self
+                        .again
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .next_delay();
+                    tracing::warn!(error = %e, what = self.what, retry_in = ?wait, "cannot accept a connection");
+                    tokio::select! {
+                        () = stop.cancelled() => return None,
+                        () = tokio::time::sleep(wait) => {}
                     }
                 }
             }
+        }
+    }
+
+    /// Says (at most every [`SAY_FULL_EVERY`]) that new connections wait for a place.
+    fn say_full(&self) {
+        let now = tokio::time::Instant::now();
+        let mut said = self
+            .said_full
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if said.is_none_or(|at| now.duration_since(at) >= SAY_FULL_EVERY) {
+            *said = Some(now);
+            tracing::warn!(
+                what = self.what,
+                budget = self.budget.size(),
+                "connection budget spent: new connections wait in the listen backlog until one closes"
+            );
         }
     }
 
@@ -280,12 +329,19 @@ impl Connections {
         Self::default()
     }
 
-    /// Serves a connection on a task of its own.
+    /// Serves a connection on a task of its own, ended (dropped) at once when
+    /// [`Connections::force`] is cancelled: a forced drain always ends.
     pub fn spawn<F>(&self, serving: F)
     where
         F: Future<Output = ()> + Send + 'static,
     {
-        self.tracker.spawn(serving);
+        let force = self.force.clone();
+        self.tracker.spawn(async move {
+            tokio::select! {
+                () = serving => {}
+                () = force.cancelled() => {}
+            }
+        });
     }
 
     /// Cancelled when a drain's grace has ended: a connection still open closes at
@@ -541,8 +597,8 @@ mod tests {
         connections.spawn(async move {
             let _ = done_rx.await;
         });
-        let force = connections.force();
-        connections.spawn(async move { force.cancelled().await });
+        // One that ignores the force: ended by it all the same.
+        connections.spawn(std::future::pending());
         assert_eq!(connections.len(), 2);
         let start = tokio::time::Instant::now();
         tokio::spawn(async move {

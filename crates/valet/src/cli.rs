@@ -857,13 +857,13 @@ pub(crate) const DEFAULT_WORKER_TIMEOUT: &str = "60s";
 pub(crate) const DEFAULT_SHUTDOWN_TIMEOUT: &str = "10s";
 /// Default `--rejoin-grace` ([`valet_control::plane::DEFAULT_REJOIN_GRACE`]).
 pub(crate) const DEFAULT_REJOIN_GRACE: &str = "10s";
-/// `valet up`'s defaults of `--idle-suspend-after` and `--evict-idle-after` (off for
-/// `valet control-plane`).
 /// Default `--route-lease` ([`valet_control::plane::DEFAULT_ROUTE_LEASE`]).
 pub(crate) const DEFAULT_ROUTE_LEASE: &str = "5s";
 /// Default `--hosting-lease` ([`valet_control::plane::DEFAULT_HOSTING_LEASE`]).
 pub(crate) const DEFAULT_HOSTING_LEASE: &str = "15s";
+/// `valet up`'s default `--idle-suspend-after` (off for `valet control-plane`).
 pub(crate) const DEFAULT_UP_IDLE_SUSPEND_AFTER: &str = "5m";
+/// `valet up`'s default `--evict-idle-after` (off for `valet control-plane`).
 pub(crate) const DEFAULT_UP_EVICT_IDLE_AFTER: &str = "10s";
 
 impl PlaneArgs {

@@ -181,6 +181,29 @@ fn main() -> ExitCode {
     {
         cp.plane.leases.route_lease = std::time::Duration::ZERO;
     }
+    // `--processes` was `--cluster`, read from VALET_TARGET_CLUSTER: still honoured.
+    let target = match &mut cli.command {
+        Command::Load(cli::LoadCommand::Scenario(s)) => Some(&mut s.target),
+        Command::Demo(cli::DemoCommand::Parking(d)) => Some(&mut d.target),
+        _ => None,
+    };
+    if let Some(target) = target
+        && !target.processes
+        && std::env::var("VALET_TARGET_CLUSTER").is_ok_and(|v| {
+            matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "1" | "true" | "yes" | "on"
+            )
+        })
+    {
+        if target.router.is_some() {
+            say_usage!(
+                "valet: invalid configuration: VALET_TARGET_CLUSTER (now VALET_TARGET_PROCESSES) cannot be used with --router"
+            );
+            return ExitCode::from(EXIT_CONFIG);
+        }
+        target.processes = true;
+    }
     if let (Command::Up(up), Some(m)) = (&mut cli.command, matches.subcommand_matches("up")) {
         up.listen_https_given = m.value_source("listen_https") != Some(ValueSource::DefaultValue);
     }

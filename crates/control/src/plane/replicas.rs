@@ -358,7 +358,7 @@ impl Plane {
             if let Err(e) = done {
                 // Read everything again once the database answers: what was missed
                 // comes with it.
-                tracing::warn!(error = %e, "could not follow the other replicas' changes; reading everything again");
+                tracing::warn!(error = %e, retry_in = ?backoff.peek(), "could not follow the other replicas' changes; reading everything again");
                 if !backoff.wait(&self.inner.unfollow).await {
                     return;
                 }

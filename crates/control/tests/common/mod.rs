@@ -53,7 +53,7 @@ pub async fn system_with(workers: usize, config: PlaneConfig, restore_delay: Dur
     log_if_asked();
     let dir = tempfile::tempdir().unwrap();
     // On PostgreSQL, as one of the replicas that serve together (`valet
-    // control-plane --database`'s default): replicas of one.
+    // control-plane --database`'s default): one replica of several.
     let (plane, postgres) = match std::env::var("VALET_TEST_STORE").as_deref() {
         Ok("postgres") => {
             let pg = valet_control::tempdb::TempPostgres::start_async().await;

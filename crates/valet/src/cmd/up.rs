@@ -295,7 +295,7 @@ async fn start(mut args: UpArgs) -> Result<(Embedded, RunningRouter), UpError> {
     // Validate the router's flags before anything is bound; the workers use the same
     // credentials as the router.
     args.router.control_plane = format!("{scheme}://{}", args.control_plane_listen);
-    let cluster_tls = match args.router.resolve() {
+    let embedded_tls = match args.router.resolve() {
         Ok(config) if scheme == "https" => Some(valet_embedded::EmbeddedTls {
             server,
             client: config.credentials().clone(),
@@ -321,7 +321,7 @@ async fn start(mut args: UpArgs) -> Result<(Embedded, RunningRouter), UpError> {
             listen: args.control_plane_listen,
             metrics_listen,
             shutdown_timeout: args.plane.shutdown_timeout,
-            tls: cluster_tls,
+            tls: embedded_tls,
             plane,
             restore_delay: args.restore_delay,
             templates: templates.clone(),
