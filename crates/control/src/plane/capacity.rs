@@ -28,7 +28,10 @@ pub(crate) enum Handed {
     /// Its actor's resume goes on elsewhere (several replicas): another replica
     /// claimed it on one of its workers, or it waits in the queue there already
     /// (`queued`). The record tells the outcome.
-    Elsewhere { queued: bool },
+    Elsewhere {
+        queued: bool,
+        replicas: super::replicas::Replicas,
+    },
     /// It could not be queued (the database refused): this is the answer.
     Failed(tonic::Status),
 }
@@ -222,14 +225,7 @@ impl Plane {
                 tx,
             });
         self.inner.stats.queued.fetch_add(1, Ordering::Relaxed);
-        // Written by one task, in the order of arrival here (`seq` follows it).
-        if let Some(queue) = &self.inner.queue_writes {
-            let _ = queue.send(super::replicas::QueueWrite::Insert {
-                pool: pool.to_owned(),
-                actor: actor.clone(),
-                id,
-            });
-        }
+        self.inner.peers.queued(pool, actor, id);
         Ticket {
             plane: self.clone(),
             pool: pool.to_owned(),
@@ -242,10 +238,11 @@ impl Plane {
     /// stays free. Call only after the change that freed it is durable, and never with
     /// the state lock held.
     pub(crate) fn hand_off(&self, worker: &str) {
-        if self.replica_store().is_some() {
-            self.offer(worker);
-            return;
-        }
+        self.inner.peers.hand_off(self, worker);
+    }
+
+    /// [`Self::hand_off`] with no other replica: to the oldest live waiter here.
+    pub(super) fn hand_off_here(&self, worker: &str) {
         loop {
             let (waiter, reservation) = {
                 let mut st = self.lock();
@@ -265,8 +262,7 @@ impl Plane {
             };
             match waiter.tx.send(Handed::Worker(reservation)) {
                 Ok(()) => {
-                    self.inner.stats.handoffs.fetch_add(1, Ordering::Relaxed);
-                    self.metrics().handoff();
+                    self.handed_off();
                     return;
                 }
                 Err(Handed::Elsewhere { .. } | Handed::Failed(_)) => return,
@@ -289,15 +285,49 @@ impl Plane {
 }
 
 impl Plane {
+    /// Offers every free worker of `pool` attached here to the queue.
+    pub(super) fn offer_free(&self, pool: &str) {
+        let free: Vec<String> = self
+            .lock()
+            .workers
+            .iter()
+            .filter(|(_, w)| w.pool == pool && w.slot == Slot::Free)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for w in free {
+            self.hand_off(&w);
+        }
+    }
+
+    /// A worker was handed to a waiter (here or, several replicas, elsewhere).
+    pub(super) fn handed_off(&self) {
+        self.inner
+            .stats
+            .handoffs
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.metrics().handoff();
+    }
+}
+
+/// The waiter here whose row is `seq` (of `actor`), out of its queue: the one with
+/// that `seq`, or the actor's one that does not know its row yet.
+pub(super) fn take_waiter(
+    q: &mut std::collections::VecDeque<super::capacity::Waiter>,
+    seq: i64,
+    actor: &ActorKey,
+) -> Option<super::capacity::Waiter> {
+    let i = q
+        .iter()
+        .position(|w| w.actor() == actor && w.seq().is_none_or(|s| s == seq))?;
+    q.remove(i)
+}
+
+impl Plane {
     /// Takes this replica's waiter `seq` out of the queue the replicas share, in the
     /// background (its resume no longer waits). A row a hand-off took already stays
     /// taken.
     pub(crate) fn dequeue(&self, seq: i64) {
-        // By the task that writes the queue, after this replica's earlier changes of it.
-        if let Some(queue) = &self.inner.queue_writes {
-            self.lock().replicas.waiting.remove(&seq);
-            let _ = queue.send(super::replicas::QueueWrite::Delete { seq });
-        }
+        self.inner.peers.dequeue(self, seq);
     }
 }
 

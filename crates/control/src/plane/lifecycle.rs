@@ -373,14 +373,14 @@ impl Plane {
             match handed {
                 Some(Handed::Worker(r)) => break r,
                 Some(Handed::Failed(e)) => return Ok(Err(e)),
-                Some(Handed::Elsewhere { queued }) => {
+                Some(Handed::Elsewhere { queued, replicas }) => {
                     drop(ticket);
                     // The operation is another replica's (it restores the actor, or
                     // queued it first): the lock goes, so that this replica's
                     // hand-offs may claim the actor for that replica's waiter.
                     let kind = self.lock().busy(key).cloned();
                     drop(op);
-                    match self.observe(key, queued, capacity, tx).await {
+                    match replicas.observe(self, key, queued, capacity, tx).await {
                         Observed::Done(outcome) => return Ok(*outcome),
                         Observed::Again => {
                             let mut st = self.lock();
@@ -580,18 +580,19 @@ impl Plane {
     /// an actor whose worker is attached to another one is suspended there (the
     /// request is forwarded, and its answer awaited).
     pub async fn suspend_actor(&self, key: ActorKey) -> Result<ateapi::Actor, Status> {
-        let elsewhere = {
+        let worker = {
             let st = self.lock();
             st.actors
                 .get(&key)
                 .filter(|r| r.status == ActorStatus::Running && st.busy(&key).is_none())
                 .and_then(|r| r.worker.clone())
+        };
+        if let Some(w) = worker
+            && let Some(done) = self.inner.peers.suspend_elsewhere(self, &key, &w).await
+        {
+            return done;
         }
-        .and_then(|w| self.replica_of(&w));
-        match elsewhere {
-            Some(replica) => self.forward_suspend(replica, &key).await,
-            None => self.suspend_here(key).await,
-        }
+        self.suspend_here(key).await
     }
 
     /// [`Self::suspend_actor`] on this replica: a suspend forwarded here. An actor whose

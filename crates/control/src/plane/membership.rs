@@ -44,38 +44,6 @@ pub(crate) struct Departure {
     pub(crate) reserved: Option<ActorKey>,
 }
 
-/// A worker's attachment recorded in the database that is undone when dropped,
-/// unless kept (its Join was refused after all, or its call was dropped).
-struct Unrecorded {
-    plane: Plane,
-    id: String,
-    attach: Option<i64>,
-}
-
-impl Unrecorded {
-    fn keep(mut self) {
-        self.attach = None;
-    }
-}
-
-impl Drop for Unrecorded {
-    fn drop(&mut self) {
-        let (Some(attach), Some(store)) = (self.attach, self.plane.replica_store().cloned()) else {
-            return;
-        };
-        // Leaving altogether: its leaving takes every attachment of it out.
-        if self.plane.inner.unfollow.is_cancelled() {
-            return;
-        }
-        let id = std::mem::take(&mut self.id);
-        self.plane.inner.followers.spawn(async move {
-            if let Err(e) = store.detach_worker(&id, attach).await {
-                tracing::warn!(worker = id, error = %e, "could not undo a refused worker's attachment");
-            }
-        });
-    }
-}
-
 impl Departure {
     /// A worker this replica never saw attached that may still serve its actor until
     /// `fenced_by` (it was attached to a replica that died).
@@ -119,73 +87,15 @@ pub(super) enum Release {
 }
 
 impl Plane {
-    /// A worker attached (or re-attached) over its stream: [`Self::worker_joined`],
-    /// with several replicas once its attachment is recorded (after the Join is
-    /// checked, and undone when it is refused after all or this call is dropped):
-    /// refused when another process holds its id on another live replica.
+    /// A worker attached (or re-attached) over its stream: recorded for the other
+    /// replicas first, if any ([`super::peers::Peers::attach`]), then
+    /// [`Self::worker_joined`].
     pub(crate) async fn worker_attached(
         &self,
         join: &wk::Join,
         link: Arc<WorkerLink>,
     ) -> Result<bool, Status> {
-        let Some(store) = self.replica_store().cloned() else {
-            return self.worker_joined(join, link);
-        };
-        if self.is_shutting_down() {
-            return Err(super::shutting_down());
-        }
-        let (_, hosting) = Self::read_join(join)?;
-        // The actor it reports: kept only if the record has it RUNNING there when
-        // the attachment is written (a release built from it elsewhere then fails).
-        self.refuse_duplicate(&self.lock(), join)?;
-        let keep = hosting;
-        let row = crate::replica_store::WorkerRow {
-            id: join.worker_id.clone(),
-            pool: join.pool.clone(),
-            app_address: join.app_address.clone(),
-            replica: store.replica(),
-            incarnation: i64::from_ne_bytes(join.incarnation.to_ne_bytes()),
-            leaving: join.draining,
-            attach: 0,
-        };
-        let (attach, kept) = match store.attach_worker(&row, keep.as_ref()).await {
-            Ok(Some(attached)) => attached,
-            Ok(None) => {
-                return Err(Status::already_exists(format!(
-                    "worker id {} is attached by another live process on another control-plane replica; give each worker its own --worker-id",
-                    model::shown(&join.worker_id)
-                )));
-            }
-            Err(e) => return Err(super::db_error(&e)),
-        };
-        let undo = Unrecorded {
-            plane: self.clone(),
-            id: join.worker_id.clone(),
-            attach: Some(attach),
-        };
-        let veto = {
-            let mut st = self.lock();
-            match kept {
-                Some(row) => {
-                    let freed = st.apply(&Batch::put([row]));
-                    debug_assert!(freed.is_empty());
-                    false
-                }
-                // Not kept by the record. Unless it is SUSPENDING with its checkpoint
-                // (an operation of this replica) waiting for this attach: only that
-                // operation changes its record, so memory decides (below). Before,
-                // such a worker was told to drop the actor, and the checkpoint lost
-                // the actor's state since its last snapshot.
-                None => keep
-                    .as_ref()
-                    .is_some_and(|k| !st.awaiting_worker.contains(k)),
-            }
-        };
-        let joined = self.join_worker(join, link, veto, attach);
-        if joined.is_ok() {
-            undo.keep();
-        }
-        joined
+        self.inner.peers.attach(self, join, link).await
     }
 
     /// A worker attached (or re-attached). Returns whether it keeps the actor it
@@ -201,7 +111,7 @@ impl Plane {
     /// [`Self::worker_joined`]; with `veto`, the actor it reports is not kept (its
     /// record changed elsewhere as the attachment was written).
     /// A Join's addresses, read and checked: its app's, and the actor it reports.
-    fn read_join(join: &wk::Join) -> Result<(SocketAddr, Option<ActorKey>), Status> {
+    pub(super) fn read_join(join: &wk::Join) -> Result<(SocketAddr, Option<ActorKey>), Status> {
         if join.worker_id.is_empty() || join.worker_id.len() > 128 {
             return Err(Status::invalid_argument(
                 "worker_id must be 1-128 characters",
@@ -226,7 +136,7 @@ impl Plane {
     /// less than a hosting lease after its last renewal): two processes would take
     /// turns hosting its actor. One that had nothing (drained, idle) may be replaced
     /// at once once its stream ended.
-    fn refuse_duplicate(&self, st: &State, join: &wk::Join) -> Result<(), Status> {
+    pub(super) fn refuse_duplicate(&self, st: &State, join: &wk::Join) -> Result<(), Status> {
         let id = &join.worker_id;
         let now = tokio::time::Instant::now();
         let lease = self.config().hosting_lease;
@@ -254,7 +164,7 @@ impl Plane {
         Ok(())
     }
 
-    fn join_worker(
+    pub(super) fn join_worker(
         &self,
         join: &wk::Join,
         link: Arc<WorkerLink>,
@@ -478,7 +388,7 @@ impl Plane {
                     break freed;
                 }
                 rounds += 1;
-                match plane.releases_still_due(&rows).await {
+                match plane.inner.peers.releases_still_due(&plane, &rows).await {
                     Some(again) if !again.is_empty() && rounds < RELEASE_ROUNDS => rows = again,
                     _ => return,
                 }
@@ -544,41 +454,6 @@ impl Plane {
         });
     }
 
-    /// For releases of `rows` (the records they were built from) refused because a
-    /// record changed: the records that still place their actor RUNNING on the same
-    /// worker, that worker not attached to another replica, to release again. `None`
-    /// when there is nothing to do again (one control plane, shutting down, or the
-    /// database not answering).
-    async fn releases_still_due(&self, rows: &[ActorRow]) -> Option<Vec<ActorRow>> {
-        let store = self.replica_store()?.clone();
-        if self.is_shutting_down() {
-            return None;
-        }
-        let keys: Vec<ActorKey> = rows.iter().map(ActorRow::key).collect();
-        let now = store.actors(&keys).await.ok()?;
-        let mut again = Vec::new();
-        for (was, (_, row)) in rows.iter().zip(now) {
-            let Some(row) = row else { continue };
-            if row.uid != was.uid
-                || row.status != ActorStatus::Running
-                || row.worker.is_none()
-                || row.worker != was.worker
-            {
-                continue;
-            }
-            let w = row.worker.clone().unwrap_or_default();
-            let elsewhere = store
-                .worker(&w)
-                .await
-                .ok()?
-                .is_some_and(|a| a.replica != store.replica());
-            if !elsewhere {
-                again.push(row);
-            }
-        }
-        Some(again)
-    }
-
     /// `worker` (on its current stream `link`) is stopping and asked to drain: it gets
     /// no new actor from now on, the actor it hosts is checkpointed as `SuspendActor`
     /// does (its requests in flight end first; the actor is SUSPENDED from that fresh
@@ -599,14 +474,7 @@ impl Plane {
             }
             tracing::info!(worker, pool = %rec.pool, "worker draining: checkpointing its actor, giving it no new one");
         }
-        if let Some(store) = self.replica_store().cloned() {
-            let worker = worker.to_owned();
-            self.inner.followers.spawn(async move {
-                if let Err(e) = store.worker_leaving(&worker).await {
-                    tracing::warn!(worker, error = %e, "could not record that the worker drains");
-                }
-            });
-        }
+        self.inner.peers.worker_draining(worker);
         self.spawn_drain(worker, Arc::clone(link));
     }
 
@@ -729,14 +597,7 @@ impl Plane {
                 return;
             }
             let rec = st.workers.remove(worker).expect("checked above");
-            if let Some(store) = self.replica_store().cloned() {
-                let (worker, attach) = (worker.to_owned(), rec.attach);
-                self.inner.followers.spawn(async move {
-                    if let Err(e) = store.detach_worker(&worker, attach).await {
-                        tracing::warn!(worker, error = %e, "could not record that the worker left");
-                    }
-                });
-            }
+            self.inner.peers.worker_left(worker, rec.attach);
             let now = tokio::time::Instant::now();
             st.departed.retain(|_, d| d.fenced_by >= now);
             let departure = Departure {

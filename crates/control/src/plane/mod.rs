@@ -24,6 +24,7 @@ mod leases;
 mod lifecycle;
 mod membership;
 mod op;
+mod peers;
 mod policy;
 mod replicas;
 
@@ -431,10 +432,6 @@ pub(crate) struct Inner {
     chores: TaskTracker,
     /// The readers of workers' attach streams: they end with the streams.
     links: TaskTracker,
-    /// Following the other replicas (several replicas on one database): ends once
-    /// `unfollow` is cancelled, after the operations in progress at a shutdown.
-    followers: TaskTracker,
-    unfollow: CancellationToken,
     /// Cancelled when the plane shuts down.
     shutdown: CancellationToken,
     /// Wakes the policies (idle suspension, eviction) when their inputs change.
@@ -449,11 +446,8 @@ pub(crate) struct Inner {
     /// actor the records place on it (it fences at its hosting lease, counted from a
     /// renewal before the start).
     workers_unknown_until: tokio::time::Instant,
-    /// Several replicas on one database: the store they share.
-    replicas: Option<Arc<crate::replica_store::ReplicaStore>>,
-    /// Several replicas: this replica's waiters to write into the queue they share,
-    /// in order.
-    queue_writes: Option<tokio::sync::mpsc::UnboundedSender<replicas::QueueWrite>>,
+    /// Who else writes its records: nobody, or other replicas on one database.
+    peers: peers::Peers,
 }
 
 /// A failed write changed nothing: `Unavailable`, so that a router parks the request
@@ -480,7 +474,14 @@ impl Plane {
     /// # Errors
     /// When the store cannot be read or written.
     pub async fn open(store: Arc<dyn Store>, config: PlaneConfig) -> Result<Self, StoreError> {
-        Self::open_with(store, config, None).await
+        Self::open_with(
+            store,
+            config,
+            peers::Peers::Alone,
+            replicas::Known::default(),
+            None,
+        )
+        .await
     }
 
     /// [`Self::open`] for one of several replicas active at once on one PostgreSQL
@@ -495,30 +496,26 @@ impl Plane {
         store: Arc<crate::replica_store::ReplicaStore>,
         config: PlaneConfig,
     ) -> Result<Self, StoreError> {
-        Self::open_with(Arc::clone(&store) as Arc<dyn Store>, config, Some(store)).await
+        let (replicas, known, following) = replicas::Replicas::open(Arc::clone(&store)).await?;
+        Self::open_with(
+            store,
+            config,
+            peers::Peers::Replicas(replicas),
+            known,
+            Some(following),
+        )
+        .await
     }
 
     async fn open_with(
         store: Arc<dyn Store>,
         config: PlaneConfig,
-        replica_store: Option<Arc<crate::replica_store::ReplicaStore>>,
-    ) -> Result<Self, StoreError> {
+        peers: peers::Peers,
         // The others first: an actor another live replica holds is not half-way.
-        let (known, events) = match &replica_store {
-            Some(c) => {
-                let events = c.events();
-                (replicas::Known::read(c).await?, events)
-            }
-            None => (replicas::Known::default(), None),
-        };
+        known: replicas::Known,
+        following: Option<replicas::Following>,
+    ) -> Result<Self, StoreError> {
         let loaded = store.load().await?;
-        let (queue_writes, writes) = match events {
-            Some(_) => {
-                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-                (Some(tx), Some(rx))
-            }
-            None => (None, None),
-        };
         let mut templates: HashMap<String, Template> = config
             .templates
             .iter()
@@ -591,15 +588,12 @@ impl Plane {
                 tasks: TaskTracker::new(),
                 chores: TaskTracker::new(),
                 links: TaskTracker::new(),
-                followers: TaskTracker::new(),
-                unfollow: CancellationToken::new(),
                 shutdown: CancellationToken::new(),
                 policy: tokio::sync::Notify::new(),
                 unsettled: tokio::sync::Notify::new(),
                 leases_unknown_until,
                 workers_unknown_until,
-                replicas: replica_store,
-                queue_writes,
+                peers,
             }),
         };
         let awaiting: Vec<ActorKey> = plane
@@ -621,8 +615,9 @@ impl Plane {
             plane.inner.unsettled.notify_one();
         }
         plane.spawn_policies();
-        if let (Some(events), Some(writes)) = (events, writes) {
-            plane.spawn_replicas(events, writes);
+        if let (peers::Peers::Replicas(replicas), Some(following)) = (&plane.inner.peers, following)
+        {
+            replicas.start(&plane, following);
         }
         Ok(plane)
     }
@@ -765,13 +760,13 @@ impl Plane {
         // Several replicas: while this write is on its way, a read of the same records
         // (following another replica's announcement) does not apply them; this write's
         // result does.
-        let _writing = replicas::Writing::start(self, &batch);
+        let _writing = self.inner.peers.writing(self, &batch);
         match self.inner.store.write(batch.clone()).await {
             Ok(()) => {}
             // Another replica changed the record: nothing was written, and nothing is
             // half-way. The records in memory are read again.
             Err(StoreError::Conflict(what)) => {
-                self.refresh(&batch);
+                self.inner.peers.changed_elsewhere(self, &batch);
                 // An actor this replica's operation held may be left RESUMING or
                 // SUSPENDING (its worker moved): the settler looks (it settles only
                 // what this replica holds).
@@ -976,9 +971,7 @@ impl Plane {
 
     /// Stops following the other replicas, once nothing in progress needs it.
     async fn unfollow(&self) {
-        self.inner.unfollow.cancel();
-        self.inner.followers.close();
-        self.inner.followers.wait().await;
+        self.inner.peers.unfollow().await;
     }
 
     /// The store was lost (another replica may be active already): every attached

@@ -23,6 +23,7 @@ use tokio::time::Instant;
 use valet_proto::worker as wk;
 
 use super::lifecycle::{Checkpointed, Fence};
+use super::peers::Claim;
 use super::{Op, OpKind, OpTarget, Plane, Slot};
 use crate::link::WorkerLink;
 use crate::model::{ActorKey, ActorStatus};
@@ -254,20 +255,13 @@ impl Plane {
                 return;
             };
             let pool = row.pool.clone();
-            // Several replicas: an eviction serves one waiter, claimed in the queue
-            // they share, so that two replicas never evict for the same one (a
-            // router that polls instead of waiting is this replica's own demand).
-            let claimed = match (why, plane.replica_store()) {
-                (Why::Evict, Some(store)) => match store.claim_eviction(&pool).await {
-                    Ok(Some(seq)) => Some((std::sync::Arc::clone(store), seq)),
-                    Ok(None) if plane.lock().refused_demand(&pool) > 0 => None,
-                    Ok(None) => return,
-                    Err(e) => {
-                        tracing::warn!(actor = %key, error = %e, "could not claim a waiter to evict for");
-                        return;
-                    }
+            let claimed = match why {
+                Why::Evict => match plane.inner.peers.claim_eviction(&plane, &key, &pool).await {
+                    Claim::Own => None,
+                    Claim::Waiter(seq) => Some(seq),
+                    Claim::Nobody => return,
                 },
-                _ => None,
+                Why::Idle => None,
             };
             match why {
                 Why::Evict => tracing::info!(actor = %key, %pool, ?idle_for, "evicting the least recently active actor for a waiting one"),
@@ -291,13 +285,8 @@ impl Plane {
                     tracing::warn!(actor = %key, error = %e.message(), "policy checkpoint failed");
                 }
             }
-            if let Some((store, seq)) = claimed {
-                if let Err(e) = store.release_eviction(seq).await {
-                    tracing::debug!(seq, error = %e, "could not release an eviction's claim");
-                }
-                if let Some(w) = plane.lock().replicas.waiting.get_mut(&seq) {
-                    w.evicting = None;
-                }
+            if let Some(seq) = claimed {
+                plane.inner.peers.release_eviction(&plane, seq).await;
             }
             plane.wake_policies();
         });

@@ -19,13 +19,17 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tonic::Status;
 use valet_proto::ateapi;
+use valet_proto::worker as wk;
 
 use super::capacity::Handed;
 use super::membership::Departure;
 use super::op::CapacityWait;
 use super::{Op, OpKind, OpTarget, Outcome, Plane, Slot, crashed, not_found, shutting_down};
+use crate::link::WorkerLink;
 use crate::model::{ActorKey, ActorStatus};
 use crate::replica_store::{Answer, Event, HandOff, QueueOp, ReplicaStore, WaiterRow, WorkerRow};
 use crate::store::{ActorRow, Batch, StoreError};
@@ -120,13 +124,13 @@ impl Drop for Reading {
 /// A write of this replica's on its way: a read of its actors meanwhile is not
 /// applied (the write's own result is, once it lands or fails).
 pub(crate) struct Writing {
+    replicas: Replicas,
     plane: Plane,
     keys: Vec<ActorKey>,
 }
 
 impl Writing {
-    pub(crate) fn start(plane: &Plane, batch: &Batch) -> Option<Self> {
-        plane.inner.replicas.as_ref()?;
+    pub(crate) fn start(replicas: &Replicas, plane: &Plane, batch: &Batch) -> Self {
         let keys: Vec<ActorKey> = batch
             .put_actors
             .iter()
@@ -137,10 +141,11 @@ impl Writing {
         for k in &keys {
             *st.replicas.writing.entry(k.clone()).or_default() += 1;
         }
-        Some(Self {
+        Self {
+            replicas: replicas.clone(),
             plane: plane.clone(),
             keys,
-        })
+        }
     }
 }
 
@@ -163,10 +168,13 @@ impl Drop for Writing {
             again
         };
         if !again.is_empty() {
-            self.plane.refresh(&Batch {
-                delete_actors: again,
-                ..Batch::default()
-            });
+            self.replicas.refresh(
+                &self.plane,
+                &Batch {
+                    delete_actors: again,
+                    ..Batch::default()
+                },
+            );
         }
     }
 }
@@ -305,42 +313,79 @@ pub(crate) enum QueueWrite {
     Delete { seq: i64 },
 }
 
-impl Plane {
-    /// The store the replicas share, with several replicas on one database.
-    pub(super) fn replica_store(&self) -> Option<&Arc<ReplicaStore>> {
-        self.inner.replicas.as_ref()
-    }
+/// What a replica follows once it starts: the store's announcements (taken once)
+/// and its waiters to write into the shared queue.
+pub(crate) struct Following {
+    events: Option<mpsc::Receiver<Event>>,
+    writes: mpsc::UnboundedReceiver<QueueWrite>,
+}
 
-    /// Follows the other replicas' announcements, and declares silent ones dead,
-    /// until the plane stops.
-    pub(super) fn spawn_replicas(
-        &self,
-        events: mpsc::Receiver<Event>,
-        writes: mpsc::UnboundedReceiver<QueueWrite>,
-    ) {
-        let plane = self.clone();
-        self.inner
-            .followers
-            .spawn(async move { plane.follow(events).await });
-        let plane = self.clone();
-        self.inner
-            .followers
-            .spawn(async move { plane.write_queue(writes).await });
-        let plane = self.clone();
-        self.inner
-            .followers
-            .spawn(async move { plane.watch_replicas().await });
-    }
+/// One of several replicas active at once on one PostgreSQL database: the store they
+/// share, the writer of this replica's waiters into their queue, and the tasks that
+/// follow the others (they end once `unfollow` is cancelled, after the operations in
+/// progress at a shutdown). Cheap to clone.
+#[derive(Debug, Clone)]
+pub(crate) struct Replicas {
+    store: Arc<ReplicaStore>,
+    queue: mpsc::UnboundedSender<QueueWrite>,
+    followers: TaskTracker,
+    unfollow: CancellationToken,
+}
 
-    async fn follow(&self, mut events: mpsc::Receiver<Event>) {
-        let Some(store) = self.replica_store().cloned() else {
-            return;
+impl Replicas {
+    /// This replica on `store`, and what it knows of the others now; followed once
+    /// [`Self::start`] runs.
+    pub(super) async fn open(
+        store: Arc<ReplicaStore>,
+    ) -> Result<(Self, Known, Following), StoreError> {
+        let events = store.events();
+        let known = Known::read(&store).await?;
+        let (queue, writes) = mpsc::unbounded_channel();
+        let replicas = Self {
+            store,
+            queue,
+            followers: TaskTracker::new(),
+            unfollow: CancellationToken::new(),
         };
+        Ok((replicas, known, Following { events, writes }))
+    }
+
+    /// Follows the other replicas' announcements, writes this replica's waiters into
+    /// the queue they share, and declares silent replicas dead, until the plane stops.
+    pub(super) fn start(&self, plane: &Plane, following: Following) {
+        let Following { events, writes } = following;
+        if let Some(events) = events {
+            let (this, plane) = (self.clone(), plane.clone());
+            self.followers
+                .spawn(async move { this.follow(&plane, events).await });
+        }
+        let (this, plane2) = (self.clone(), plane.clone());
+        self.followers
+            .spawn(async move { this.write_queue(&plane2, writes).await });
+        let this = self.clone();
+        self.followers
+            .spawn(async move { this.watch_replicas().await });
+    }
+
+    /// Stops following the other replicas, once nothing in progress needs it.
+    pub(super) async fn unfollow(&self) {
+        self.unfollow.cancel();
+        self.followers.close();
+        self.followers.wait().await;
+    }
+
+    /// Runs `task` among the followers (it is cut short once they stop).
+    fn spawn(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
+        self.followers.spawn(task);
+    }
+
+    async fn follow(&self, plane: &Plane, mut events: mpsc::Receiver<Event>) {
+        let store = Arc::clone(&self.store);
         let mut backoff = super::store_backoff();
         loop {
             let first = tokio::select! {
                 e = events.recv() => e,
-                () = self.inner.unfollow.cancelled() => return,
+                () = self.unfollow.cancelled() => return,
             };
             let Some(first) = first else { return };
             let mut batch = vec![first];
@@ -351,19 +396,19 @@ impl Plane {
             }
             let resync = store.take_overflow() || batch.contains(&Event::Resync);
             let done = if resync {
-                self.resync(&store).await
+                self.resync(plane, &store).await
             } else {
-                self.apply_events(&store, batch).await
+                self.apply_events(plane, &store, batch).await
             };
             if let Err(e) = done {
                 // Read everything again once the database answers: what was missed
                 // comes with it.
                 tracing::warn!(error = %e, retry_in = ?backoff.peek(), "could not follow the other replicas' changes; reading everything again");
-                if !backoff.wait(&self.inner.unfollow).await {
+                if !backoff.wait(&self.unfollow).await {
                     return;
                 }
-                while self.resync(&store).await.is_err() {
-                    if !backoff.wait(&self.inner.unfollow).await {
+                while self.resync(plane, &store).await.is_err() {
+                    if !backoff.wait(&self.unfollow).await {
                         return;
                     }
                 }
@@ -377,6 +422,7 @@ impl Plane {
     /// finds the claim in memory (the claim's announcement comes first).
     async fn apply_events(
         &self,
+        plane: &Plane,
         store: &Arc<ReplicaStore>,
         batch: Vec<Event>,
     ) -> Result<(), StoreError> {
@@ -395,7 +441,7 @@ impl Plane {
                     key,
                     record: Some((uid, version)),
                     ..
-                } if self
+                } if plane
                     .lock()
                     .actors
                     .get(&key)
@@ -411,36 +457,36 @@ impl Plane {
             }
         }
         let keys: Vec<ActorKey> = actors.into_iter().collect();
-        self.read_again(store, &keys, atespaces).await?;
+        self.read_again(plane, store, &keys, atespaces).await?;
         for id in workers {
             let row = store.worker(&id).await?;
-            self.apply_worker(&id, row);
+            self.apply_worker(plane, &id, row);
         }
         for event in rest {
             match event {
-                Event::Waiter(row) => self.waiter_added(row),
+                Event::Waiter(row) => self.waiter_added(plane, row),
                 Event::WaiterGone {
                     seq,
                     actor,
                     pool,
                     handed_by,
-                } => self.waiter_gone(seq, &actor, &pool, handed_by),
+                } => self.waiter_gone(plane, seq, &actor, &pool, handed_by),
                 Event::Evicting { seq, by } => {
                     {
-                        let mut st = self.lock();
+                        let mut st = plane.lock();
                         if let Some(w) = st.replicas.waiting.get_mut(&seq) {
                             w.evicting = by;
                         }
                         st.replicas.waiters_seen += 1;
                     }
-                    self.wake_policies();
+                    plane.wake_policies();
                 }
                 Event::Replica { id, dead: false } => {
-                    self.lock().replicas.live.insert(id);
+                    plane.lock().replicas.live.insert(id);
                 }
-                Event::Replica { id, dead: true } => self.replica_died(id),
-                Event::Forward { target, .. } if target == me => self.spawn_forwarded(),
-                Event::Answered { id, origin } if origin == me => self.spawn_answer(id),
+                Event::Replica { id, dead: true } => self.replica_died(plane, id),
+                Event::Forward { target, .. } if target == me => self.spawn_forwarded(plane),
+                Event::Answered { id, origin } if origin == me => self.spawn_answer(plane, id),
                 Event::Forward { .. }
                 | Event::Answered { .. }
                 | Event::Resync
@@ -457,13 +503,14 @@ impl Plane {
     /// replica wrote them since the read began.
     fn apply_read(
         &self,
+        plane: &Plane,
         reading: Reading,
         rows: Vec<(ActorKey, Option<ActorRow>)>,
         atespaces: Option<Vec<String>>,
         complete: bool,
     ) {
         let (freed, evict) = {
-            let mut st = self.lock();
+            let mut st = plane.lock();
             let touched = st.replicas.reads.remove(&reading.id).unwrap_or_default();
             let mut freed = Vec::new();
             let mut evict = Vec::new();
@@ -537,15 +584,15 @@ impl Plane {
         };
         for (worker, key, row) in evict {
             tracing::warn!(actor = %key, worker, "another replica moved the actor off this replica's worker; evicting it there");
-            self.evict(&worker, &key, &row);
+            plane.evict(&worker, &key, &row);
         }
-        self.hand_off_all(freed);
+        plane.hand_off_all(freed);
     }
 
     /// A worker's attachment as recorded now (`None`: it is attached nowhere).
-    fn apply_worker(&self, id: &str, row: Option<WorkerRow>) {
+    fn apply_worker(&self, plane: &Plane, id: &str, row: Option<WorkerRow>) {
         let moved = {
-            let mut st = self.lock();
+            let mut st = plane.lock();
             let me = st.replicas.me;
             match row {
                 Some(r) if Some(r.replica) == me => {
@@ -596,44 +643,37 @@ impl Plane {
                 "the worker attached to another control-plane replica",
             ));
         }
-        self.wake_policies();
+        plane.wake_policies();
     }
 
     /// A resume queued (on any replica): a free worker here goes to the oldest waiter.
-    fn waiter_added(&self, row: WaiterRow) {
+    fn waiter_added(&self, plane: &Plane, row: WaiterRow) {
         let pool = row.pool.clone();
         {
-            let mut st = self.lock();
+            let mut st = plane.lock();
             st.replicas.waiters_seen += 1;
             let seen = st.replicas.waiters_seen;
             st.replicas.added.insert(row.seq, seen);
             st.replicas.waiting.insert(row.seq, row);
         }
-        self.offer_free(&pool);
-        self.wake_policies();
-    }
-
-    /// Offers every free worker of `pool` attached here to the queue.
-    pub(super) fn offer_free(&self, pool: &str) {
-        let free: Vec<String> = self
-            .lock()
-            .workers
-            .iter()
-            .filter(|(_, w)| w.pool == pool && w.slot == Slot::Free)
-            .map(|(id, _)| id.clone())
-            .collect();
-        for w in free {
-            self.hand_off(&w);
-        }
+        plane.offer_free(&pool);
+        plane.wake_policies();
     }
 
     /// A waiter left the queue. One of this replica's that another replica handed a
     /// worker to (its actor is restored there), or that left without one, is told so:
     /// its resume answers from the record. (Found by its actor: the announcement may
     /// come before the waiter here learned its row's `seq`.)
-    fn waiter_gone(&self, seq: i64, actor: &ActorKey, pool: &str, handed_by: Option<i64>) {
+    fn waiter_gone(
+        &self,
+        plane: &Plane,
+        seq: i64,
+        actor: &ActorKey,
+        pool: &str,
+        handed_by: Option<i64>,
+    ) {
         let waiter = {
-            let mut st = self.lock();
+            let mut st = plane.lock();
             st.replicas.waiting.remove(&seq);
             st.replicas.added.remove(&seq);
             if handed_by.is_some() && handed_by == st.replicas.me {
@@ -641,35 +681,25 @@ impl Plane {
             } else {
                 st.queues
                     .get_mut(pool)
-                    .and_then(|q| Self::take_waiter(q, seq, actor))
+                    .and_then(|q| super::capacity::take_waiter(q, seq, actor))
             }
         };
         if let Some(w) = waiter {
-            w.hand(Handed::Elsewhere { queued: false });
+            w.hand(Handed::Elsewhere {
+                queued: false,
+                replicas: self.clone(),
+            });
         }
-    }
-
-    /// The waiter here whose row is `seq` (of `actor`), out of its queue: the one with
-    /// that `seq`, or the actor's one that does not know its row yet.
-    pub(super) fn take_waiter(
-        q: &mut std::collections::VecDeque<super::capacity::Waiter>,
-        seq: i64,
-        actor: &ActorKey,
-    ) -> Option<super::capacity::Waiter> {
-        let i = q
-            .iter()
-            .position(|w| w.actor() == actor && w.seq().is_none_or(|s| s == seq))?;
-        q.remove(i)
     }
 
     /// Replica `id` was declared dead: its workers re-attach elsewhere (until they
     /// do, an actor on one may run elsewhere only once its hosting lease passed);
     /// what its operations held is settled as an operation left half-way; its
     /// RUNNING actors are released unless their worker re-attaches in time.
-    fn replica_died(&self, id: i64) {
-        let lease = self.config().hosting_lease;
+    fn replica_died(&self, plane: &Plane, id: i64) {
+        let lease = plane.config().hosting_lease;
         let orphans = {
-            let mut st = self.lock();
+            let mut st = plane.lock();
             if !st.replicas.live.remove(&id) {
                 return;
             }
@@ -716,29 +746,27 @@ impl Plane {
             actors_on_its_workers = orphans.len(),
             "a replica was declared dead; its workers attach elsewhere, what it left half-way is settled"
         );
-        self.inner.unsettled.notify_one();
+        plane.inner.unsettled.notify_one();
         // Stopping: the next replica to look settles them.
-        if self.is_shutting_down() {
+        if plane.is_shutting_down() {
             return;
         }
         for (worker, key, departure) in orphans {
-            self.spawn_orphan_release(worker, key, departure);
+            plane.spawn_orphan_release(worker, key, departure);
         }
-        self.wake_policies();
+        plane.wake_policies();
     }
 
     /// Declares replicas silent for [`crate::replica_store::DEAD_AFTER`] dead, every
     /// heartbeat, until the plane stops.
     async fn watch_replicas(&self) {
-        let Some(store) = self.replica_store().cloned() else {
-            return;
-        };
+        let store = Arc::clone(&self.store);
         let mut tick = tokio::time::interval(crate::postgres::HEARTBEAT);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
-                () = self.inner.unfollow.cancelled() => return,
+                () = self.unfollow.cancelled() => return,
             }
             let Ok(silent) = store.silent().await else {
                 continue;
@@ -761,14 +789,14 @@ impl Plane {
 
     /// Reads everything again (after a reconnect, or having fallen behind) and makes
     /// memory agree with it.
-    async fn resync(&self, store: &Arc<ReplicaStore>) -> Result<(), StoreError> {
-        let reading = Reading::start(self);
+    async fn resync(&self, plane: &Plane, store: &Arc<ReplicaStore>) -> Result<(), StoreError> {
+        let reading = Reading::start(plane);
         let (view, atespaces, actors) = store.snapshot().await?;
         let rows = actors.into_iter().map(|r| (r.key(), Some(r))).collect();
-        self.apply_read(reading, rows, Some(atespaces), true);
+        self.apply_read(plane, reading, rows, Some(atespaces), true);
         let me = store.replica();
         let (died, pools, moved) = {
-            let mut st = self.lock();
+            let mut st = plane.lock();
             let live: BTreeSet<i64> = view.live.iter().copied().chain([me]).collect();
             let died: Vec<i64> = st.replicas.live.difference(&live).copied().collect();
             st.replicas.live.extend(live);
@@ -799,11 +827,14 @@ impl Plane {
             (died, pools, vanished)
         };
         for w in moved {
-            w.hand(Handed::Elsewhere { queued: false });
+            w.hand(Handed::Elsewhere {
+                queued: false,
+                replicas: self.clone(),
+            });
         }
         // Rows of this replica that no waiter here owns (a delete that failed): out.
         let orphaned: Vec<i64> = {
-            let st = self.lock();
+            let st = plane.lock();
             view.waiters
                 .iter()
                 .filter(|w| w.replica == me)
@@ -816,13 +847,13 @@ impl Plane {
                 .collect()
         };
         for seq in orphaned {
-            self.dequeue(seq);
+            plane.dequeue(seq);
         }
         for w in &view.workers {
-            self.apply_worker(&w.id, Some(w.clone()));
+            self.apply_worker(plane, &w.id, Some(w.clone()));
         }
         {
-            let mut st = self.lock();
+            let mut st = plane.lock();
             let attached: HashSet<&str> = view.workers.iter().map(|w| w.id.as_str()).collect();
             st.replicas
                 .workers
@@ -830,15 +861,15 @@ impl Plane {
         }
         for id in died {
             // Not yet dead here: marked live above so that the death is handled.
-            self.replica_died(id);
+            self.replica_died(plane, id);
         }
         for pool in pools {
-            self.offer_free(&pool);
+            plane.offer_free(&pool);
         }
-        self.spawn_forwarded();
-        let waiting: Vec<i64> = self.lock().replicas.forwards.keys().copied().collect();
+        self.spawn_forwarded(plane);
+        let waiting: Vec<i64> = plane.lock().replicas.forwards.keys().copied().collect();
         for id in waiting {
-            self.spawn_answer(id);
+            self.spawn_answer(plane, id);
         }
         Ok(())
     }
@@ -850,14 +881,12 @@ impl Plane {
     /// queues again. A waiter whose actor is queued on another replica already is
     /// handed [`Handed::Elsewhere`]; one whose resume left meanwhile has its row taken
     /// out.
-    async fn write_queue(&self, mut writes: mpsc::UnboundedReceiver<QueueWrite>) {
-        let Some(store) = self.replica_store().cloned() else {
-            return;
-        };
+    async fn write_queue(&self, plane: &Plane, mut writes: mpsc::UnboundedReceiver<QueueWrite>) {
+        let store = Arc::clone(&self.store);
         loop {
             let first = tokio::select! {
                 w = writes.recv() => w,
-                () = self.inner.unfollow.cancelled() => return,
+                () = self.unfollow.cancelled() => return,
             };
             let Some(first) = first else { return };
             let mut batch = vec![first];
@@ -887,14 +916,14 @@ impl Plane {
                     })
                     .collect();
                 if !deletes.is_empty() {
-                    let plane = self.clone();
-                    self.inner.followers.spawn(async move {
+                    let (this, plane) = (self.clone(), plane.clone());
+                    self.followers.spawn(async move {
                         tokio::select! {
                             () = tokio::time::sleep(OFFER_AGAIN * 5) => {}
-                            () = plane.inner.unfollow.cancelled() => return,
+                            () = this.unfollow.cancelled() => return,
                         }
                         for seq in deletes {
-                            plane.dequeue(seq);
+                            this.dequeue(&plane, seq);
                         }
                     });
                 }
@@ -908,7 +937,7 @@ impl Plane {
                     Ok(done) => Ok(done[i]),
                     Err(e) => Err(super::db_error(e)),
                 };
-                let mut st = self.lock();
+                let mut st = plane.lock();
                 let pos = st
                     .queues
                     .get(&pool)
@@ -926,13 +955,16 @@ impl Plane {
                     // Its resume left while the row was written: the row goes too.
                     (Ok(Some(seq)), None) => {
                         drop(st);
-                        self.dequeue(seq);
+                        plane.dequeue(seq);
                     }
                     (Ok(None), Some(i)) => {
                         let w = st.queues.get_mut(&pool).and_then(|q| q.remove(i));
                         drop(st);
                         if let Some(w) = w {
-                            w.hand(Handed::Elsewhere { queued: true });
+                            w.hand(Handed::Elsewhere {
+                                queued: true,
+                                replicas: self.clone(),
+                            });
                         }
                     }
                     (Err(e), Some(i)) => {
@@ -947,19 +979,17 @@ impl Plane {
             }
             for pool in pools {
                 // A worker free here goes to the oldest waiter, maybe one of these.
-                self.offer_free(&pool);
+                plane.offer_free(&pool);
             }
-            self.wake_policies();
+            plane.wake_policies();
         }
     }
 
     /// Carries out the suspends forwarded to this replica not answered yet.
-    fn spawn_forwarded(&self) {
-        let Some(store) = self.replica_store().cloned() else {
-            return;
-        };
-        let plane = self.clone();
-        self.inner.followers.spawn(async move {
+    fn spawn_forwarded(&self, plane: &Plane) {
+        let store = Arc::clone(&self.store);
+        let (this, plane) = (self.clone(), plane.clone());
+        self.followers.spawn(async move {
             let pending = match store.forwarded_to_me().await {
                 Ok(p) => p,
                 Err(e) => {
@@ -972,7 +1002,7 @@ impl Plane {
                     continue;
                 }
                 let (plane, store) = (plane.clone(), Arc::clone(&store));
-                plane.inner.followers.clone().spawn(async move {
+                this.followers.clone().spawn(async move {
                     let answer = encode(&plane.suspend_here(key).await);
                     let mut backoff = valet_net::Backoff::new(OFFER_AGAIN);
                     for _ in 0..4 {
@@ -1004,12 +1034,10 @@ impl Plane {
 
     /// Takes the answer of this replica's forwarded suspend `id` and hands it to the
     /// call waiting for it.
-    fn spawn_answer(&self, id: i64) {
-        let Some(store) = self.replica_store().cloned() else {
-            return;
-        };
-        let plane = self.clone();
-        self.inner.followers.spawn(async move {
+    fn spawn_answer(&self, plane: &Plane, id: i64) {
+        let store = Arc::clone(&self.store);
+        let plane = plane.clone();
+        self.followers.spawn(async move {
             if let Ok(Some(answer)) = store.take_answer(id).await {
                 let mut st = plane.lock();
                 match st.replicas.forwards.remove(&id) {
@@ -1030,34 +1058,33 @@ impl Plane {
     /// `--checkpoint-timeout` and a margin (past it, `Unavailable`).
     pub(super) async fn forward_suspend(
         &self,
+        plane: &Plane,
         replica: i64,
         key: &ActorKey,
     ) -> Result<ateapi::Actor, Status> {
-        let Some(store) = self.replica_store().cloned() else {
-            return Err(Status::internal("forwarding needs several replicas"));
-        };
+        let store = Arc::clone(&self.store);
         let id = store
             .forward_suspend(replica, key)
             .await
             .map_err(|e| super::db_error(&e))?;
         let (tx, rx) = oneshot::channel();
         {
-            let mut st = self.lock();
+            let mut st = plane.lock();
             // Its answer may have come before the wait was registered.
             if let Some(answer) = st.replicas.answers.remove(&id) {
                 return decode(answer);
             }
             st.replicas.forwards.insert(id, tx);
         }
-        self.spawn_answer(id);
-        let within = self.config().checkpoint_timeout + MARGIN;
+        self.spawn_answer(plane, id);
+        let within = plane.config().checkpoint_timeout + MARGIN;
         let answer = tokio::select! {
             a = rx => a.ok(),
             () = tokio::time::sleep(within) => None,
-            () = self.inner.shutdown.cancelled() => None,
+            () = plane.inner.shutdown.cancelled() => None,
         };
         {
-            let mut st = self.lock();
+            let mut st = plane.lock();
             st.replicas.forwards.remove(&id);
             st.replicas.answers.remove(&id);
         }
@@ -1077,16 +1104,14 @@ impl Plane {
     /// another replica by this replica claiming its actor on the worker and restoring
     /// it. Nobody waiting: it is free again (and offered again if a waiter came
     /// meanwhile).
-    pub(super) fn offer(&self, worker: &str) {
-        let Some(store) = self.replica_store().cloned() else {
-            return;
-        };
+    pub(super) fn offer(&self, plane: &Plane, worker: &str) {
+        let store = Arc::clone(&self.store);
         // Stopping: it claims no other replica's waiter any more.
-        if self.is_shutting_down() {
+        if plane.is_shutting_down() {
             return;
         }
         let pool = {
-            let mut st = self.lock();
+            let mut st = plane.lock();
             let queued = |st: &super::State, pool: &str| {
                 st.replicas.queued_in(pool)
                     || st
@@ -1106,32 +1131,32 @@ impl Plane {
             }
             pool
         };
-        let plane = self.clone();
+        let (this, plane2) = (self.clone(), plane.clone());
         let worker = worker.to_owned();
-        self.inner.tasks.spawn(async move {
-            plane.offer_to_queue(&store, &worker, &pool).await;
+        plane.inner.tasks.spawn(async move {
+            this.offer_to_queue(&plane2, &store, &worker, &pool).await;
         });
     }
 
-    async fn offer_to_queue(&self, store: &ReplicaStore, worker: &str, pool: &str) {
+    async fn offer_to_queue(&self, plane: &Plane, store: &ReplicaStore, worker: &str, pool: &str) {
         loop {
-            let plane = self.clone();
+            let taker = plane.clone();
             let take = move |key: &ActorKey| {
-                let mut st = plane.lock();
+                let mut st = taker.lock();
                 let ready =
                     st.actors.get(key).is_some_and(|r| {
                         r.status == ActorStatus::Suspended && !st.held_elsewhere(r)
                     }) && st.busy(key).is_none();
                 ready.then(|| {
                     Op::take(
-                        &plane,
+                        &taker,
                         &mut st,
                         OpTarget::Actor(key.clone()),
                         OpKind::Busy("restoring for a waiter"),
                     )
                 })
             };
-            let seen = self.lock().replicas.waiters_seen;
+            let seen = plane.lock().replicas.waiters_seen;
             let handed = store.hand_off(pool, worker, take).await;
             /// What to do once the state lock is released.
             enum Then {
@@ -1143,7 +1168,7 @@ impl Plane {
                 Restore(Box<(WaiterRow, ActorRow, Op)>),
             }
             let then = {
-                let mut st = self.lock();
+                let mut st = plane.lock();
                 let offered = st
                     .workers
                     .get(worker)
@@ -1186,10 +1211,9 @@ impl Plane {
                         Then::Done
                     }
                     Ok(HandOff::Local(waiter)) => {
-                        let local = st
-                            .queues
-                            .get_mut(pool)
-                            .and_then(|q| Self::take_waiter(q, waiter.seq, &waiter.actor));
+                        let local = st.queues.get_mut(pool).and_then(|q| {
+                            super::capacity::take_waiter(q, waiter.seq, &waiter.actor)
+                        });
                         match local {
                             // It left meanwhile: the next one.
                             None => Then::Again,
@@ -1200,7 +1224,7 @@ impl Plane {
                                 if let Some(w) = st.workers.get_mut(worker) {
                                     w.slot = Slot::Free;
                                 }
-                                let reservation = self.reserve(&mut st, worker, &waiter.actor);
+                                let reservation = plane.reserve(&mut st, worker, &waiter.actor);
                                 Then::Hand(local, reservation)
                             }
                         }
@@ -1223,20 +1247,23 @@ impl Plane {
                 Then::Done => return,
                 Then::Again => {}
                 Then::Requeue(local) => {
-                    local.hand(Handed::Elsewhere { queued: false });
+                    local.hand(Handed::Elsewhere {
+                        queued: false,
+                        replicas: self.clone(),
+                    });
                     return;
                 }
                 Then::Later(after) => {
                     tokio::select! {
                         () = tokio::time::sleep(after) => {}
-                        () = self.inner.shutdown.cancelled() => return,
+                        () = plane.inner.shutdown.cancelled() => return,
                     }
                     // Still free and someone still queued (`offer` checks both).
-                    self.offer(worker);
+                    self.offer(plane, worker);
                     return;
                 }
                 Then::Hand(local, reservation) => {
-                    self.handed_off();
+                    plane.handed_off();
                     // A waiter that left just now drops the reservation unused, which
                     // passes the worker on.
                     local.hand(Handed::Worker(reservation));
@@ -1244,31 +1271,24 @@ impl Plane {
                 }
                 Then::Restore(claimed) => {
                     let (waiter, row, op) = *claimed;
-                    self.handed_off();
-                    self.inner
+                    plane.handed_off();
+                    plane
+                        .inner
                         .stats
                         .activations
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     tracing::info!(actor = %waiter.actor, worker, waiter_replica = waiter.replica, "restoring an actor for a waiter on another replica");
                     let (tx, _) = watch::channel(None);
                     let started = Instant::now();
-                    let result = self.restore(&waiter.actor, &row, op.id()).await;
-                    self.metrics().operation("restore", started.elapsed());
-                    let _ = self
+                    let result = plane.restore(&waiter.actor, &row, op.id()).await;
+                    plane.metrics().operation("restore", started.elapsed());
+                    let _ = plane
                         .after_restore(op, &waiter.actor, row, result, &tx)
                         .await;
                     return;
                 }
             }
         }
-    }
-
-    fn handed_off(&self) {
-        self.inner
-            .stats
-            .handoffs
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.metrics().handoff();
     }
 
     /// For a resume whose actor another replica restores (it handed one of its
@@ -1279,21 +1299,22 @@ impl Plane {
     /// leave).
     pub(super) async fn observe(
         &self,
+        plane: &Plane,
         key: &ActorKey,
         queued_elsewhere: bool,
         capacity: &watch::Sender<CapacityWait>,
         tx: &watch::Sender<Option<Outcome>>,
     ) -> Observed {
-        let lease = self.config().hosting_lease;
-        let bound = Instant::now() + self.config().restore_timeout + MARGIN;
+        let lease = plane.config().hosting_lease;
+        let bound = Instant::now() + plane.config().restore_timeout + MARGIN;
         // Queued on another replica: until its announcement is followed here, the
         // actor looks suspended and queued nowhere.
         let mut announced_by = queued_elsewhere.then(|| Instant::now() + ANNOUNCED_WITHIN);
-        let mut changes = self.inner.changed.subscribe();
+        let mut changes = plane.inner.changed.subscribe();
         loop {
             changes.mark_unchanged();
             let (verdict, queued) = {
-                let st = self.lock();
+                let st = plane.lock();
                 match st.actors.get(key) {
                     None => (Some(done(Err(not_found(key)))), false),
                     Some(r) => match r.status {
@@ -1357,16 +1378,14 @@ impl Plane {
                     }));
                 }
                 () = tx.closed() => return done(Err(shutting_down())),
-                () = self.inner.shutdown.cancelled() => return done(Err(shutting_down())),
+                () = plane.inner.shutdown.cancelled() => return done(Err(shutting_down())),
             }
         }
     }
 
     /// Reads the records `batch` wrote again (another replica changed one of them).
-    pub(super) fn refresh(&self, batch: &Batch) {
-        let Some(store) = self.replica_store().cloned() else {
-            return;
-        };
+    pub(super) fn refresh(&self, plane: &Plane, batch: &Batch) {
+        let store = Arc::clone(&self.store);
         let keys: Vec<ActorKey> = batch
             .put_actors
             .iter()
@@ -1374,9 +1393,9 @@ impl Plane {
             .chain(batch.delete_actors.iter().cloned())
             .collect();
         let atespaces = !batch.put_atespaces.is_empty() || !batch.delete_atespaces.is_empty();
-        let plane = self.clone();
-        self.inner.followers.spawn(async move {
-            if let Err(e) = plane.read_again(&store, &keys, atespaces).await {
+        let (this, plane) = (self.clone(), plane.clone());
+        self.followers.spawn(async move {
+            if let Err(e) = this.read_again(&plane, &store, &keys, atespaces).await {
                 tracing::debug!(error = %e, "could not read changed records again; the next announcement or resync does");
             }
         });
@@ -1385,6 +1404,7 @@ impl Plane {
     /// Reads `keys` (and the atespaces, with `atespaces`) again and applies them.
     async fn read_again(
         &self,
+        plane: &Plane,
         store: &ReplicaStore,
         keys: &[ActorKey],
         atespaces: bool,
@@ -1392,7 +1412,7 @@ impl Plane {
         if keys.is_empty() && !atespaces {
             return Ok(());
         }
-        let reading = Reading::start(self);
+        let reading = Reading::start(plane);
         let rows = if keys.is_empty() {
             Vec::new()
         } else {
@@ -1403,17 +1423,228 @@ impl Plane {
         } else {
             None
         };
-        self.apply_read(reading, rows, names, false);
+        self.apply_read(plane, reading, rows, names, false);
         Ok(())
     }
 
     /// The replica `worker` is attached to, when it is another live one.
-    pub(super) fn replica_of(&self, worker: &str) -> Option<i64> {
-        let st = self.lock();
+    pub(super) fn replica_of(&self, plane: &Plane, worker: &str) -> Option<i64> {
+        let st = plane.lock();
         st.replicas
             .workers
             .get(worker)
             .map(|w| w.replica)
             .filter(|r| st.replicas.live.contains(r))
+    }
+}
+
+/// A worker's attachment recorded in the database that is undone when dropped,
+/// unless kept (its Join was refused after all, or its call was dropped).
+struct Unrecorded {
+    replicas: Replicas,
+    id: String,
+    attach: Option<i64>,
+}
+
+impl Unrecorded {
+    fn keep(mut self) {
+        self.attach = None;
+    }
+}
+
+impl Drop for Unrecorded {
+    fn drop(&mut self) {
+        let Some(attach) = self.attach else {
+            return;
+        };
+        // Leaving altogether: its leaving takes every attachment of it out.
+        if self.replicas.unfollow.is_cancelled() {
+            return;
+        }
+        let id = std::mem::take(&mut self.id);
+        let store = Arc::clone(&self.replicas.store);
+        self.replicas.spawn(async move {
+            if let Err(e) = store.detach_worker(&id, attach).await {
+                tracing::warn!(worker = id, error = %e, "could not undo a refused worker's attachment");
+            }
+        });
+    }
+}
+
+impl Replicas {
+    /// A worker attached (or re-attached) over its stream: joined as
+    /// [`Plane::worker_joined`] does once its attachment is recorded (after the Join
+    /// is checked, and undone when it is refused after all or this call is dropped):
+    /// refused when another process holds its id on another live replica.
+    pub(super) async fn attach(
+        &self,
+        plane: &Plane,
+        join: &wk::Join,
+        link: Arc<WorkerLink>,
+    ) -> Result<bool, Status> {
+        if plane.is_shutting_down() {
+            return Err(shutting_down());
+        }
+        let (_, hosting) = Plane::read_join(join)?;
+        // The actor it reports: kept only if the record has it RUNNING there when
+        // the attachment is written (a release built from it elsewhere then fails).
+        plane.refuse_duplicate(&plane.lock(), join)?;
+        let keep = hosting;
+        let row = WorkerRow {
+            id: join.worker_id.clone(),
+            pool: join.pool.clone(),
+            app_address: join.app_address.clone(),
+            replica: self.store.replica(),
+            incarnation: i64::from_ne_bytes(join.incarnation.to_ne_bytes()),
+            leaving: join.draining,
+            attach: 0,
+        };
+        let (attach, kept) = match self.store.attach_worker(&row, keep.as_ref()).await {
+            Ok(Some(attached)) => attached,
+            Ok(None) => {
+                return Err(Status::already_exists(format!(
+                    "worker id {} is attached by another live process on another control-plane replica; give each worker its own --worker-id",
+                    crate::model::shown(&join.worker_id)
+                )));
+            }
+            Err(e) => return Err(super::db_error(&e)),
+        };
+        let undo = Unrecorded {
+            replicas: self.clone(),
+            id: join.worker_id.clone(),
+            attach: Some(attach),
+        };
+        let veto = {
+            let mut st = plane.lock();
+            match kept {
+                Some(row) => {
+                    let freed = st.apply(&Batch::put([row]));
+                    debug_assert!(freed.is_empty());
+                    false
+                }
+                // Not kept by the record. Unless it is SUSPENDING with its checkpoint
+                // (an operation of this replica) waiting for this attach: only that
+                // operation changes its record, so memory decides (below). Before,
+                // such a worker was told to drop the actor, and the checkpoint lost
+                // the actor's state since its last snapshot.
+                None => keep
+                    .as_ref()
+                    .is_some_and(|k| !st.awaiting_worker.contains(k)),
+            }
+        };
+        let joined = plane.join_worker(join, link, veto, attach);
+        if joined.is_ok() {
+            undo.keep();
+        }
+        joined
+    }
+
+    /// `worker` drains: recorded, in the background.
+    pub(super) fn worker_draining(&self, worker: &str) {
+        let (store, worker) = (Arc::clone(&self.store), worker.to_owned());
+        self.spawn(async move {
+            if let Err(e) = store.worker_leaving(&worker).await {
+                tracing::warn!(worker, error = %e, "could not record that the worker drains");
+            }
+        });
+    }
+
+    /// `worker`'s attachment `attach` ended: recorded, in the background.
+    pub(super) fn worker_left(&self, worker: &str, attach: i64) {
+        let (store, worker) = (Arc::clone(&self.store), worker.to_owned());
+        self.spawn(async move {
+            if let Err(e) = store.detach_worker(&worker, attach).await {
+                tracing::warn!(worker, error = %e, "could not record that the worker left");
+            }
+        });
+    }
+
+    /// For releases of `rows` (the records they were built from) refused because a
+    /// record changed: the records that still place their actor RUNNING on the same
+    /// worker, that worker not attached to another replica, to release again. `None`
+    /// when there is nothing to do again (shutting down, or the database not
+    /// answering).
+    pub(super) async fn releases_still_due(
+        &self,
+        plane: &Plane,
+        rows: &[ActorRow],
+    ) -> Option<Vec<ActorRow>> {
+        if plane.is_shutting_down() {
+            return None;
+        }
+        let store = &self.store;
+        let keys: Vec<ActorKey> = rows.iter().map(ActorRow::key).collect();
+        let now = store.actors(&keys).await.ok()?;
+        let mut again = Vec::new();
+        for (was, (_, row)) in rows.iter().zip(now) {
+            let Some(row) = row else { continue };
+            if row.uid != was.uid
+                || row.status != ActorStatus::Running
+                || row.worker.is_none()
+                || row.worker != was.worker
+            {
+                continue;
+            }
+            let w = row.worker.clone().unwrap_or_default();
+            let elsewhere = store
+                .worker(&w)
+                .await
+                .ok()?
+                .is_some_and(|a| a.replica != store.replica());
+            if !elsewhere {
+                again.push(row);
+            }
+        }
+        Some(again)
+    }
+
+    /// A waiter here (entry `id`) queued `actor` for a worker of `pool`: written by
+    /// one task, in the order of arrival here (`seq` follows it).
+    pub(super) fn queued(&self, pool: &str, actor: &ActorKey, id: u64) {
+        let _ = self.queue.send(QueueWrite::Insert {
+            pool: pool.to_owned(),
+            actor: actor.clone(),
+            id,
+        });
+    }
+
+    /// Takes this replica's waiter `seq` out of the queue the replicas share, in the
+    /// background (its resume no longer waits), by the task that writes the queue,
+    /// after this replica's earlier changes of it. A row a hand-off took already
+    /// stays taken.
+    pub(super) fn dequeue(&self, plane: &Plane, seq: i64) {
+        plane.lock().replicas.waiting.remove(&seq);
+        let _ = self.queue.send(QueueWrite::Delete { seq });
+    }
+
+    /// An eviction in `pool` serves one waiter, claimed in the queue the replicas
+    /// share, so that two replicas never evict for the same one (a router that polls
+    /// instead of waiting is this replica's own demand).
+    pub(super) async fn claim_eviction(
+        &self,
+        plane: &Plane,
+        key: &ActorKey,
+        pool: &str,
+    ) -> super::peers::Claim {
+        use super::peers::Claim;
+        match self.store.claim_eviction(pool).await {
+            Ok(Some(seq)) => Claim::Waiter(seq),
+            Ok(None) if plane.lock().refused_demand(pool) > 0 => Claim::Own,
+            Ok(None) => Claim::Nobody,
+            Err(e) => {
+                tracing::warn!(actor = %key, error = %e, "could not claim a waiter to evict for");
+                Claim::Nobody
+            }
+        }
+    }
+
+    /// The eviction that claimed waiter `seq` ended.
+    pub(super) async fn release_eviction(&self, plane: &Plane, seq: i64) {
+        if let Err(e) = self.store.release_eviction(seq).await {
+            tracing::debug!(seq, error = %e, "could not release an eviction's claim");
+        }
+        if let Some(w) = plane.lock().replicas.waiting.get_mut(&seq) {
+            w.evicting = None;
+        }
     }
 }
