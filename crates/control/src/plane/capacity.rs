@@ -15,6 +15,8 @@
 
 use std::sync::atomic::Ordering;
 
+use std::collections::{HashMap, VecDeque};
+
 use tokio::sync::oneshot;
 
 use super::{Plane, Slot, State};
@@ -52,30 +54,133 @@ impl Waiter {
         !self.tx.is_closed()
     }
 
-    /// The actor it waits for.
-    pub(crate) fn actor(&self) -> &ActorKey {
-        &self.actor
-    }
-
-    /// Its row in the queue the replicas share, once written.
-    pub(crate) fn seq(&self) -> Option<i64> {
-        self.seq
-    }
-
-    /// Its row was written.
-    pub(crate) fn set_seq(&mut self, seq: i64) {
-        self.seq = Some(seq);
-    }
-
-    /// Tells it from the other entries here.
-    pub(crate) fn id(&self) -> u64 {
-        self.id
-    }
-
     /// Tells its resume what it got. One that left drops it: a reservation then
     /// passes its worker on.
     pub(crate) fn hand(self, handed: Handed) {
         let _ = self.tx.send(handed);
+    }
+}
+
+/// The capacity queues, one per pool, oldest waiter first: the only place entries
+/// are added, taken and dropped.
+#[derive(Debug, Default)]
+pub(crate) struct Waiters {
+    queues: HashMap<String, VecDeque<Waiter>>,
+}
+
+impl Waiters {
+    fn push(&mut self, pool: &str, waiter: Waiter) {
+        self.queues
+            .entry(pool.to_owned())
+            .or_default()
+            .push_back(waiter);
+    }
+
+    /// Entry `id` of `pool`'s queue, out of it.
+    pub(crate) fn remove(&mut self, pool: &str, id: u64) -> Option<Waiter> {
+        let q = self.queues.get_mut(pool)?;
+        let i = q.iter().position(|w| w.id == id)?;
+        q.remove(i)
+    }
+
+    /// The oldest entry of `pool`'s queue, out of it.
+    fn pop(&mut self, pool: &str) -> Option<Waiter> {
+        self.queues.get_mut(pool)?.pop_front()
+    }
+
+    /// Whether a resume still waits for a worker of `pool`.
+    pub(crate) fn any_live(&self, pool: &str) -> bool {
+        self.queues
+            .get(pool)
+            .is_some_and(|q| q.iter().any(Waiter::is_live))
+    }
+
+    /// How many resumes wait for a worker of `pool`.
+    pub(crate) fn live(&self, pool: &str) -> usize {
+        self.queues
+            .get(pool)
+            .map_or(0, |q| q.iter().filter(|w| w.is_live()).count())
+    }
+
+    /// How many resumes wait, by pool.
+    pub(crate) fn live_by_pool(&self) -> Vec<(String, usize)> {
+        self.queues
+            .iter()
+            .map(|(pool, q)| (pool.clone(), q.iter().filter(|w| w.is_live()).count()))
+            .collect()
+    }
+
+    /// The actors whose resumes wait for a worker of `pool`.
+    pub(crate) fn live_actors<'a>(&'a self, pool: &str) -> impl Iterator<Item = &'a ActorKey> + 'a {
+        self.queues
+            .get(pool)
+            .into_iter()
+            .flatten()
+            .filter(|w| w.is_live())
+            .map(|w| &w.actor)
+    }
+
+    /// The actors whose resumes wait for a worker of `pool` and whose shared rows are
+    /// not written yet.
+    pub(crate) fn unwritten_actors<'a>(
+        &'a self,
+        pool: &str,
+    ) -> impl Iterator<Item = &'a ActorKey> + 'a {
+        self.queues
+            .get(pool)
+            .into_iter()
+            .flatten()
+            .filter(|w| w.is_live() && w.seq.is_none())
+            .map(|w| &w.actor)
+    }
+
+    /// Whether `actor` has an entry in `pool`'s queue.
+    pub(crate) fn has(&self, pool: &str, actor: &ActorKey) -> bool {
+        self.queues
+            .get(pool)
+            .is_some_and(|q| q.iter().any(|w| &w.actor == actor))
+    }
+
+    /// The waiter here whose row is `seq` (of `actor`), out of its queue: the one with
+    /// that `seq`, or the actor's one that does not know its row yet.
+    pub(crate) fn take(&mut self, pool: &str, seq: i64, actor: &ActorKey) -> Option<Waiter> {
+        let q = self.queues.get_mut(pool)?;
+        let i = q
+            .iter()
+            .position(|w| &w.actor == actor && w.seq.is_none_or(|s| s == seq))?;
+        q.remove(i)
+    }
+
+    /// Entry `id` of `pool`'s queue has its shared row `seq`; whether it is there.
+    pub(crate) fn written(&mut self, pool: &str, id: u64, seq: i64) -> bool {
+        match self
+            .queues
+            .get_mut(pool)
+            .and_then(|q| q.iter_mut().find(|w| w.id == id))
+        {
+            Some(w) => {
+                w.seq = Some(seq);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Entries whose shared rows are gone (`present` says which are not), out of
+    /// their queues.
+    pub(crate) fn vanished(&mut self, present: impl Fn(i64) -> bool) -> Vec<Waiter> {
+        let mut gone = Vec::new();
+        for q in self.queues.values_mut() {
+            let mut i = 0;
+            while i < q.len() {
+                if q[i].seq.is_some_and(|seq| !present(seq)) {
+                    gone.extend(q.remove(i));
+                } else {
+                    i += 1;
+                }
+            }
+        }
+        gone
     }
 }
 
@@ -102,12 +207,7 @@ impl Drop for Ticket {
     fn drop(&mut self) {
         let seq = {
             let mut st = self.plane.lock();
-            match st.queues.get_mut(&self.pool) {
-                Some(q) if let Some(pos) = q.iter().position(|w| w.id == self.id) => {
-                    q.remove(pos).and_then(|w| w.seq)
-                }
-                _ => None,
-            }
+            st.waiters.remove(&self.pool, self.id).and_then(|w| w.seq)
         };
         // Its row goes too (one still being written goes once it is: see `enqueue`).
         if let Some(seq) = seq {
@@ -139,7 +239,8 @@ impl Reservation {
         self.settled = true;
         self.plane
             .lock()
-            .forget_departed_reservation(&self.worker, &self.actor);
+            .workers
+            .forget_reservation(&self.worker, &self.actor);
     }
 }
 
@@ -149,12 +250,10 @@ impl Drop for Reservation {
             return;
         }
         let freed = {
-            let mut st = self.plane.lock();
-            st.forget_departed_reservation(&self.worker, &self.actor);
-            match st.workers.get_mut(&self.worker) {
-                Some(w) if w.slot == Slot::Reserved(self.actor.clone()) => w.vacate(),
-                _ => false,
-            }
+            self.plane
+                .lock()
+                .workers
+                .unreserve(&self.worker, &self.actor)
         };
         if freed {
             self.plane.hand_off(&self.worker);
@@ -163,43 +262,23 @@ impl Drop for Reservation {
 }
 
 impl State {
-    /// The reservation of departed `worker` for `actor` ended (claimed or dropped):
-    /// should the worker come back, it is not reserved any more.
-    fn forget_departed_reservation(&mut self, worker: &str, actor: &ActorKey) {
-        if let Some(d) = self.departed.get_mut(worker)
-            && d.reserved.as_ref() == Some(actor)
-        {
-            d.reserved = None;
-        }
-    }
-
     /// A free worker of `pool` for a resume that has not queued, if any. None while a
     /// resume waits in the pool's queue: a worker that frees is handed to the oldest
     /// waiter in a step of its own, after the change that freed it (see
     /// [`Plane::hand_off`]), and a resume arriving in between queues behind the
     /// waiters instead of taking it.
     pub(crate) fn free_worker(&self, pool: &str) -> Option<String> {
-        if self
-            .queues
-            .get(pool)
-            .is_some_and(|q| q.iter().any(Waiter::is_live))
-            || self.replicas.queued_in(pool)
-        {
+        if self.waiters.any_live(pool) || self.replicas.queued_in(pool) {
             return None;
         }
-        self.workers
-            .iter()
-            .find(|(_, w)| w.pool == pool && w.slot == Slot::Free && !w.link.is_closed())
-            .map(|(id, _)| id.clone())
+        self.workers.free_in(pool)
     }
 }
 
 impl Plane {
     /// Reserves free `worker` for `actor`.
     pub(crate) fn reserve(&self, st: &mut State, worker: &str, actor: &ActorKey) -> Reservation {
-        if let Some(w) = st.workers.get_mut(worker) {
-            w.slot = Slot::Reserved(actor.clone());
-        }
+        st.workers.reserve(worker, actor);
         Reservation {
             plane: self.clone(),
             worker: worker.to_owned(),
@@ -215,15 +294,15 @@ impl Plane {
     pub(crate) fn enqueue(&self, st: &mut State, pool: &str, actor: &ActorKey) -> Ticket {
         let id = st.id();
         let (tx, rx) = oneshot::channel();
-        st.queues
-            .entry(pool.to_owned())
-            .or_default()
-            .push_back(Waiter {
+        st.waiters.push(
+            pool,
+            Waiter {
                 id,
                 actor: actor.clone(),
                 seq: None,
                 tx,
-            });
+            },
+        );
         self.inner.stats.queued.fetch_add(1, Ordering::Relaxed);
         self.inner.peers.queued(pool, actor, id);
         Ticket {
@@ -250,11 +329,11 @@ impl Plane {
                     return;
                 };
                 // A worker whose stream is ending is leaving, not free.
-                if w.slot != Slot::Free || w.link.is_closed() {
+                if *w.slot() != Slot::Free || !w.is_open() {
                     return;
                 }
-                let pool = w.pool.clone();
-                let Some(waiter) = st.queues.get_mut(&pool).and_then(|q| q.pop_front()) else {
+                let pool = w.pool().to_owned();
+                let Some(waiter) = st.waiters.pop(&pool) else {
                     return;
                 };
                 let reservation = self.reserve(&mut st, worker, &waiter.actor);
@@ -269,15 +348,9 @@ impl Plane {
                 Err(Handed::Worker(mut unused)) => {
                     // That waiter left: take the worker back and try the next one.
                     unused.settled = true;
-                    let mut st = self.lock();
                     // Its stream may have ended in between: the departure must not
                     // keep the reservation either.
-                    st.forget_departed_reservation(worker, &unused.actor);
-                    if let Some(w) = st.workers.get_mut(worker)
-                        && w.slot == Slot::Reserved(unused.actor.clone())
-                    {
-                        w.vacate();
-                    }
+                    self.lock().workers.unreserve(worker, &unused.actor);
                 }
             }
         }
@@ -287,13 +360,7 @@ impl Plane {
 impl Plane {
     /// Offers every free worker of `pool` attached here to the queue.
     pub(super) fn offer_free(&self, pool: &str) {
-        let free: Vec<String> = self
-            .lock()
-            .workers
-            .iter()
-            .filter(|(_, w)| w.pool == pool && w.slot == Slot::Free)
-            .map(|(id, _)| id.clone())
-            .collect();
+        let free = self.lock().workers.all_free_in(pool);
         for w in free {
             self.hand_off(&w);
         }
@@ -307,19 +374,6 @@ impl Plane {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.metrics().handoff();
     }
-}
-
-/// The waiter here whose row is `seq` (of `actor`), out of its queue: the one with
-/// that `seq`, or the actor's one that does not know its row yet.
-pub(super) fn take_waiter(
-    q: &mut std::collections::VecDeque<super::capacity::Waiter>,
-    seq: i64,
-    actor: &ActorKey,
-) -> Option<super::capacity::Waiter> {
-    let i = q
-        .iter()
-        .position(|w| w.actor() == actor && w.seq().is_none_or(|s| s == seq))?;
-    q.remove(i)
 }
 
 impl Plane {
@@ -337,20 +391,18 @@ mod tests {
 
     use super::*;
     use crate::link::WorkerLink;
-    use crate::plane::WorkerRec;
+    use crate::plane::workers::Joined;
 
-    fn worker(pool: &str) -> WorkerRec {
-        WorkerRec {
+    fn worker(pool: &str) -> Joined {
+        Joined {
             pool: pool.into(),
             app_addr: "127.0.0.1:1".parse().unwrap(),
             slot: Slot::Free,
             link: Arc::new(WorkerLink::new(tokio::sync::mpsc::channel(1).0)),
-            last_renewal: tokio::time::Instant::now(),
             leaving: false,
             incarnation: 0,
             not_kept: Vec::new(),
             attach: 0,
-            hosting_restore: 0,
         }
     }
 
@@ -359,15 +411,18 @@ mod tests {
     #[tokio::test]
     async fn a_free_worker_goes_to_waiters_first() {
         let mut st = State::default();
-        st.workers.insert("w1".into(), worker("p"));
+        st.workers.join("w1", worker("p"));
         assert_eq!(st.free_worker("p").as_deref(), Some("w1"));
         let (tx, rx) = oneshot::channel();
-        st.queues.entry("p".into()).or_default().push_back(Waiter {
-            id: 1,
-            actor: ActorKey::new("demo", "a").unwrap(),
-            seq: None,
-            tx,
-        });
+        st.waiters.push(
+            "p",
+            Waiter {
+                id: 1,
+                actor: ActorKey::new("demo", "a").unwrap(),
+                seq: None,
+                tx,
+            },
+        );
         assert_eq!(st.free_worker("p"), None, "the waiter comes first");
         assert_eq!(st.free_worker("q"), None, "no worker in that pool");
         drop(rx);

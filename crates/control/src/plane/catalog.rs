@@ -179,14 +179,14 @@ impl Plane {
             let hosting = row.worker.as_ref().and_then(|w| {
                 st.workers
                     .get(w)
-                    .map(|rec| (std::sync::Arc::clone(&rec.link), w.clone()))
+                    .map(|rec| (std::sync::Arc::clone(rec.link()), w.clone()))
             });
             let any = || {
                 st.workers
                     .iter()
-                    .filter(|(_, w)| w.pool == row.pool)
+                    .filter(|(_, w)| w.pool() == row.pool)
                     .min_by_key(|(id, _)| (*id).clone())
-                    .map(|(id, w)| (std::sync::Arc::clone(&w.link), id.clone()))
+                    .map(|(id, w)| (std::sync::Arc::clone(w.link()), id.clone()))
             };
             let (link, worker) = hosting.or_else(any).ok_or_else(|| {
                 Status::unavailable(format!(

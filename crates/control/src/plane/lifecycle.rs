@@ -25,10 +25,7 @@ fn stop_waits_for(st: &super::State, key: &ActorKey) -> bool {
             joinable: false, ..
         }) => true,
         // Handed a worker (reserved under the lock) before its task has run.
-        Some(OpKind::Resuming { .. }) => st
-            .workers
-            .values()
-            .any(|w| matches!(&w.slot, super::Slot::Reserved(k) if k == key)),
+        Some(OpKind::Resuming { .. }) => st.workers.reserved_for(key),
         _ => false,
     }
 }
@@ -138,9 +135,7 @@ impl Plane {
             let leasable = st.busy(&key).is_none()
                 && st.actors.get(&key).is_some_and(|r| {
                     r.status == ActorStatus::Running
-                        && r.worker
-                            .as_ref()
-                            .is_some_and(|w| st.workers.contains_key(w))
+                        && r.worker.as_ref().is_some_and(|w| st.workers.contains(w))
                         && {
                             let now = st.to_proto(r);
                             (&now.ateom_pod_name, &now.ateom_pod_ip, now.worker_port)
@@ -423,8 +418,8 @@ impl Plane {
             .lock()
             .workers
             .get(&worker)
-            .filter(|w| !w.not_kept.iter().any(|(k, id)| k == key && *id == op))
-            .map(|w| Arc::clone(&w.link))
+            .filter(|w| w.serves_op(key, op))
+            .map(|w| Arc::clone(w.link()))
         else {
             return Err(LinkError::Gone);
         };
@@ -466,12 +461,11 @@ impl Plane {
                 // address to answer; its departure releases the actor, and the
                 // caller asks again.
                 let mut st = self.lock();
-                let Some(w) = st.workers.get_mut(&worker) else {
+                if !st.workers.runs(&worker, restore_id) {
                     return Err(Status::unavailable(format!(
                         "the worker of actor {key} went away as it was restored"
                     )));
-                };
-                w.hosting_restore = restore_id;
+                }
                 Ok((st.to_proto(&running), true))
             }
             Err(LinkError::Gone) => {
@@ -505,7 +499,7 @@ impl Plane {
     /// Tells `worker` to drop `key`, if it is attached (no answer awaited).
     pub(super) fn evict(&self, worker: &str, key: &ActorKey, row: &ActorRow) {
         if let Some(w) = self.lock().workers.get(worker) {
-            w.link.notify(Command::Evict(wk::Evict {
+            w.link().notify(Command::Evict(wk::Evict {
                 actor: Some(slot_of(key, row)),
             }));
         }
@@ -745,7 +739,7 @@ impl Plane {
             .lock()
             .workers
             .get(&worker)
-            .map(|w| Arc::clone(&w.link))
+            .map(|w| Arc::clone(w.link()))
         else {
             return Err(LinkError::Gone);
         };

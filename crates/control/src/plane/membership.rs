@@ -12,7 +12,8 @@ use tonic::Status;
 use valet_proto::ateapi;
 use valet_proto::worker::{self as wk, worker_command::Command};
 
-use super::{Op, OpKind, OpTarget, Plane, Slot, State, WorkerRec};
+use super::workers::{Departure, Joined};
+use super::{Op, OpKind, OpTarget, Plane, Slot, State};
 use crate::link::WorkerLink;
 use crate::model::{self, ActorKey, ActorStatus, NAMESPACE};
 use crate::store::{ActorRow, Batch};
@@ -24,45 +25,6 @@ const RELEASE_ROUNDS: usize = 5;
 /// How many times a drain suspends (or waits for) the actor on its worker before it
 /// tells the worker to stop all the same.
 const DRAIN_ROUNDS: usize = 4;
-
-/// A worker whose stream ended, for as long as it may still serve its actor.
-#[derive(Debug, Clone)]
-pub(crate) struct Departure {
-    /// Tells this departure from a later one of the same worker.
-    id: u64,
-    /// Its app's address: a port that refuses connections means its process is gone.
-    app: SocketAddr,
-    /// When it has fenced its actor at the latest: its hosting lease after the last
-    /// renewal the plane heard from it.
-    fenced_by: tokio::time::Instant,
-    /// The process that left (`Join.incarnation`; 0: unknown).
-    incarnation: u64,
-    /// It had an actor (or one reserved): it may still serve it until `fenced_by`.
-    hosting: bool,
-    /// The actor whose activation it was reserved for, while that reservation lives:
-    /// it stays that actor's if the worker comes back.
-    pub(crate) reserved: Option<ActorKey>,
-}
-
-impl Departure {
-    /// A worker this replica never saw attached that may still serve its actor until
-    /// `fenced_by` (it was attached to a replica that died).
-    pub(crate) fn unseen(
-        id: u64,
-        app: SocketAddr,
-        fenced_by: tokio::time::Instant,
-        incarnation: u64,
-    ) -> Self {
-        Self {
-            id,
-            app,
-            fenced_by,
-            incarnation,
-            hosting: true,
-            reserved: None,
-        }
-    }
-}
 
 /// Whether nothing listens on `app` any more (its process is gone): the connection is
 /// refused within a second.
@@ -140,11 +102,11 @@ impl Plane {
         let id = &join.worker_id;
         let now = tokio::time::Instant::now();
         let lease = self.config().hosting_lease;
-        let other = match (st.workers.get(id), st.departed.get(id)) {
-            (Some(w), _) if !w.link.is_closed() || w.slot.has_actor() => {
-                Some((w.incarnation, self.fenced_by(w.last_renewal, lease)))
+        let other = match (st.workers.get(id), st.workers.departed(id)) {
+            (Some(w), _) if w.is_open() || w.slot().has_actor() => {
+                Some((w.incarnation(), self.fenced_by(w.last_renewal(), lease)))
             }
-            (None, Some(d)) if d.hosting => Some((d.incarnation, d.fenced_by)),
+            (None, Some(d)) => d.hosting().map(|incarnation| (incarnation, d.fenced_by())),
             _ => None,
         };
         // A Join naming no incarnation (0) does not replace one that named its own:
@@ -185,10 +147,10 @@ impl Plane {
             st.replicas.workers.remove(&id);
             let previous = st.workers.remove(&id);
             // Back: what it hosts is decided below, not by a lease running out.
-            let reserved = st.departed.remove(&id).and_then(|d| d.reserved);
+            let reserved = st.workers.back(&id);
             if let Some(old) = &previous {
                 // This worker's earlier stream (it re-attached): ended from this side.
-                old.link.end(Status::aborted(
+                old.link().end(Status::aborted(
                     "the worker attached again on another stream",
                 ));
             }
@@ -225,7 +187,7 @@ impl Plane {
                 .map(|(k, _)| k.clone());
             let leaving = join.draining;
             // So does one made before its stream ended, while it lives.
-            let slot = match (&kept, previous.map(|p| p.slot), recorded) {
+            let slot = match (&kept, previous.map(|p| p.slot().clone()), recorded) {
                 (Some(k), _, _) => Slot::Hosting(k.clone()),
                 (None, Some(Slot::Reserved(k)), _) => Slot::Reserved(k),
                 // Its offer to the shared queue goes on: that offer decides the slot.
@@ -271,19 +233,17 @@ impl Plane {
                 hosting_kept: kept.is_some(),
                 hosting_lease: self.config().hosting_lease.try_into().ok(),
             }));
-            st.workers.insert(
-                id.clone(),
-                WorkerRec {
+            st.workers.join(
+                &id,
+                Joined {
                     pool: join.pool.clone(),
                     app_addr,
                     slot,
                     link,
-                    last_renewal: tokio::time::Instant::now(),
                     leaving,
                     incarnation: join.incarnation,
                     not_kept,
                     attach,
-                    hosting_restore: 0,
                 },
             );
             self.inner.stats.attachments.fetch_add(1, Ordering::Relaxed);
@@ -292,7 +252,7 @@ impl Plane {
                 pool = %join.pool,
                 app = %app_addr,
                 hosting = ?kept.as_ref().map(ToString::to_string),
-                workers = st.pool_size(&join.pool),
+                workers = st.workers.pool_size(&join.pool),
                 "worker joined pool"
             );
             // Actors the records place on this worker that it no longer hosts (it
@@ -329,11 +289,7 @@ impl Plane {
             let plane = self.clone();
             let (id, link) = (id.clone(), Arc::clone(&stream));
             self.inner.tasks.spawn(async move {
-                let same = |st: &State| {
-                    st.workers
-                        .get(&id)
-                        .is_some_and(|w| Arc::ptr_eq(&w.link, &link))
-                };
+                let same = |st: &State| st.workers.get(&id).is_some_and(|w| w.on(&link));
                 plane
                     .release_once_idle(
                         &key,
@@ -417,11 +373,7 @@ impl Plane {
         let Ok(key) = ActorKey::new(&slot.atespace, &slot.name) else {
             return;
         };
-        let current = self
-            .lock()
-            .workers
-            .get(worker)
-            .is_some_and(|w| Arc::ptr_eq(&w.link, link));
+        let current = self.lock().workers.get(worker).is_some_and(|w| w.on(link));
         if !current {
             return;
         }
@@ -446,7 +398,7 @@ impl Plane {
             let still = |st: &State| {
                 st.workers
                     .get(&worker)
-                    .is_some_and(|w| Arc::ptr_eq(&w.link, &link) && w.hosting_restore == run)
+                    .is_some_and(|w| w.on(&link) && w.hosting_restore() == run)
             };
             plane
                 .release_once_idle(&key, &worker, still, Release::Crash(reason))
@@ -461,18 +413,10 @@ impl Plane {
     pub(crate) fn worker_draining(&self, worker: &str, link: &Arc<WorkerLink>) {
         {
             let mut st = self.lock();
-            let Some(rec) = st
-                .workers
-                .get_mut(worker)
-                .filter(|w| Arc::ptr_eq(&w.link, link) && !w.leaving)
-            else {
+            let Some(pool) = st.workers.drain(worker, link) else {
                 return;
             };
-            rec.leaving = true;
-            if rec.slot == Slot::Free {
-                rec.vacate();
-            }
-            tracing::info!(worker, pool = %rec.pool, "worker draining: checkpointing its actor, giving it no new one");
+            tracing::info!(worker, %pool, "worker draining: checkpointing its actor, giving it no new one");
         }
         self.inner.peers.worker_draining(worker);
         self.spawn_drain(worker, Arc::clone(link));
@@ -500,7 +444,7 @@ impl Plane {
             let (on_it, offered) = {
                 let st = self.lock();
                 match st.workers.get(worker) {
-                    Some(w) if Arc::ptr_eq(&w.link, link) => match &w.slot {
+                    Some(w) if w.on(link) => match w.slot() {
                         Slot::Hosting(k) | Slot::Reserved(k) => (Some(k.clone()), false),
                         Slot::Offered => (None, true),
                         Slot::Free | Slot::Leaving => (None, false),
@@ -515,7 +459,7 @@ impl Plane {
                     p.lock()
                         .workers
                         .get(worker)
-                        .is_none_or(|w| w.slot != Slot::Offered)
+                        .is_none_or(|w| *w.slot() != Slot::Offered)
                 };
                 tokio::select! {
                     _ = self.wait_until(wait, settled) => {}
@@ -570,14 +514,7 @@ impl Plane {
 
     /// A hosting renewal from `worker` (on its current stream `link`).
     pub(crate) fn renewed(&self, worker: &str, link: &Arc<WorkerLink>) -> bool {
-        let mut st = self.lock();
-        match st.workers.get_mut(worker) {
-            Some(w) if Arc::ptr_eq(&w.link, link) => {
-                w.last_renewal = tokio::time::Instant::now();
-                true
-            }
-            _ => false,
-        }
+        self.lock().workers.renewed(worker, link)
     }
 
     /// A worker's stream ended: the pool shrinks. Its actor may still be served by the
@@ -589,34 +526,20 @@ impl Plane {
     pub(crate) fn worker_left(&self, worker: &str, link: &Arc<WorkerLink>) {
         let orphan = {
             let mut st = self.lock();
-            let current = st
-                .workers
-                .get(worker)
-                .is_some_and(|w| Arc::ptr_eq(&w.link, link));
+            let current = st.workers.get(worker).is_some_and(|w| w.on(link));
             if !current {
                 return;
             }
             let rec = st.workers.remove(worker).expect("checked above");
-            self.inner.peers.worker_left(worker, rec.attach);
-            let now = tokio::time::Instant::now();
-            st.departed.retain(|_, d| d.fenced_by >= now);
-            let departure = Departure {
-                id: st.id(),
-                app: rec.app_addr,
-                fenced_by: self.fenced_by(rec.last_renewal, self.config().hosting_lease),
-                incarnation: rec.incarnation,
-                hosting: rec.slot.has_actor(),
-                reserved: match &rec.slot {
-                    Slot::Reserved(k) => Some(k.clone()),
-                    _ => None,
-                },
-            };
-            st.departed.insert(worker.to_owned(), departure.clone());
-            let left = st.pool_size(&rec.pool);
+            self.inner.peers.worker_left(worker, rec.attach());
+            let id = st.id();
+            let fenced_by = self.fenced_by(rec.last_renewal(), self.config().hosting_lease);
+            let departure = st.workers.depart(worker, id, &rec, fenced_by);
+            let left = st.workers.pool_size(rec.pool());
             // Scheduled for an actor in the middle of an operation too: should the
             // operation end with it RUNNING here (a checkpoint the actor was too busy
             // for), the release finds it so.
-            let orphan = match &rec.slot {
+            let orphan = match rec.slot() {
                 Slot::Hosting(key) if !self.is_shutting_down() => st
                     .actors
                     .get(key)
@@ -626,11 +549,11 @@ impl Plane {
             };
             if self.is_shutting_down() {
                 // Expected: the plane told it to detach.
-                tracing::info!(worker, pool = %rec.pool, workers_left = left, "worker left its pool");
+                tracing::info!(worker, pool = %rec.pool(), workers_left = left, "worker left its pool");
             } else {
                 tracing::warn!(
                     worker,
-                    pool = %rec.pool,
+                    pool = %rec.pool(),
                     workers_left = left,
                     actor = ?orphan.as_ref().map(ToString::to_string),
                     "worker left its pool"
@@ -698,14 +621,14 @@ impl Plane {
         if st.replicas.attached_elsewhere(worker) {
             return None;
         }
-        match (st.workers.get(worker), st.departed.get(worker)) {
-            (Some(w), _) if !w.link.is_closed() => None,
+        match (st.workers.get(worker), st.workers.departed(worker)) {
+            (Some(w), _) if w.is_open() => None,
             // Its stream just ended (the plane has not heard of it yet).
             (Some(w), _) => Some((
-                Some(w.app_addr),
-                self.fenced_by(w.last_renewal, self.config().hosting_lease),
+                Some(w.app_addr()),
+                self.fenced_by(w.last_renewal(), self.config().hosting_lease),
             )),
-            (None, Some(d)) => Some((Some(d.app), d.fenced_by)),
+            (None, Some(d)) => Some((Some(d.app()), d.fenced_by())),
             (None, None) => Some((None, self.inner.workers_unknown_until)),
         }
     }
@@ -720,7 +643,7 @@ impl Plane {
             p.lock()
                 .workers
                 .get(worker)
-                .is_some_and(|w| !w.link.is_closed() && w.slot == Slot::Hosting(key.clone()))
+                .is_some_and(|w| w.is_open() && *w.slot() == Slot::Hosting(key.clone()))
         };
         let Some((app, deadline)) = self.unattached(worker) else {
             return hosting(self);
@@ -756,7 +679,7 @@ impl Plane {
     /// replica).
     fn attached(&self, worker: &str) -> bool {
         let st = self.lock();
-        st.workers.get(worker).is_some_and(|w| !w.link.is_closed())
+        st.workers.get(worker).is_some_and(|w| w.is_open())
             || st.replicas.attached_elsewhere(worker)
     }
 
@@ -772,12 +695,11 @@ impl Plane {
             // Not if the worker came back (the plane decided what it hosts then), or
             // left again (that departure's release decides).
             let gone = |st: &State| {
-                let back =
-                    st.workers.contains_key(&worker) || st.replicas.attached_elsewhere(&worker);
+                let back = st.workers.contains(&worker) || st.replicas.attached_elsewhere(&worker);
                 let superseded = st
-                    .departed
-                    .get(&worker)
-                    .is_some_and(|d| d.id != departure.id);
+                    .workers
+                    .departed(&worker)
+                    .is_some_and(|d| !d.same(&departure));
                 !back && !superseded
             };
             plane
@@ -873,8 +795,8 @@ impl Plane {
                         r.status == ActorStatus::Running
                             && st.busy(k).is_none()
                             && !r.worker.as_ref().is_some_and(|w| {
-                                st.workers.contains_key(w)
-                                    || st.departed.contains_key(w)
+                                st.workers.contains(w)
+                                    || st.workers.departed(w).is_some()
                                     || st.replicas.attached_elsewhere(w)
                             })
                     })
@@ -906,12 +828,7 @@ impl Plane {
     /// Tells every attached worker to detach: it keeps its actor running and attaches
     /// again when a control plane comes back.
     pub(super) fn detach_workers(&self) {
-        let links: Vec<Arc<WorkerLink>> = self
-            .lock()
-            .workers
-            .values()
-            .map(|w| Arc::clone(&w.link))
-            .collect();
+        let links = self.lock().workers.links();
         for link in links {
             link.detach();
         }
@@ -921,11 +838,11 @@ impl Plane {
     pub fn list_workers(&self) -> Vec<ateapi::Worker> {
         let st = self.lock();
         let local = st.workers.iter().map(|(id, w)| {
-            let actor = match &w.slot {
+            let actor = match w.slot() {
                 Slot::Hosting(k) | Slot::Reserved(k) => st.actors.get(k).map(|r| (k, r)),
                 Slot::Free | Slot::Leaving | Slot::Offered => None,
             };
-            (id, &w.pool, w.app_addr.to_string(), actor)
+            (id, w.pool(), w.app_addr().to_string(), actor)
         });
         // Those attached to other replicas, with the actor the records place there.
         let remote = st
@@ -938,14 +855,14 @@ impl Plane {
                     .actors
                     .iter()
                     .find(|(_, r)| r.worker.as_deref() == Some(id.as_str()));
-                (id, &w.pool, w.app_address.clone(), actor)
+                (id, w.pool.as_str(), w.app_address.clone(), actor)
             });
         let mut all: Vec<_> = local.chain(remote).collect();
         all.sort_by(|a, b| a.0.cmp(b.0));
         all.into_iter()
             .map(|(id, pool, ip, actor)| ateapi::Worker {
                 worker_namespace: NAMESPACE.into(),
-                worker_pool: pool.clone(),
+                worker_pool: pool.to_owned(),
                 worker_pod: id.clone(),
                 actor_namespace: actor
                     .map(|(_, r)| r.template_namespace.clone())

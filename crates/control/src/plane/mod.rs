@@ -27,10 +27,10 @@ mod op;
 mod peers;
 mod policy;
 mod replicas;
+mod workers;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -42,14 +42,13 @@ use tonic::Status;
 use valet_proto::ateapi;
 use valet_proto::worker as wk;
 
-use crate::link::WorkerLink;
 use crate::metrics::PlaneMetrics;
 use crate::model::{self, ActorKey, ActorStatus, NAMESPACE, Template};
 use crate::store::{ActorRow, Batch, Store, StoreError};
 
-pub(crate) use capacity::Waiter;
 pub use leases::WatchTx;
 pub(crate) use op::{Op, OpKind, OpTarget};
+pub(crate) use workers::{Slot, WorkerRec, Workers};
 
 /// Largest `ListActors` page; bigger requests are clamped.
 pub const MAX_PAGE_SIZE: usize = 1000;
@@ -176,76 +175,13 @@ pub struct StatsSnapshot {
 /// What a resume comes to: the actor and whether this call activated it.
 pub(crate) type Outcome = Result<(ateapi::Actor, bool), Status>;
 
-/// What a worker's slot holds.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Slot {
-    /// Nothing: the worker has room.
-    Free,
-    /// Promised to an activation whose claim is not durable yet.
-    Reserved(ActorKey),
-    /// The actor the records place on it.
-    Hosting(ActorKey),
-    /// Nothing, and nothing ever again: the worker is draining (it is stopping).
-    Leaving,
-    /// Nothing yet: being offered to the capacity queue the replicas share (several
-    /// replicas on one database), whose oldest waiter gets it, or it is free again.
-    Offered,
-}
-
-impl Slot {
-    /// Whether an actor is on it, or promised to it.
-    pub(crate) fn has_actor(&self) -> bool {
-        matches!(self, Slot::Reserved(_) | Slot::Hosting(_))
-    }
-}
-
-#[derive(Debug)]
-pub(crate) struct WorkerRec {
-    pub(crate) pool: String,
-    pub(crate) app_addr: SocketAddr,
-    pub(crate) slot: Slot,
-    pub(crate) link: Arc<WorkerLink>,
-    /// When the plane last heard a hosting renewal from it (or it attached).
-    pub(crate) last_renewal: tokio::time::Instant,
-    /// It asked to drain: once vacated, its slot is [`Slot::Leaving`], never free.
-    pub(crate) leaving: bool,
-    /// The process attached as this worker (`Join.incarnation`; 0: unknown).
-    pub(crate) incarnation: u64,
-    /// Actors the records placed on it that an operation held when it attached on
-    /// this stream, and that it did not keep, with that operation's id: that
-    /// operation sends it nothing more here (the actor is released once it ends, if
-    /// it ends RUNNING there). A later operation may use the worker as any other.
-    pub(crate) not_kept: Vec<(ActorKey, u64)>,
-    /// Its attachment's number in the record the replicas share (several replicas;
-    /// 0 otherwise): a later one elsewhere supersedes it.
-    pub(crate) attach: i64,
-    /// The Restore command (its id on this stream) whose run it hosts, as the plane
-    /// accepted its answer; 0 for none, or an actor kept from an earlier attachment. A
-    /// program's exit it reports applies to that run only, never to one restored
-    /// since.
-    pub(crate) hosting_restore: u64,
-}
-
-impl WorkerRec {
-    /// Nothing is on it any more: free, or [`Slot::Leaving`] when it drains. Whether it
-    /// has room now (to hand to a waiter). The one place a slot becomes vacant.
-    pub(crate) fn vacate(&mut self) -> bool {
-        self.slot = if self.leaving {
-            Slot::Leaving
-        } else {
-            Slot::Free
-        };
-        !self.leaving
-    }
-}
-
 #[derive(Debug, Default)]
 pub(crate) struct State {
     pub(crate) atespaces: BTreeSet<String>,
     pub(crate) actors: BTreeMap<ActorKey, ActorRow>,
     pub(crate) ops: HashMap<OpTarget, (u64, OpKind)>,
-    pub(crate) workers: BTreeMap<String, WorkerRec>,
-    pub(crate) queues: HashMap<String, VecDeque<Waiter>>,
+    pub(crate) workers: Workers,
+    pub(crate) waiters: capacity::Waiters,
     pub(crate) next_id: u64,
     /// What each RUNNING actor is doing, as its worker reports it.
     pub(crate) activity: HashMap<ActorKey, policy::Activity>,
@@ -254,9 +190,6 @@ pub(crate) struct State {
     pub(crate) refused: HashMap<ActorKey, (String, tokio::time::Instant)>,
     /// Routers' watches and the route leases of every actor.
     pub(crate) leases: leases::LeaseBook,
-    /// Workers whose stream ended and that may still serve their actor, by id, until
-    /// they re-attach or their hosting lease has run out.
-    pub(crate) departed: HashMap<String, membership::Departure>,
     /// SUSPENDING actors whose checkpoint waits for their worker to attach again: a
     /// re-attach that reports one keeps it (the checkpoint then goes over the new
     /// stream) instead of evicting it with everything it did since its last snapshot.
@@ -271,10 +204,6 @@ impl State {
         self.next_id
     }
 
-    fn pool_size(&self, pool: &str) -> usize {
-        self.workers.values().filter(|w| w.pool == pool).count()
-    }
-
     /// Whether `row`'s worker is attached and renewing its hosting: a worker silent for
     /// half its hosting lease may have fenced the actor already (it fences at the whole
     /// lease, counted from a renewal it sent no later), so nothing is routed there.
@@ -283,7 +212,7 @@ impl State {
             return false;
         };
         match self.workers.get(worker) {
-            Some(w) => w.last_renewal.elapsed() < hosting_lease / 2,
+            Some(w) => w.last_renewal().elapsed() < hosting_lease / 2,
             // Attached to another live replica, which renews its hosting.
             None => self.replicas.attached_elsewhere(worker),
         }
@@ -306,7 +235,7 @@ impl State {
         let worker = row.worker.as_ref().and_then(|id| {
             self.workers
                 .get(id)
-                .map(|w| w.app_addr)
+                .map(WorkerRec::app_addr)
                 .or_else(|| self.replicas.remote_address(id))
                 .map(|addr| (id, addr))
         });
@@ -373,13 +302,13 @@ impl State {
             }
             let before = self.actors.get(&key).and_then(|r| r.worker.clone());
             if before != row.worker {
-                if let Some(w) = before {
-                    self.free_slot(&w, &key, &mut freed);
-                }
-                if let Some(w) = &row.worker
-                    && let Some(rec) = self.workers.get_mut(w)
+                if let Some(w) = before
+                    && self.workers.release(&w, &key)
                 {
-                    rec.slot = Slot::Hosting(key.clone());
+                    freed.push(w);
+                }
+                if let Some(w) = &row.worker {
+                    self.workers.host(w, &key);
                 }
             }
             if !matches!(row.status, ActorStatus::Running | ActorStatus::Suspending) {
@@ -390,23 +319,16 @@ impl State {
         for key in &batch.delete_actors {
             self.activity.remove(key);
             self.refused.remove(key);
-            if let Some(w) = self.actors.remove(key).and_then(|r| r.worker) {
-                self.free_slot(&w, key, &mut freed);
+            if let Some(w) = self.actors.remove(key).and_then(|r| r.worker)
+                && self.workers.release(&w, key)
+            {
+                freed.push(w);
             }
         }
         for name in &batch.delete_atespaces {
             self.atespaces.remove(name);
         }
         freed
-    }
-
-    fn free_slot(&mut self, worker: &str, key: &ActorKey, freed: &mut Vec<String>) {
-        if let Some(rec) = self.workers.get_mut(worker)
-            && matches!(&rec.slot, Slot::Hosting(k) | Slot::Reserved(k) if k == key)
-            && rec.vacate()
-        {
-            freed.push(worker.to_owned());
-        }
     }
 }
 
@@ -657,18 +579,14 @@ impl Plane {
         let (pools, waiters) = {
             let st = self.lock();
             let mut pools: BTreeMap<String, (usize, usize)> = BTreeMap::new();
-            for w in st.workers.values() {
-                let e = pools.entry(w.pool.clone()).or_default();
+            for (_, w) in st.workers.iter() {
+                let e = pools.entry(w.pool().to_owned()).or_default();
                 e.0 += 1;
-                if w.slot == Slot::Free {
+                if *w.slot() == Slot::Free {
                     e.1 += 1;
                 }
             }
-            let waiters: Vec<(String, usize)> = st
-                .queues
-                .iter()
-                .map(|(pool, q)| (pool.clone(), q.iter().filter(|w| w.is_live()).count()))
-                .collect();
+            let waiters = st.waiters.live_by_pool();
             (pools, waiters)
         };
         self.inner.metrics.render(&pools, &waiters)
@@ -905,22 +823,16 @@ impl Plane {
 
     /// Capacity waiters queued in `pool` now.
     pub fn waiters(&self, pool: &str) -> usize {
-        self.lock()
-            .queues
-            .get(pool)
-            .map_or(0, |q| q.iter().filter(|w| w.is_live()).count())
+        self.lock().waiters.live(pool)
     }
 
     /// Workers attached to `pool` now, and how many of them are free.
     pub fn pool(&self, pool: &str) -> (usize, usize) {
         let st = self.lock();
-        let all = st.pool_size(pool);
-        let free = st
-            .workers
-            .values()
-            .filter(|w| w.pool == pool && w.slot == Slot::Free)
-            .count();
-        (all, free)
+        (
+            st.workers.pool_size(pool),
+            st.workers.all_free_in(pool).len(),
+        )
     }
 
     /// The clean shutdown: capacity waiters are answered `Unavailable` at once (the

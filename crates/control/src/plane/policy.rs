@@ -93,9 +93,10 @@ impl Plane {
         };
         let wake = {
             let mut st = self.lock();
-            let current = st.workers.get(worker).is_some_and(|w| {
-                std::sync::Arc::ptr_eq(&w.link, link) && w.slot == Slot::Hosting(key.clone())
-            });
+            let current = st
+                .workers
+                .on(worker, link)
+                .is_some_and(|w| *w.slot() == Slot::Hosting(key.clone()));
             if !current {
                 return;
             }
@@ -171,7 +172,7 @@ impl Plane {
                     .worker
                     .as_ref()
                     .and_then(|w| st.workers.get(w))
-                    .is_some_and(|w| !w.link.is_closed());
+                    .is_some_and(|w| w.is_open());
                 if st.replicas.me.is_some() && !here {
                     continue;
                 }
@@ -300,20 +301,9 @@ impl super::State {
         if self.replicas.me.is_some() {
             return self.shared_eviction_demand(pool);
         }
-        let mut waiting: BTreeSet<&ActorKey> = self
-            .queues
-            .get(pool)
-            .into_iter()
-            .flatten()
-            .filter(|w| w.is_live())
-            .map(|w| w.actor())
-            .collect();
+        let mut waiting: BTreeSet<&ActorKey> = self.waiters.live_actors(pool).collect();
         waiting.extend(self.refused_in(pool));
-        let free = self
-            .workers
-            .values()
-            .filter(|w| w.pool == pool && w.slot == Slot::Free)
-            .count();
+        let free = self.workers.count_in(pool, |s| *s == Slot::Free);
         // A checkpoint in progress frees a worker for the pool, unless that worker is
         // leaving (a drain's): it never comes back free.
         let freeing = self
@@ -328,7 +318,7 @@ impl super::State {
                         && r.worker
                             .as_ref()
                             .and_then(|w| self.workers.get(w))
-                            .is_some_and(|w| !w.leaving)
+                            .is_some_and(|w| !w.is_leaving())
                 }))
             })
             .count();
@@ -363,21 +353,12 @@ impl super::State {
             .map(|w| &w.actor)
             .collect();
         // Queued here, its row not written yet.
-        waiting.extend(
-            self.queues
-                .get(pool)
-                .into_iter()
-                .flatten()
-                .filter(|w| w.is_live() && w.seq().is_none())
-                .map(|w| w.actor()),
-        );
+        waiting.extend(self.waiters.unwritten_actors(pool));
         waiting.extend(self.refused_in(pool));
         // Free here, or free on another replica (which hands it to a waiter at once).
         let free = self
             .workers
-            .values()
-            .filter(|w| w.pool == pool && matches!(w.slot, Slot::Free | Slot::Offered))
-            .count()
+            .count_in(pool, |s| matches!(s, Slot::Free | Slot::Offered))
             + self.free_elsewhere_count(pool);
         let freeing = self
             .ops
@@ -389,7 +370,7 @@ impl super::State {
                             && r.worker
                                 .as_ref()
                                 .and_then(|w| self.workers.get(w))
-                                .is_some_and(|w| !w.leaving)
+                                .is_some_and(|w| !w.is_leaving())
                     }))
             })
             .count();

@@ -26,8 +26,8 @@ use valet_proto::ateapi;
 use valet_proto::worker as wk;
 
 use super::capacity::Handed;
-use super::membership::Departure;
 use super::op::CapacityWait;
+use super::workers::Departure;
 use super::{Op, OpKind, OpTarget, Outcome, Plane, Slot, crashed, not_found, shutting_down};
 use crate::link::WorkerLink;
 use crate::model::{ActorKey, ActorStatus};
@@ -538,7 +538,7 @@ impl Replicas {
                         // the actor on must not go on hosting it.
                         if let Some(w) = cached.and_then(|c| c.worker.clone())
                             && row.worker.as_ref() != Some(&w)
-                            && st.workers.contains_key(&w)
+                            && st.workers.contains(&w)
                         {
                             evict.push((w, key.clone(), row.clone()));
                         }
@@ -602,7 +602,7 @@ impl Replicas {
                 // A read older than what is known (an attachment here, or elsewhere,
                 // recorded later): nothing changes.
                 Some(r)
-                    if st.workers.get(id).is_some_and(|w| w.attach >= r.attach)
+                    if st.workers.get(id).is_some_and(|w| w.attach() >= r.attach)
                         || st
                             .replicas
                             .workers
@@ -617,7 +617,7 @@ impl Replicas {
                     // It attached to another replica after it attached here: its
                     // stream here is stale. Its actor went with it, so it leaves here
                     // without a departure, and what it did here is that replica's now.
-                    let moved = st.workers.remove(id).map(|rec| rec.link);
+                    let moved = st.workers.remove(id).map(|rec| Arc::clone(rec.link()));
                     if moved.is_some() {
                         tracing::info!(worker = id, %pool, "worker attached to another replica");
                         let on_it: Vec<ActorKey> = st
@@ -679,9 +679,7 @@ impl Replicas {
             if handed_by.is_some() && handed_by == st.replicas.me {
                 None
             } else {
-                st.queues
-                    .get_mut(pool)
-                    .and_then(|q| super::capacity::take_waiter(q, seq, actor))
+                st.waiters.take(pool, seq, actor)
             }
         };
         if let Some(w) = waiter {
@@ -725,7 +723,7 @@ impl Replicas {
                     Instant::now() + lease,
                     u64::from_ne_bytes(w.incarnation.to_ne_bytes()),
                 );
-                st.departed.insert(w.id.clone(), departure.clone());
+                st.workers.orphaned(&w.id, departure.clone());
                 let running: Vec<ActorKey> = st
                     .actors
                     .values()
@@ -804,20 +802,9 @@ impl Replicas {
             let known = &mut st.replicas;
             known.added.retain(|seq, _| known.waiting.contains_key(seq));
             // Waiters of this replica whose rows went while it did not listen.
-            let mut vanished = Vec::new();
-            for q in st.queues.values_mut() {
-                let mut i = 0;
-                while i < q.len() {
-                    if q[i]
-                        .seq()
-                        .is_some_and(|seq| !view.waiters.iter().any(|w| w.seq == seq))
-                    {
-                        vanished.extend(q.remove(i));
-                    } else {
-                        i += 1;
-                    }
-                }
-            }
+            let vanished = st
+                .waiters
+                .vanished(|seq| view.waiters.iter().any(|w| w.seq == seq));
             let pools: BTreeSet<String> = st
                 .replicas
                 .waiting
@@ -838,11 +825,7 @@ impl Replicas {
             view.waiters
                 .iter()
                 .filter(|w| w.replica == me)
-                .filter(|w| {
-                    !st.queues
-                        .get(&w.pool)
-                        .is_some_and(|q| q.iter().any(|l| l.actor() == &w.actor))
-                })
+                .filter(|w| !st.waiters.has(&w.pool, &w.actor))
                 .map(|w| w.seq)
                 .collect()
         };
@@ -938,27 +921,22 @@ impl Replicas {
                     Err(e) => Err(super::db_error(e)),
                 };
                 let mut st = plane.lock();
-                let pos = st
-                    .queues
-                    .get(&pool)
-                    .and_then(|q| q.iter().position(|w| w.id() == id));
-                match (written, pos) {
+                match written {
                     // (The replicas' list of waiters follows the announcements, which
                     // come in the order of the writes: one that went already is not
                     // put back.)
-                    (Ok(Some(seq)), Some(i)) => {
-                        if let Some(w) = st.queues.get_mut(&pool).and_then(|q| q.get_mut(i)) {
-                            w.set_seq(seq);
+                    Ok(Some(seq)) => {
+                        if st.waiters.written(&pool, id, seq) {
+                            pools.insert(pool);
+                        } else {
+                            // Its resume left while the row was written: the row goes
+                            // too.
+                            drop(st);
+                            self.dequeue(plane, seq);
                         }
-                        pools.insert(pool);
                     }
-                    // Its resume left while the row was written: the row goes too.
-                    (Ok(Some(seq)), None) => {
-                        drop(st);
-                        plane.dequeue(seq);
-                    }
-                    (Ok(None), Some(i)) => {
-                        let w = st.queues.get_mut(&pool).and_then(|q| q.remove(i));
+                    Ok(None) => {
+                        let w = st.waiters.remove(&pool, id);
                         drop(st);
                         if let Some(w) = w {
                             w.hand(Handed::Elsewhere {
@@ -967,14 +945,13 @@ impl Replicas {
                             });
                         }
                     }
-                    (Err(e), Some(i)) => {
-                        let w = st.queues.get_mut(&pool).and_then(|q| q.remove(i));
+                    Err(e) => {
+                        let w = st.waiters.remove(&pool, id);
                         drop(st);
                         if let Some(w) = w {
                             w.hand(Handed::Failed(e));
                         }
                     }
-                    (_, None) => {}
                 }
             }
             for pool in pools {
@@ -1113,22 +1090,17 @@ impl Replicas {
         let pool = {
             let mut st = plane.lock();
             let queued = |st: &super::State, pool: &str| {
-                st.replicas.queued_in(pool)
-                    || st
-                        .queues
-                        .get(pool)
-                        .is_some_and(|q| q.iter().any(|w| w.is_live()))
+                st.replicas.queued_in(pool) || st.waiters.any_live(pool)
             };
             let Some(w) = st.workers.get(worker) else {
                 return;
             };
-            if w.slot != Slot::Free || w.link.is_closed() || !queued(&st, &w.pool) {
+            if *w.slot() != Slot::Free || !w.is_open() || !queued(&st, w.pool()) {
                 return;
             }
-            let pool = w.pool.clone();
-            if let Some(w) = st.workers.get_mut(worker) {
-                w.slot = Slot::Offered;
-            }
+            let Some(pool) = st.workers.offer(worker) else {
+                return;
+            };
             pool
         };
         let (this, plane2) = (self.clone(), plane.clone());
@@ -1169,10 +1141,7 @@ impl Replicas {
             }
             let then = {
                 let mut st = plane.lock();
-                let offered = st
-                    .workers
-                    .get(worker)
-                    .is_some_and(|w| w.slot == Slot::Offered);
+                let offered = st.workers.is_offered(worker);
                 match handed {
                     Ok(HandOff::Nobody(present)) => {
                         // The pool's waiters memory lists that the database no longer
@@ -1191,9 +1160,7 @@ impl Replicas {
                             // A waiter came meanwhile: it is offered the worker too.
                             Then::Again
                         } else {
-                            if let Some(w) = st.workers.get_mut(worker) {
-                                w.vacate();
-                            }
+                            st.workers.withdraw(worker);
                             // Waiters it could not be given (busy here, or being
                             // handed a worker by another replica whose hand-off may
                             // yet fail): offered again a moment later.
@@ -1205,15 +1172,11 @@ impl Replicas {
                         }
                     }
                     Ok(HandOff::NotHere) => {
-                        if offered && let Some(w) = st.workers.get_mut(worker) {
-                            w.vacate();
-                        }
+                        st.workers.withdraw(worker);
                         Then::Done
                     }
                     Ok(HandOff::Local(waiter)) => {
-                        let local = st.queues.get_mut(pool).and_then(|q| {
-                            super::capacity::take_waiter(q, waiter.seq, &waiter.actor)
-                        });
+                        let local = st.waiters.take(pool, waiter.seq, &waiter.actor);
                         match local {
                             // It left meanwhile: the next one.
                             None => Then::Again,
@@ -1221,9 +1184,6 @@ impl Replicas {
                             // again): the waiter queues again, its row being gone.
                             Some(local) if !offered => Then::Requeue(local),
                             Some(local) => {
-                                if let Some(w) = st.workers.get_mut(worker) {
-                                    w.slot = Slot::Free;
-                                }
                                 let reservation = plane.reserve(&mut st, worker, &waiter.actor);
                                 Then::Hand(local, reservation)
                             }
@@ -1236,9 +1196,7 @@ impl Replicas {
                     }
                     Err(e) => {
                         tracing::warn!(worker, %pool, error = %e, "could not hand a free worker to the queue; offering it again shortly");
-                        if offered && let Some(w) = st.workers.get_mut(worker) {
-                            w.vacate();
-                        }
+                        st.workers.withdraw(worker);
                         Then::Later(OFFER_AGAIN * 5)
                     }
                 }
