@@ -20,7 +20,7 @@ impl Plane {
             let op = {
                 let mut st = plane.lock();
                 let target = OpTarget::Atespace(name.clone());
-                if st.atespaces.contains(&name) || st.ops.contains_key(&target) {
+                if st.records.has_atespace(&name) || st.ops.holder(&target).is_some() {
                     return Err(Status::already_exists(format!(
                         "atespace {name} already exists"
                     )));
@@ -40,7 +40,7 @@ impl Plane {
     /// `GetAtespace`.
     pub fn get_atespace(&self, name: &str) -> Result<ateapi::Atespace, Status> {
         model::check_name("atespace", name)?;
-        if self.lock().atespaces.contains(name) {
+        if self.lock().records.has_atespace(name) {
             Ok(ateapi::Atespace {
                 name: name.to_owned(),
             })
@@ -52,8 +52,8 @@ impl Plane {
     /// `ListAtespaces`.
     pub fn list_atespaces(&self) -> Vec<ateapi::Atespace> {
         self.lock()
-            .atespaces
-            .iter()
+            .records
+            .atespaces()
             .map(|n| ateapi::Atespace { name: n.clone() })
             .collect()
     }
@@ -66,18 +66,15 @@ impl Plane {
         self.detached(async move {
             let op = {
                 let mut st = plane.lock();
-                if !st.atespaces.contains(&name) {
+                if !st.records.has_atespace(&name) {
                     return Err(Status::not_found(format!("atespace {name} not found")));
                 }
                 let target = OpTarget::Atespace(name.clone());
-                let busy_inside = st
-                    .ops
-                    .keys()
-                    .any(|t| matches!(t, OpTarget::Actor(k) if k.atespace() == name));
-                if st.ops.contains_key(&target) || busy_inside {
+                let busy_inside = st.ops.inside(&name);
+                if st.ops.holder(&target).is_some() || busy_inside {
                     return Err(aborted());
                 }
-                if st.actors.keys().any(|k| k.atespace() == name) {
+                if st.records.keys().any(|k| k.atespace() == name) {
                     return Err(Status::failed_precondition(format!(
                         "atespace {name} still has actors; delete them first"
                     )));
@@ -128,7 +125,7 @@ impl Plane {
         self.detached(async move {
             let op = {
                 let mut st = plane.lock();
-                if !st.atespaces.contains(key.atespace()) {
+                if !st.records.has_atespace(key.atespace()) {
                     return Err(Status::failed_precondition(format!(
                         "atespace {} not found; create it first",
                         key.atespace()
@@ -136,11 +133,12 @@ impl Plane {
                 }
                 if st
                     .ops
-                    .contains_key(&OpTarget::Atespace(key.atespace().to_owned()))
+                    .holder(&OpTarget::Atespace(key.atespace().to_owned()))
+                    .is_some()
                 {
                     return Err(aborted());
                 }
-                if st.actors.contains_key(&key) || st.busy(&key).is_some() {
+                if st.records.contains(&key) || st.busy(&key).is_some() {
                     return Err(Status::already_exists(format!(
                         "actor {key} already exists"
                     )));
@@ -161,7 +159,7 @@ impl Plane {
     /// `GetActor`.
     pub fn get_actor(&self, key: &ActorKey) -> Result<ateapi::Actor, Status> {
         let st = self.lock();
-        let row = st.actors.get(key).ok_or_else(|| not_found(key))?;
+        let row = st.records.get(key).ok_or_else(|| not_found(key))?;
         Ok(st.to_proto(row))
     }
 
@@ -175,7 +173,7 @@ impl Plane {
     pub async fn actor_logs(&self, key: &ActorKey) -> Result<(Vec<u8>, String), Status> {
         let (link, worker, slot) = {
             let st = self.lock();
-            let row = st.actors.get(key).ok_or_else(|| not_found(key))?;
+            let row = st.records.get(key).ok_or_else(|| not_found(key))?;
             let hosting = row.worker.as_ref().and_then(|w| {
                 st.workers
                     .get(w)
@@ -236,15 +234,17 @@ impl Plane {
             Some(ActorKey::new(a, n).map_err(|_| Status::invalid_argument("invalid page_token"))?)
         };
         let st = self.lock();
-        let mut page = Vec::with_capacity(size.min(st.actors.len()));
+        let mut page = Vec::with_capacity(size.min(st.records.len()));
         let mut last = None;
         let mut more = false;
         let range = match &after {
-            Some(k) => st.actors.range((
+            Some(k) => st.records.range((
                 std::ops::Bound::Excluded(k.clone()),
                 std::ops::Bound::Unbounded,
             )),
-            None => st.actors.range(..),
+            None => st
+                .records
+                .range((std::ops::Bound::Unbounded, std::ops::Bound::Unbounded)),
         };
         for (k, row) in range {
             if !atespace.is_empty() && k.atespace() != atespace {
@@ -270,7 +270,7 @@ impl Plane {
         self.detached(async move {
             let op = {
                 let mut st = plane.lock();
-                let status = st.actors.get(&key).ok_or_else(|| not_found(&key))?.status;
+                let status = st.records.get(&key).ok_or_else(|| not_found(&key))?.status;
                 if st.busy(&key).is_some() {
                     return Err(aborted());
                 }

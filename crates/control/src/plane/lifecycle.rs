@@ -109,7 +109,7 @@ impl Plane {
         // a delete (which forgets the count after it) cannot land in between.
         {
             let st = self.lock();
-            if st.actors.contains_key(&key) {
+            if st.records.contains(&key) {
                 *stats
                     .per_actor
                     .lock()
@@ -133,7 +133,7 @@ impl Plane {
             // wakes after its operation ended, and the actor may have moved since
             // (a lease on the old address would outlive every revocation).
             let leasable = st.busy(&key).is_none()
-                && st.actors.get(&key).is_some_and(|r| {
+                && st.records.get(&key).is_some_and(|r| {
                     r.status == ActorStatus::Running
                         && r.worker.as_ref().is_some_and(|w| st.workers.contains(w))
                         && {
@@ -174,7 +174,7 @@ impl Plane {
             // joined it shares its outcome otherwise.
             let (mut outcome, capacity, deadline, joined) = {
                 let mut st = self.lock();
-                let row = st.actors.get(key).ok_or_else(|| not_found(key))?;
+                let row = st.records.get(key).ok_or_else(|| not_found(key))?;
                 match st.busy(key) {
                     Some(OpKind::Resuming {
                         outcome,
@@ -201,8 +201,8 @@ impl Plane {
                                 )));
                             }
                             let actor = st.to_proto(row);
-                            if let Some(a) = st.activity.get_mut(key).filter(|_| activity) {
-                                a.touch();
+                            if activity {
+                                st.signals.touch(key);
                             }
                             return Ok((actor, ResumeHow::Running));
                         }
@@ -302,7 +302,7 @@ impl Plane {
         capacity: &watch::Sender<CapacityWait>,
         tx: &watch::Sender<Option<Outcome>>,
     ) -> Result<Outcome, NoOutcome> {
-        let Some(row) = self.lock().actors.get(key).cloned() else {
+        let Some(row) = self.lock().records.get(key).cloned() else {
             return Ok(Err(not_found(key)));
         };
         let row = if row.status.is_transitional() {
@@ -329,8 +329,7 @@ impl Plane {
                             Start::Queued(self.enqueue(&mut st, &row.pool, key))
                         }
                         None => {
-                            st.refused
-                                .insert(key.clone(), (row.pool.clone(), Instant::now()));
+                            st.signals.refused(key, &row.pool);
                             drop(st);
                             self.wake_policies();
                             return Ok(Err(no_room()));
@@ -398,7 +397,7 @@ impl Plane {
         }
         self.inner.stats.activations.fetch_add(1, Ordering::Relaxed);
         reservation.claimed();
-        self.lock().refused.remove(key);
+        self.lock().signals.served(key);
         let started = Instant::now();
         let result = self.restore(key, &claimed, op.id()).await;
         self.metrics().operation("restore", started.elapsed());
@@ -452,9 +451,7 @@ impl Plane {
             Ok(restore_id) => {
                 let mut running = claimed.moved(ActorStatus::Running, claimed.worker.clone());
                 running.revert_pending = false;
-                self.lock()
-                    .activity
-                    .insert(key.clone(), super::policy::Activity::restored());
+                self.lock().signals.restored(key);
                 self.finish(op, Batch::put([running.clone()])).await?;
                 tracing::info!(actor = %key, worker, "actor RUNNING");
                 // Its worker may have left while that was written: there is no
@@ -510,7 +507,7 @@ impl Plane {
     pub(super) async fn settle_half_way(&self) -> bool {
         let left: Vec<ActorKey> = self
             .lock()
-            .actors
+            .records
             .values()
             .filter(|r| r.status.is_transitional())
             .map(ActorRow::key)
@@ -521,7 +518,7 @@ impl Plane {
         for key in left {
             let taken = {
                 let mut st = self.lock();
-                match st.actors.get(&key) {
+                match st.records.get(&key) {
                     Some(r)
                         if r.status.is_transitional()
                             && st.busy(&key).is_none()
@@ -576,7 +573,7 @@ impl Plane {
     pub async fn suspend_actor(&self, key: ActorKey) -> Result<ateapi::Actor, Status> {
         let worker = {
             let st = self.lock();
-            st.actors
+            st.records
                 .get(&key)
                 .filter(|r| r.status == ActorStatus::Running && st.busy(&key).is_none())
                 .and_then(|r| r.worker.clone())
@@ -598,7 +595,7 @@ impl Plane {
             let started = Instant::now();
             let (op, row) = {
                 let mut st = plane.lock();
-                let row = st.actors.get(&key).ok_or_else(|| not_found(&key))?.clone();
+                let row = st.records.get(&key).ok_or_else(|| not_found(&key))?.clone();
                 if st.held_elsewhere(&row)
                     || row
                         .worker
@@ -688,9 +685,7 @@ impl Plane {
         }
         if matches!(result, Err(LinkError::Busy | LinkError::StillRunning(_))) {
             let back = suspending.moved(ActorStatus::Running, suspending.worker.clone());
-            if let Some(a) = self.lock().activity.get_mut(key) {
-                a.touch();
-            }
+            self.lock().signals.touch(key);
             // The actor runs on: a failed write must not leave it SUSPENDING, which
             // the settler would take back to its last snapshot, evicting it with its
             // requests in flight and everything it did since.
@@ -836,7 +831,7 @@ impl Plane {
             changes.mark_unchanged();
             let todo: Vec<ActorKey> = {
                 let st = self.lock();
-                st.actors
+                st.records
                     .iter()
                     .filter(|(k, r)| {
                         (r.status != ActorStatus::Suspended && r.status != ActorStatus::Crashed)
@@ -896,8 +891,8 @@ impl Plane {
         let st = self.lock();
         seen.iter()
             .filter(|k| {
-                st.actors
-                    .get(*k)
+                st.records
+                    .get(k)
                     .is_some_and(|r| r.status != ActorStatus::Suspended || stop_waits_for(&st, k))
             })
             .map(ToString::to_string)
@@ -911,7 +906,7 @@ impl Plane {
         self.detached(async move {
             let (op, row) = {
                 let mut st = plane.lock();
-                let row = st.actors.get(&key).ok_or_else(|| not_found(&key))?.clone();
+                let row = st.records.get(&key).ok_or_else(|| not_found(&key))?.clone();
                 match st.busy(&key) {
                     Some(OpKind::Resuming { .. }) => {
                         return Err(Status::failed_precondition(format!(

@@ -157,7 +157,7 @@ impl Plane {
             // What it reports hosting, if the records place it there: RUNNING with no
             // operation on it, or SUSPENDING with its checkpoint waiting for this attach.
             let kept = hosting.filter(|_| !veto).filter(|k| {
-                st.actors.get(k).is_some_and(|r| {
+                st.records.get(k).is_some_and(|r| {
                     r.worker.as_deref() == Some(id.as_str())
                         && match r.status {
                             ActorStatus::Running => st.busy(k).is_none(),
@@ -179,7 +179,7 @@ impl Plane {
             // it free (`apply` frees it and hands it off), so the records never place
             // two actors on one worker.
             let recorded = st
-                .actors
+                .records
                 .iter()
                 .find(|(k, r)| {
                     r.worker.as_deref() == Some(id.as_str()) && kept.as_ref() != Some(*k)
@@ -200,15 +200,13 @@ impl Plane {
             let free = slot == Slot::Free;
             if let Some(k) = &kept {
                 // Idle since it re-attached, until its worker reports otherwise.
-                st.activity
-                    .entry(k.clone())
-                    .or_insert_with(super::policy::Activity::restored);
+                st.signals.kept(k);
             }
             // Those an operation holds now may end RUNNING here all the same (their
             // last write was landing): released once it ends, unless the worker
             // attached again meanwhile (that attach decides).
             let held: Vec<ActorKey> = st
-                .actors
+                .records
                 .iter()
                 .filter(|(k, r)| {
                     r.worker.as_deref() == Some(id.as_str())
@@ -221,8 +219,8 @@ impl Plane {
                 .iter()
                 .filter_map(|k| {
                     st.ops
-                        .get(&OpTarget::Actor(k.clone()))
-                        .map(|(id, _)| (k.clone(), *id))
+                        .id_of(&OpTarget::Actor(k.clone()))
+                        .map(|id| (k.clone(), id))
                 })
                 .collect();
             // The Welcome goes first (after an Evict of what it may not keep), under
@@ -258,7 +256,7 @@ impl Plane {
             // Actors the records place on this worker that it no longer hosts (it
             // restarted) go back to SUSPENDED from their last snapshot.
             let stale: Vec<ActorRow> = st
-                .actors
+                .records
                 .iter()
                 .filter(|(k, r)| {
                     r.status == ActorStatus::Running
@@ -541,7 +539,7 @@ impl Plane {
             // for), the release finds it so.
             let orphan = match rec.slot() {
                 Slot::Hosting(key) if !self.is_shutting_down() => st
-                    .actors
+                    .records
                     .get(key)
                     .filter(|r| r.status != ActorStatus::Suspended)
                     .map(|_| key.clone()),
@@ -727,7 +725,7 @@ impl Plane {
                     None
                 } else {
                     let row = st
-                        .actors
+                        .records
                         .get(key)
                         .filter(|r| {
                             r.status == ActorStatus::Running && r.worker.as_deref() == Some(worker)
@@ -790,7 +788,7 @@ impl Plane {
                 let mut st = plane.lock();
                 let stale: Vec<ActorRow> = awaiting
                     .iter()
-                    .filter_map(|k| st.actors.get(k).map(|r| (k, r)))
+                    .filter_map(|k| st.records.get(k).map(|r| (k, r)))
                     .filter(|(k, r)| {
                         r.status == ActorStatus::Running
                             && st.busy(k).is_none()
@@ -839,7 +837,7 @@ impl Plane {
         let st = self.lock();
         let local = st.workers.iter().map(|(id, w)| {
             let actor = match w.slot() {
-                Slot::Hosting(k) | Slot::Reserved(k) => st.actors.get(k).map(|r| (k, r)),
+                Slot::Hosting(k) | Slot::Reserved(k) => st.records.get(k).map(|r| (k, r)),
                 Slot::Free | Slot::Leaving | Slot::Offered => None,
             };
             (id, w.pool(), w.app_addr().to_string(), actor)
@@ -852,7 +850,7 @@ impl Plane {
             .filter(|(_, w)| st.replicas.live.contains(&w.replica))
             .map(|(id, w)| {
                 let actor = st
-                    .actors
+                    .records
                     .iter()
                     .find(|(_, r)| r.worker.as_deref() == Some(id.as_str()));
                 (id, w.pool.as_str(), w.app_address.clone(), actor)

@@ -26,10 +26,11 @@ mod membership;
 mod op;
 mod peers;
 mod policy;
+mod records;
 mod replicas;
 mod workers;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -177,25 +178,26 @@ pub(crate) type Outcome = Result<(ateapi::Actor, bool), Status>;
 
 #[derive(Debug, Default)]
 pub(crate) struct State {
-    pub(crate) atespaces: BTreeSet<String>,
-    pub(crate) actors: BTreeMap<ActorKey, ActorRow>,
-    pub(crate) ops: HashMap<OpTarget, (u64, OpKind)>,
-    pub(crate) workers: Workers,
-    pub(crate) waiters: capacity::Waiters,
-    pub(crate) next_id: u64,
-    /// What each RUNNING actor is doing, as its worker reports it.
-    pub(crate) activity: HashMap<ActorKey, policy::Activity>,
-    /// Actors refused with `ResourceExhausted` lately, and when: demand for eviction
-    /// from routers that poll instead of waiting.
-    pub(crate) refused: HashMap<ActorKey, (String, tokio::time::Instant)>,
+    /// Atespaces and actor records (memory's copy of the store).
+    records: records::Records,
+    /// The operation locks held.
+    ops: op::Ops,
+    /// The workers attached here, their slots, and those departed.
+    workers: Workers,
+    /// The capacity queues.
+    waiters: capacity::Waiters,
+    /// The last id handed out (operations, waiters, departures).
+    next_id: u64,
+    /// What the policies read: activity and refusals.
+    signals: policy::Signals,
     /// Routers' watches and the route leases of every actor.
-    pub(crate) leases: leases::LeaseBook,
+    leases: leases::LeaseBook,
     /// SUSPENDING actors whose checkpoint waits for their worker to attach again: a
     /// re-attach that reports one keeps it (the checkpoint then goes over the new
     /// stream) instead of evicting it with everything it did since its last snapshot.
-    pub(crate) awaiting_worker: std::collections::HashSet<ActorKey>,
+    awaiting_worker: std::collections::HashSet<ActorKey>,
     /// Several replicas on one database: what this one knows of the others.
-    pub(crate) replicas: replicas::Known,
+    replicas: replicas::Known,
 }
 
 impl State {
@@ -225,9 +227,7 @@ impl State {
     }
 
     pub(crate) fn busy(&self, key: &ActorKey) -> Option<&OpKind> {
-        self.ops
-            .get(&OpTarget::Actor(key.clone()))
-            .map(|(_, kind)| kind)
+        self.ops.holder(&OpTarget::Actor(key.clone()))
     }
 
     /// The actor as the wire shows it: its worker's address only while RUNNING.
@@ -268,14 +268,14 @@ impl State {
             atespace: row.atespace.clone(),
             worker_port: port,
             idle_for: self
-                .activity
-                .get(&row.key())
+                .signals
+                .activity(&row.key())
                 .filter(|a| running && a.in_flight == 0)
                 .and_then(|a| a.since.elapsed().try_into().ok()),
             busy: running
                 && self
-                    .activity
-                    .get(&row.key())
+                    .signals
+                    .activity(&row.key())
                     .is_some_and(|a| a.in_flight > 0),
             status_reason: row.reason.clone(),
         }
@@ -287,20 +287,23 @@ impl State {
         let mut freed = Vec::new();
         self.replicas.written(batch);
         for name in &batch.put_atespaces {
-            self.atespaces.insert(name.clone());
+            self.records.put_atespace(name);
         }
         for row in &batch.put_actors {
             let key = row.key();
             // Several replicas: a newer record of the same actor may be in memory
             // already (another replica wrote after this one).
             if self
-                .actors
+                .records
                 .get(&key)
                 .is_some_and(|r| r.uid == row.uid && r.version > row.version)
             {
                 continue;
             }
-            let before = self.actors.get(&key).and_then(|r| r.worker.clone());
+            if !matches!(row.status, ActorStatus::Running | ActorStatus::Suspending) {
+                self.signals.stopped(&key);
+            }
+            let before = self.records.put(row.clone());
             if before != row.worker {
                 if let Some(w) = before
                     && self.workers.release(&w, &key)
@@ -311,22 +314,17 @@ impl State {
                     self.workers.host(w, &key);
                 }
             }
-            if !matches!(row.status, ActorStatus::Running | ActorStatus::Suspending) {
-                self.activity.remove(&key);
-            }
-            self.actors.insert(key, row.clone());
         }
         for key in &batch.delete_actors {
-            self.activity.remove(key);
-            self.refused.remove(key);
-            if let Some(w) = self.actors.remove(key).and_then(|r| r.worker)
+            self.signals.forget(key);
+            if let Some(w) = self.records.delete(key)
                 && self.workers.release(&w, key)
             {
                 freed.push(w);
             }
         }
         for name in &batch.delete_atespaces {
-            self.atespaces.remove(name);
+            self.records.delete_atespace(name);
         }
         freed
     }
@@ -478,7 +476,7 @@ impl Plane {
             (now + earlier_lease, now + earlier_hosting)
         };
         let mut state = State {
-            atespaces: loaded.atespaces.into_iter().collect(),
+            records: records::Records::loaded(loaded.atespaces),
             replicas: known,
             ..State::default()
         };
@@ -496,7 +494,7 @@ impl Plane {
                 );
                 half_way += 1;
             }
-            state.actors.insert(row.key(), row);
+            state.records.put(row);
         }
         let plane = Self {
             inner: Arc::new(Inner {
@@ -520,7 +518,7 @@ impl Plane {
         };
         let awaiting: Vec<ActorKey> = plane
             .lock()
-            .actors
+            .records
             .iter()
             .filter(|(_, r)| r.status == ActorStatus::Running)
             .map(|(k, _)| k.clone())
@@ -762,7 +760,7 @@ impl Plane {
     pub fn status_of(&self, atespace: &str, name: &str) -> Option<ateapi::actor::Status> {
         let key = ActorKey::new(atespace, name).ok()?;
         let st = self.lock();
-        st.actors
+        st.records
             .get(&key)
             .and_then(|r| ateapi::actor::Status::try_from(r.status.wire()).ok())
     }
@@ -849,7 +847,7 @@ impl Plane {
             .lock()
             .ops
             .iter()
-            .map(|(target, (_, kind))| format!("{target} {}", kind.name()))
+            .map(|(target, kind)| format!("{target} {}", kind.name()))
             .collect();
         if !in_progress.is_empty() {
             tracing::info!(

@@ -16,7 +16,7 @@
 //! refuses it (busy) unless the actor has stayed idle since, so a policy never cuts a
 //! request short or loses its effect.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -31,6 +31,85 @@ use crate::model::{ActorKey, ActorStatus};
 /// How long a `ResourceExhausted` refusal counts as demand for eviction.
 pub(crate) const REFUSED_FOR: Duration = Duration::from_secs(5);
 
+/// What the policies read: what each RUNNING actor is doing, as its worker reports
+/// it, and the actors refused `ResourceExhausted` lately (demand for eviction from
+/// routers that poll instead of waiting). The only place either changes.
+#[derive(Debug, Default)]
+pub(crate) struct Signals {
+    activity: HashMap<ActorKey, Activity>,
+    refused: HashMap<ActorKey, (String, Instant)>,
+}
+
+impl Signals {
+    /// What `key` is doing, if it runs.
+    pub(crate) fn activity(&self, key: &ActorKey) -> Option<&Activity> {
+        self.activity.get(key)
+    }
+
+    /// `key` was just restored: idle since now.
+    pub(crate) fn restored(&mut self, key: &ActorKey) {
+        self.activity.insert(key.clone(), Activity::restored());
+    }
+
+    /// `key` runs on, kept by its worker as it re-attached: idle since now unless
+    /// known already.
+    pub(crate) fn kept(&mut self, key: &ActorKey) {
+        self.activity
+            .entry(key.clone())
+            .or_insert_with(Activity::restored);
+    }
+
+    /// Counts as activity of `key` now (a resume of the running actor, a refused
+    /// checkpoint).
+    pub(crate) fn touch(&mut self, key: &ActorKey) {
+        if let Some(a) = self.activity.get_mut(key) {
+            a.since = Instant::now();
+        }
+    }
+
+    /// A worker's report of what `key` is doing; whether it is a new candidate for
+    /// the policies (idle under a new mark).
+    fn report(&mut self, key: ActorKey, in_flight: u32, mark: u64) -> bool {
+        let a = self.activity.entry(key).or_insert_with(Activity::restored);
+        let was_idle = a.in_flight == 0;
+        let changed = mark != a.mark;
+        if in_flight > 0 || changed || !was_idle {
+            a.since = Instant::now();
+        }
+        a.in_flight = in_flight;
+        a.mark = mark;
+        in_flight == 0 && (changed || !was_idle)
+    }
+
+    /// `key` runs no more (nor does anything about it count).
+    pub(crate) fn stopped(&mut self, key: &ActorKey) {
+        self.activity.remove(key);
+    }
+
+    /// `key` is gone.
+    pub(crate) fn forget(&mut self, key: &ActorKey) {
+        self.activity.remove(key);
+        self.refused.remove(key);
+    }
+
+    /// A resume of `key` (of `pool`) was refused for want of a free worker.
+    pub(crate) fn refused(&mut self, key: &ActorKey, pool: &str) {
+        self.refused
+            .insert(key.clone(), (pool.to_owned(), Instant::now()));
+    }
+
+    /// `key` got a worker: no demand any more.
+    pub(crate) fn served(&mut self, key: &ActorKey) {
+        self.refused.remove(key);
+    }
+
+    /// Forgets refusals older than [`REFUSED_FOR`].
+    fn expire(&mut self, now: Instant) {
+        self.refused
+            .retain(|_, (_, at)| now.saturating_duration_since(*at) < REFUSED_FOR);
+    }
+}
+
 /// What one RUNNING actor is doing, as the plane knows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Activity {
@@ -44,17 +123,12 @@ pub(crate) struct Activity {
 
 impl Activity {
     /// Just restored: idle since now, at the worker's first mark.
-    pub(crate) fn restored() -> Self {
+    fn restored() -> Self {
         Self {
             in_flight: 0,
             mark: 0,
             since: Instant::now(),
         }
-    }
-
-    /// Counts as activity now (a resume of the running actor, a refused checkpoint).
-    pub(crate) fn touch(&mut self) {
-        self.since = Instant::now();
     }
 
     /// How long it has been idle, if it is.
@@ -100,17 +174,8 @@ impl Plane {
             if !current {
                 return;
             }
-            let now = Instant::now();
-            let a = st.activity.entry(key).or_insert_with(Activity::restored);
-            let was_idle = a.in_flight == 0;
-            let changed = report.mark != a.mark;
-            if report.in_flight > 0 || changed || !was_idle {
-                a.since = now;
-            }
-            a.in_flight = report.in_flight;
-            a.mark = report.mark;
             // An actor idle under a new mark is a new candidate for the policies.
-            report.in_flight == 0 && (changed || !was_idle)
+            st.signals.report(key, report.in_flight, report.mark)
         };
         if wake {
             self.wake_policies();
@@ -157,12 +222,11 @@ impl Plane {
         let mut soonest = |at: Instant| next = Some(next.map_or(at, |n: Instant| n.min(at)));
         {
             let mut st = self.lock();
-            st.refused
-                .retain(|_, (_, at)| now.saturating_duration_since(*at) < REFUSED_FOR);
+            st.signals.expire(now);
             // Running, unlocked actors by pool, least recently active first.
             let mut idle: BTreeMap<String, Vec<(Instant, ActorKey, u64, Duration)>> =
                 BTreeMap::new();
-            for (key, row) in &st.actors {
+            for (key, row) in st.records.iter() {
                 if row.status != ActorStatus::Running || st.busy(key).is_some() {
                     continue;
                 }
@@ -176,7 +240,7 @@ impl Plane {
                 if st.replicas.me.is_some() && !here {
                     continue;
                 }
-                let Some(a) = st.activity.get(key) else {
+                let Some(a) = st.signals.activity(key) else {
                     continue;
                 };
                 let Some(for_) = a.idle_for(now) else {
@@ -252,7 +316,7 @@ impl Plane {
     ) {
         let plane = self.clone();
         self.inner.tasks.spawn(async move {
-            let Some(row) = plane.lock().actors.get(&key).cloned() else {
+            let Some(row) = plane.lock().records.get(&key).cloned() else {
                 return;
             };
             let pool = row.pool.clone();
@@ -309,11 +373,11 @@ impl super::State {
         let freeing = self
             .ops
             .iter()
-            .filter(|(target, (_, kind))| {
+            .filter(|(target, kind)| {
                 matches!(
                     kind,
                     OpKind::Busy("evicting" | "idle-suspending" | "suspending")
-                ) && matches!(target, OpTarget::Actor(k) if self.actors.get(k).is_some_and(|r| {
+                ) && matches!(target, OpTarget::Actor(k) if self.records.get(k).is_some_and(|r| {
                     r.pool == pool
                         && r.worker
                             .as_ref()
@@ -327,12 +391,15 @@ impl super::State {
 
     /// Actors of `pool` refused `ResourceExhausted` lately and still suspended.
     fn refused_in<'a>(&'a self, pool: &'a str) -> impl Iterator<Item = &'a ActorKey> + 'a {
-        self.refused.iter().filter_map(move |(key, (p, _))| {
-            let idle_again = self.actors.get(key).is_some_and(|r| {
-                matches!(r.status, ActorStatus::Suspended) && self.busy(key).is_none()
-            });
-            (p == pool && idle_again).then_some(key)
-        })
+        self.signals
+            .refused
+            .iter()
+            .filter_map(move |(key, (p, _))| {
+                let idle_again = self.records.get(key).is_some_and(|r| {
+                    matches!(r.status, ActorStatus::Suspended) && self.busy(key).is_none()
+                });
+                (p == pool && idle_again).then_some(key)
+            })
     }
 
     /// How many actors refused lately this replica evicts for (several replicas).
@@ -363,9 +430,9 @@ impl super::State {
         let freeing = self
             .ops
             .iter()
-            .filter(|(target, (_, kind))| {
+            .filter(|(target, kind)| {
                 matches!(kind, OpKind::Busy("idle-suspending" | "suspending"))
-                    && matches!(target, OpTarget::Actor(k) if self.actors.get(k).is_some_and(|r| {
+                    && matches!(target, OpTarget::Actor(k) if self.records.get(k).is_some_and(|r| {
                         r.pool == pool
                             && r.worker
                                 .as_ref()

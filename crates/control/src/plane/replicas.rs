@@ -252,7 +252,7 @@ impl super::State {
             return 0;
         }
         let taken: HashSet<&str> = self
-            .actors
+            .records
             .values()
             .filter_map(|r| r.worker.as_deref())
             .collect();
@@ -443,7 +443,7 @@ impl Replicas {
                     ..
                 } if plane
                     .lock()
-                    .actors
+                    .records
                     .get(&key)
                     .is_some_and(|r| r.uid == uid && r.version >= version) => {}
                 Event::Actor { key, .. } => {
@@ -526,7 +526,7 @@ impl Replicas {
                     st.replicas.skipped.insert(key);
                     continue;
                 }
-                let cached = st.actors.get(&key);
+                let cached = st.records.get(&key);
                 // Newer: a later version, or another actor of the same name (deleted
                 // and created again, its versions counting from 1 anew).
                 let newer = |row: &ActorRow| {
@@ -555,7 +555,7 @@ impl Replicas {
             }
             if complete {
                 let gone: Vec<ActorKey> = st
-                    .actors
+                    .records
                     .keys()
                     .filter(|k| {
                         !seen.contains(*k)
@@ -573,12 +573,12 @@ impl Replicas {
             }
             if let Some(names) = atespaces {
                 let kept: Vec<String> = st
-                    .atespaces
-                    .iter()
+                    .records
+                    .atespaces()
                     .filter(|a| touched.atespaces.contains(*a))
                     .cloned()
                     .collect();
-                st.atespaces = names.into_iter().chain(kept).collect();
+                st.records.read_atespaces(names, kept);
             }
             (freed, evict)
         };
@@ -620,14 +620,9 @@ impl Replicas {
                     let moved = st.workers.remove(id).map(|rec| Arc::clone(rec.link()));
                     if moved.is_some() {
                         tracing::info!(worker = id, %pool, "worker attached to another replica");
-                        let on_it: Vec<ActorKey> = st
-                            .actors
-                            .values()
-                            .filter(|r| r.worker.as_deref() == Some(id))
-                            .map(ActorRow::key)
-                            .collect();
+                        let on_it: Vec<ActorKey> = st.records.on(id).map(ActorRow::key).collect();
                         for k in on_it {
-                            st.activity.remove(&k);
+                            st.signals.stopped(&k);
                         }
                     }
                     moved
@@ -725,7 +720,7 @@ impl Replicas {
                 );
                 st.workers.orphaned(&w.id, departure.clone());
                 let running: Vec<ActorKey> = st
-                    .actors
+                    .records
                     .values()
                     .filter(|r| {
                         r.worker.as_deref() == Some(w.id.as_str())
@@ -1116,7 +1111,7 @@ impl Replicas {
             let take = move |key: &ActorKey| {
                 let mut st = taker.lock();
                 let ready =
-                    st.actors.get(key).is_some_and(|r| {
+                    st.records.get(key).is_some_and(|r| {
                         r.status == ActorStatus::Suspended && !st.held_elsewhere(r)
                     }) && st.busy(key).is_none();
                 ready.then(|| {
@@ -1273,7 +1268,7 @@ impl Replicas {
             changes.mark_unchanged();
             let (verdict, queued) = {
                 let st = plane.lock();
-                match st.actors.get(key) {
+                match st.records.get(key) {
                     None => (Some(done(Err(not_found(key)))), false),
                     Some(r) => match r.status {
                         ActorStatus::Running if st.serving(r, lease) => {
