@@ -18,8 +18,10 @@
 //! detached on the plane's task tracker, so a caller that goes away never leaves an
 //! operation half-done. The state lock is a plain mutex, never held across an `.await`.
 
+mod activation;
 mod capacity;
 mod catalog;
+mod checkpoint;
 mod leases;
 mod lifecycle;
 mod membership;
@@ -724,7 +726,7 @@ impl Plane {
                     if !backoff.wait(&plane.inner.shutdown).await {
                         return;
                     }
-                    if plane.settle_half_way().await {
+                    if lifecycle::Settle::all(&plane).await {
                         break;
                     }
                 }

@@ -22,7 +22,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use valet_proto::worker as wk;
 
-use super::lifecycle::{Checkpointed, Fence};
+use super::checkpoint::{Checkpoint, Checkpointed, Fence};
 use super::peers::Claim;
 use super::{Op, OpKind, OpTarget, Plane, Slot};
 use crate::link::WorkerLink;
@@ -332,10 +332,14 @@ impl Plane {
                 Why::Evict => tracing::info!(actor = %key, %pool, ?idle_for, "evicting the least recently active actor for a waiting one"),
                 Why::Idle => tracing::info!(actor = %key, %pool, ?idle_for, "suspending an idle actor"),
             }
-            match plane
-                .checkpoint_actor(op, &key, row, Fence::IdleSince(mark))
-                .await
-            {
+            let checkpoint = Checkpoint {
+                plane: plane.clone(),
+                op,
+                key: key.clone(),
+                row,
+                fence: Fence::IdleSince(mark),
+            };
+            match checkpoint.run().await {
                 Checkpointed::Suspended(_) => match why {
                     Why::Evict => plane.metrics().evicted(&pool),
                     Why::Idle => plane.metrics().idle_suspended(&pool),

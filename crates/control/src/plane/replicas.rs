@@ -975,7 +975,7 @@ impl Replicas {
                 }
                 let (plane, store) = (plane.clone(), Arc::clone(&store));
                 this.followers.clone().spawn(async move {
-                    let answer = encode(&plane.suspend_here(key).await);
+                    let answer = encode(&super::checkpoint::Checkpoint::suspend(&plane, key).await);
                     let mut backoff = valet_net::Backoff::new(OFFER_AGAIN);
                     for _ in 0..4 {
                         match store.answer(id, answer.clone()).await {
@@ -1232,12 +1232,13 @@ impl Replicas {
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     tracing::info!(actor = %waiter.actor, worker, waiter_replica = waiter.replica, "restoring an actor for a waiter on another replica");
                     let (tx, _) = watch::channel(None);
-                    let started = Instant::now();
-                    let result = plane.restore(&waiter.actor, &row, op.id()).await;
-                    plane.metrics().operation("restore", started.elapsed());
-                    let _ = plane
-                        .after_restore(op, &waiter.actor, row, result, &tx)
-                        .await;
+                    let restore = super::activation::Restore {
+                        plane: plane.clone(),
+                        op,
+                        key: waiter.actor.clone(),
+                        claimed: row,
+                    };
+                    let _ = restore.run(&tx, Instant::now()).await;
                     return;
                 }
             }
