@@ -415,7 +415,7 @@ impl Restore {
                 // actor meanwhile. At shutdown the record stays RESUMING, which the
                 // next start settles.
                 tx.send_replace(Some(Err(gone.clone())));
-                if !plane.until_fenced(&worker).await {
+                if !super::fencing::until_fenced(&plane, &worker).await {
                     return Err(shutting_down());
                 }
                 let back = claimed.moved(ActorStatus::Suspended, None);

@@ -155,7 +155,9 @@ impl Checkpoint {
         // attach again still hosting the actor, the checkpoint goes over the new stream
         // rather than the actor going back to its last snapshot.
         let worker = suspending.worker.clone().unwrap_or_default();
-        if matches!(result, Err(LinkError::Gone)) && plane.reattached_hosting(key, &worker).await {
+        if matches!(result, Err(LinkError::Gone))
+            && super::fencing::reattached_hosting(&plane, key, &worker).await
+        {
             result = call(&plane, key, &suspending, fence).await;
         }
         if matches!(result, Err(LinkError::Busy | LinkError::StillRunning(_))) {
@@ -260,7 +262,7 @@ async fn record(
                 // It may still serve the actor (only its stream may be cut): not
                 // elsewhere before it has fenced it. At shutdown the record stays
                 // SUSPENDING, which the next start settles.
-                if !plane.until_fenced(&worker).await {
+                if !super::fencing::until_fenced(plane, &worker).await {
                     return Err(shutting_down());
                 }
             }

@@ -104,7 +104,7 @@ impl<'a> Settle<'a> {
             plane.evict(worker, &key, &row);
             // A worker that is not attached is not told: not elsewhere before it has
             // fenced the actor.
-            if !plane.until_fenced(worker).await {
+            if !super::fencing::until_fenced(plane, worker).await {
                 return Err(shutting_down());
             }
         }

@@ -12,41 +12,16 @@ use tonic::Status;
 use valet_proto::ateapi;
 use valet_proto::worker::{self as wk, worker_command::Command};
 
-use super::workers::{Departure, Joined};
+use super::release::{Ending, Release};
+use super::workers::Joined;
 use super::{Op, OpKind, OpTarget, Plane, Slot, State};
 use crate::link::WorkerLink;
 use crate::model::{self, ActorKey, ActorStatus, NAMESPACE};
-use crate::store::{ActorRow, Batch};
-
-/// How many times a release refused because another replica changed its record is
-/// built again from the record.
-const RELEASE_ROUNDS: usize = 5;
+use crate::store::ActorRow;
 
 /// How many times a drain suspends (or waits for) the actor on its worker before it
 /// tells the worker to stop all the same.
 const DRAIN_ROUNDS: usize = 4;
-
-/// Whether nothing listens on `app` any more (its process is gone): the connection is
-/// refused within a second.
-async fn refuses(app: SocketAddr) -> bool {
-    matches!(
-        tokio::time::timeout(
-            std::time::Duration::from_secs(1),
-            tokio::net::TcpStream::connect(app)
-        )
-        .await,
-        Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused
-    )
-}
-
-/// How a release ends an actor that was RUNNING on a worker.
-#[derive(Debug, Clone)]
-pub(super) enum Release {
-    /// Back to SUSPENDED from its last snapshot, for this reason.
-    Suspend(&'static str),
-    /// CRASHED, for this reason (its program exited).
-    Crash(String),
-}
 
 impl Plane {
     /// A worker attached (or re-attached) over its stream: recorded for the other
@@ -67,13 +42,201 @@ impl Plane {
         join: &wk::Join,
         link: Arc<WorkerLink>,
     ) -> Result<bool, Status> {
-        self.join_worker(join, link, false, 0)
+        Join {
+            plane: self,
+            join,
+            link,
+            veto: false,
+            attach: 0,
+        }
+        .run()
     }
 
     /// [`Self::worker_joined`]; with `veto`, the actor it reports is not kept (its
     /// record changed elsewhere as the attachment was written).
     /// A Join's addresses, read and checked: its app's, and the actor it reports.
-    pub(super) fn read_join(join: &wk::Join) -> Result<(SocketAddr, Option<ActorKey>), Status> {
+    /// `worker` (on its stream `link`) reports that the program of the actor it hosted
+    /// exited by itself (it hosts it no more): the actor is CRASHED, with its exit
+    /// status and last output, and the worker free, once no operation holds the
+    /// actor. Not if the records place the actor elsewhere by then.
+    pub(crate) fn actor_exited(&self, worker: &str, link: &Arc<WorkerLink>, exited: &wk::Exited) {
+        let Some(slot) = &exited.actor else { return };
+        let Ok(key) = ActorKey::new(&slot.atespace, &slot.name) else {
+            return;
+        };
+        let current = self.lock().workers.get(worker).is_some_and(|w| w.on(link));
+        if !current {
+            return;
+        }
+        // The report is of the run the Restore it names started: not of another run of
+        // the actor restored on this worker since (an operation may have freed the
+        // worker before the report came). Decided once no operation holds the actor:
+        // the restore that started the run may still be writing its answer.
+        let run = exited.restore;
+        let reason = if exited.output.trim().is_empty() {
+            format!("its program {}", exited.status)
+        } else {
+            format!(
+                "its program {}; its last output:\n{}",
+                exited.status, exited.output
+            )
+        };
+        tracing::warn!(actor = %key, worker, status = %exited.status, "the actor's program exited on its worker");
+        let plane = self.clone();
+        let worker = worker.to_owned();
+        let link = Arc::clone(link);
+        self.inner.tasks.spawn(async move {
+            let still = |st: &State| {
+                st.workers
+                    .get(&worker)
+                    .is_some_and(|w| w.on(&link) && w.hosting_restore() == run)
+            };
+            Release::once_idle(&plane, &key, &worker, still, Ending::Crash(reason)).await;
+        });
+    }
+
+    /// `worker` (on its current stream `link`) is stopping and asked to drain: it gets
+    /// no new actor from now on, the actor it hosts is checkpointed as `SuspendActor`
+    /// does (its requests in flight end first; the actor is SUSPENDED from that fresh
+    /// snapshot, not reverted to an older one), and then it is told `Drained`.
+    pub(crate) fn worker_draining(&self, worker: &str, link: &Arc<WorkerLink>) {
+        {
+            let mut st = self.lock();
+            let Some(pool) = st.workers.drain(worker, link) else {
+                return;
+            };
+            tracing::info!(worker, %pool, "worker draining: checkpointing its actor, giving it no new one");
+        }
+        self.inner.peers.worker_draining(worker);
+        Drain::spawn(self, worker, Arc::clone(link));
+    }
+
+    /// A hosting renewal from `worker` (on its current stream `link`).
+    pub(crate) fn renewed(&self, worker: &str, link: &Arc<WorkerLink>) -> bool {
+        self.lock().workers.renewed(worker, link)
+    }
+
+    /// A worker's stream ended: the pool shrinks. Its actor may still be served by the
+    /// worker (only the stream may be cut), so it goes back to SUSPENDED from its last
+    /// snapshot only once the worker has fenced it: `--hosting-lease` after the last
+    /// renewal the plane received, or at once if the worker's port refuses connections
+    /// (its process is gone). An operation in progress on the actor handles it instead;
+    /// a worker told to detach at shutdown keeps its actor on the record.
+    pub(crate) fn worker_left(&self, worker: &str, link: &Arc<WorkerLink>) {
+        let orphan = {
+            let mut st = self.lock();
+            let current = st.workers.get(worker).is_some_and(|w| w.on(link));
+            if !current {
+                return;
+            }
+            let rec = st.workers.remove(worker).expect("checked above");
+            self.inner.peers.worker_left(worker, rec.attach());
+            let id = st.id();
+            let fenced_by =
+                super::fencing::fenced_by(self, rec.last_renewal(), self.config().hosting_lease);
+            let departure = st.workers.depart(worker, id, &rec, fenced_by);
+            let left = st.workers.pool_size(rec.pool());
+            // Scheduled for an actor in the middle of an operation too: should the
+            // operation end with it RUNNING here (a checkpoint the actor was too busy
+            // for), the release finds it so.
+            let orphan = match rec.slot() {
+                Slot::Hosting(key) if !self.is_shutting_down() => st
+                    .records
+                    .get(key)
+                    .filter(|r| r.status != ActorStatus::Suspended)
+                    .map(|_| key.clone()),
+                _ => None,
+            };
+            if self.is_shutting_down() {
+                // Expected: the plane told it to detach.
+                tracing::info!(worker, pool = %rec.pool(), workers_left = left, "worker left its pool");
+            } else {
+                tracing::warn!(
+                    worker,
+                    pool = %rec.pool(),
+                    workers_left = left,
+                    actor = ?orphan.as_ref().map(ToString::to_string),
+                    "worker left its pool"
+                );
+            }
+            orphan.map(|k| (k, departure))
+        };
+        if let Some((key, departure)) = orphan {
+            Release::orphan(self, worker.to_owned(), key, departure);
+        }
+    }
+
+    /// Tells every attached worker to detach: it keeps its actor running and attaches
+    /// again when a control plane comes back.
+    pub(super) fn detach_workers(&self) {
+        let links = self.lock().workers.links();
+        for link in links {
+            link.detach();
+        }
+    }
+
+    /// `ListWorkers`.
+    pub fn list_workers(&self) -> Vec<ateapi::Worker> {
+        let st = self.lock();
+        let local = st.workers.iter().map(|(id, w)| {
+            let actor = match w.slot() {
+                Slot::Hosting(k) | Slot::Reserved(k) => st.records.get(k).map(|r| (k, r)),
+                Slot::Free | Slot::Leaving | Slot::Offered => None,
+            };
+            (id, w.pool(), w.app_addr().to_string(), actor)
+        });
+        // Those attached to other replicas, with the actor the records place there.
+        let remote = st
+            .replicas
+            .workers
+            .iter()
+            .filter(|(_, w)| st.replicas.live.contains(&w.replica))
+            .map(|(id, w)| {
+                let actor = st
+                    .records
+                    .iter()
+                    .find(|(_, r)| r.worker.as_deref() == Some(id.as_str()));
+                (id, w.pool.as_str(), w.app_address.clone(), actor)
+            });
+        let mut all: Vec<_> = local.chain(remote).collect();
+        all.sort_by(|a, b| a.0.cmp(b.0));
+        all.into_iter()
+            .map(|(id, pool, ip, actor)| ateapi::Worker {
+                worker_namespace: NAMESPACE.into(),
+                worker_pool: pool.to_owned(),
+                worker_pod: id.clone(),
+                actor_namespace: actor
+                    .map(|(_, r)| r.template_namespace.clone())
+                    .unwrap_or_default(),
+                actor_template: actor.map(|(_, r)| r.template.clone()).unwrap_or_default(),
+                actor_id: actor.map(|(k, _)| k.name().to_owned()).unwrap_or_default(),
+                ip,
+                version: actor.map(|(_, r)| r.version).unwrap_or_default(),
+                worker_pod_uid: id.clone(),
+                node_name: "localhost".into(),
+                actor_atespace: actor
+                    .map(|(k, _)| k.atespace().to_owned())
+                    .unwrap_or_default(),
+            })
+            .collect()
+    }
+}
+
+/// A worker's Join on a new stream, checked and applied under one state lock: what it
+/// may keep of what it reports hosting, its slot, the Welcome, and the releases of
+/// what the records place on it that it no longer hosts.
+pub(super) struct Join<'a> {
+    pub(super) plane: &'a Plane,
+    pub(super) join: &'a wk::Join,
+    pub(super) link: Arc<WorkerLink>,
+    /// It may keep nothing it reports (the record another replica holds says no).
+    pub(super) veto: bool,
+    /// Its attachment's number in the record the replicas share (0: one plane).
+    pub(super) attach: i64,
+}
+
+impl Join<'_> {
+    pub(super) fn read(join: &wk::Join) -> Result<(SocketAddr, Option<ActorKey>), Status> {
         if join.worker_id.is_empty() || join.worker_id.len() > 128 {
             return Err(Status::invalid_argument(
                 "worker_id must be 1-128 characters",
@@ -98,14 +261,19 @@ impl Plane {
     /// less than a hosting lease after its last renewal): two processes would take
     /// turns hosting its actor. One that had nothing (drained, idle) may be replaced
     /// at once once its stream ended.
-    pub(super) fn refuse_duplicate(&self, st: &State, join: &wk::Join) -> Result<(), Status> {
+    pub(super) fn refuse_duplicate(
+        plane: &Plane,
+        st: &State,
+        join: &wk::Join,
+    ) -> Result<(), Status> {
         let id = &join.worker_id;
         let now = tokio::time::Instant::now();
-        let lease = self.config().hosting_lease;
+        let lease = plane.config().hosting_lease;
         let other = match (st.workers.get(id), st.workers.departed(id)) {
-            (Some(w), _) if w.is_open() || w.slot().has_actor() => {
-                Some((w.incarnation(), self.fenced_by(w.last_renewal(), lease)))
-            }
+            (Some(w), _) if w.is_open() || w.slot().has_actor() => Some((
+                w.incarnation(),
+                super::fencing::fenced_by(plane, w.last_renewal(), lease),
+            )),
             (None, Some(d)) => d.hosting().map(|incarnation| (incarnation, d.fenced_by())),
             _ => None,
         };
@@ -126,23 +294,25 @@ impl Plane {
         Ok(())
     }
 
-    pub(super) fn join_worker(
-        &self,
-        join: &wk::Join,
-        link: Arc<WorkerLink>,
-        veto: bool,
-        attach: i64,
-    ) -> Result<bool, Status> {
-        if self.is_shutting_down() {
+    /// Applies the Join; whether the worker keeps the actor it reported.
+    pub(super) fn run(self) -> Result<bool, Status> {
+        let Join {
+            plane,
+            join,
+            link,
+            veto,
+            attach,
+        } = self;
+        if plane.is_shutting_down() {
             return Err(super::shutting_down());
         }
-        let (app_addr, hosting) = Self::read_join(join)?;
+        let (app_addr, hosting) = Join::read(join)?;
         let id = join.worker_id.clone();
         let draining = join.draining.then(|| Arc::clone(&link));
         let stream = Arc::clone(&link);
         let (kept, stale, free, held) = {
-            let mut st = self.lock();
-            self.refuse_duplicate(&st, join)?;
+            let mut st = plane.lock();
+            Join::refuse_duplicate(plane, &st, join)?;
             // Attached here now (several replicas): not another replica's any more.
             st.replicas.workers.remove(&id);
             let previous = st.workers.remove(&id);
@@ -229,7 +399,7 @@ impl Plane {
             // drop the actor it had just restored).
             link.notify(Command::Welcome(wk::Welcome {
                 hosting_kept: kept.is_some(),
-                hosting_lease: self.config().hosting_lease.try_into().ok(),
+                hosting_lease: plane.config().hosting_lease.try_into().ok(),
             }));
             st.workers.join(
                 &id,
@@ -244,7 +414,11 @@ impl Plane {
                     attach,
                 },
             );
-            self.inner.stats.attachments.fetch_add(1, Ordering::Relaxed);
+            plane
+                .inner
+                .stats
+                .attachments
+                .fetch_add(1, Ordering::Relaxed);
             tracing::info!(
                 worker = %id,
                 pool = %join.pool,
@@ -270,7 +444,7 @@ impl Plane {
                 .iter()
                 .map(|r| {
                     Op::take(
-                        self,
+                        plane,
                         &mut st,
                         OpTarget::Actor(r.key()),
                         OpKind::Busy("releasing"),
@@ -281,151 +455,51 @@ impl Plane {
         };
         let (ops, rows) = stale;
         if !rows.is_empty() {
-            self.spawn_release(ops, rows, Release::Suspend("worker re-attached without it"));
+            Release::start(
+                plane,
+                ops,
+                rows,
+                Ending::Suspend("worker re-attached without it"),
+            );
         }
         for key in held {
-            let plane = self.clone();
             let (id, link) = (id.clone(), Arc::clone(&stream));
-            self.inner.tasks.spawn(async move {
+            let tasks = plane.inner.tasks.clone();
+            let plane = plane.clone();
+            tasks.spawn(async move {
                 let same = |st: &State| st.workers.get(&id).is_some_and(|w| w.on(&link));
-                plane
-                    .release_once_idle(
-                        &key,
-                        &id,
-                        same,
-                        Release::Suspend("worker re-attached without it"),
-                    )
-                    .await;
+                Release::once_idle(
+                    &plane,
+                    &key,
+                    &id,
+                    same,
+                    Ending::Suspend("worker re-attached without it"),
+                )
+                .await;
             });
         }
         if free {
-            self.hand_off(&id);
+            plane.hand_off(&id);
         }
         if let Some(link) = draining {
             tracing::info!(worker = %id, "worker re-attached draining: its drain goes on");
-            self.spawn_drain(&id, link);
+            Drain::spawn(plane, &id, link);
         }
         Ok(kept.is_some())
     }
+}
 
-    /// Writes `rows` back to SUSPENDED, or CRASHED (worker released) under their
-    /// operation locks, detached, once their route leases are revoked.
-    fn spawn_release(&self, ops: Vec<Op>, rows: Vec<ActorRow>, how: Release) {
-        let released = {
-            let how = how.clone();
-            move |rows: &[ActorRow]| -> Vec<ActorRow> {
-                rows.iter()
-                    .map(|r| match &how {
-                        Release::Suspend(_) => r.moved(ActorStatus::Suspended, None),
-                        Release::Crash(reason) => r.crashed(reason),
-                    })
-                    .collect()
-            }
-        };
-        let plane = self.clone();
-        self.inner.tasks.spawn(async move {
-            for row in &rows {
-                plane.revoke_leases(&row.key()).await;
-            }
-            let keys: Vec<String> = rows.iter().map(|r| r.key().to_string()).collect();
-            // A failed write changed nothing: the actors would stay RUNNING on a worker
-            // that is gone. Try again (under the same operation locks, so resumes of
-            // them answer Aborted and are retried) until it lands or the plane stops
-            // (the next start releases them). With several replicas, a release built
-            // from a record another replica changed meanwhile is built again from the
-            // record, as long as it still places the actor on that worker and the
-            // worker is not attached to another replica.
-            let mut rows = rows;
-            let mut rounds = 0;
-            let freed = loop {
-                if let Some(freed) = plane.write_until_landed(Batch::put(released(&rows))).await {
-                    break freed;
-                }
-                rounds += 1;
-                match plane.inner.peers.releases_still_due(&plane, &rows).await {
-                    Some(again) if !again.is_empty() && rounds < RELEASE_ROUNDS => rows = again,
-                    _ => return,
-                }
-            };
-            drop(ops);
-            plane.hand_off_all(freed);
-            for actor in keys {
-                match &how {
-                    Release::Suspend(why) => {
-                        tracing::warn!(%actor, why, "actor back to SUSPENDED from its last snapshot");
-                    }
-                    Release::Crash(reason) => {
-                        tracing::warn!(%actor, %reason, "actor CRASHED");
-                    }
-                }
-            }
-        });
-    }
+/// Emptying a draining worker, then telling it `Drained`.
+struct Drain;
 
-    /// `worker` (on its stream `link`) reports that the program of the actor it hosted
-    /// exited by itself (it hosts it no more): the actor is CRASHED, with its exit
-    /// status and last output, and the worker free, once no operation holds the
-    /// actor. Not if the records place the actor elsewhere by then.
-    pub(crate) fn actor_exited(&self, worker: &str, link: &Arc<WorkerLink>, exited: &wk::Exited) {
-        let Some(slot) = &exited.actor else { return };
-        let Ok(key) = ActorKey::new(&slot.atespace, &slot.name) else {
-            return;
-        };
-        let current = self.lock().workers.get(worker).is_some_and(|w| w.on(link));
-        if !current {
-            return;
-        }
-        // The report is of the run the Restore it names started: not of another run of
-        // the actor restored on this worker since (an operation may have freed the
-        // worker before the report came). Decided once no operation holds the actor:
-        // the restore that started the run may still be writing its answer.
-        let run = exited.restore;
-        let reason = if exited.output.trim().is_empty() {
-            format!("its program {}", exited.status)
-        } else {
-            format!(
-                "its program {}; its last output:\n{}",
-                exited.status, exited.output
-            )
-        };
-        tracing::warn!(actor = %key, worker, status = %exited.status, "the actor's program exited on its worker");
-        let plane = self.clone();
-        let worker = worker.to_owned();
-        let link = Arc::clone(link);
-        self.inner.tasks.spawn(async move {
-            let still = |st: &State| {
-                st.workers
-                    .get(&worker)
-                    .is_some_and(|w| w.on(&link) && w.hosting_restore() == run)
-            };
-            plane
-                .release_once_idle(&key, &worker, still, Release::Crash(reason))
-                .await;
-        });
-    }
-
-    /// `worker` (on its current stream `link`) is stopping and asked to drain: it gets
-    /// no new actor from now on, the actor it hosts is checkpointed as `SuspendActor`
-    /// does (its requests in flight end first; the actor is SUSPENDED from that fresh
-    /// snapshot, not reverted to an older one), and then it is told `Drained`.
-    pub(crate) fn worker_draining(&self, worker: &str, link: &Arc<WorkerLink>) {
-        {
-            let mut st = self.lock();
-            let Some(pool) = st.workers.drain(worker, link) else {
-                return;
-            };
-            tracing::info!(worker, %pool, "worker draining: checkpointing its actor, giving it no new one");
-        }
-        self.inner.peers.worker_draining(worker);
-        self.spawn_drain(worker, Arc::clone(link));
-    }
-
+impl Drain {
     /// Runs [`Self::drain`] for `worker`, marked leaving, on the plane's task tracker.
-    fn spawn_drain(&self, worker: &str, link: Arc<WorkerLink>) {
-        let plane = self.clone();
+    fn spawn(plane: &Plane, worker: &str, link: Arc<WorkerLink>) {
+        let tasks = plane.inner.tasks.clone();
+        let plane = plane.clone();
         let worker = worker.to_owned();
-        self.inner.tasks.spawn(async move {
-            plane.drain(&worker, &link).await;
+        tasks.spawn(async move {
+            Drain::run(&plane, &worker, &link).await;
         });
     }
 
@@ -433,14 +507,14 @@ impl Plane {
     /// stream ends first (then [`Self::worker_left`] handles its actor). Each round
     /// suspends the actor on it or waits (bounded) for the operation on that actor to
     /// end; a worker still not empty after a few rounds is told all the same.
-    async fn drain(&self, worker: &str, link: &Arc<WorkerLink>) {
-        let wait = self
+    async fn run(plane: &Plane, worker: &str, link: &Arc<WorkerLink>) {
+        let wait = plane
             .config()
             .restore_timeout
-            .max(self.config().checkpoint_timeout);
+            .max(plane.config().checkpoint_timeout);
         for round in 0..=DRAIN_ROUNDS {
             let (on_it, offered) = {
-                let st = self.lock();
+                let st = plane.lock();
                 match st.workers.get(worker) {
                     Some(w) if w.on(link) => match w.slot() {
                         Slot::Hosting(k) | Slot::Reserved(k) => (Some(k.clone()), false),
@@ -460,8 +534,8 @@ impl Plane {
                         .is_none_or(|w| *w.slot() != Slot::Offered)
                 };
                 tokio::select! {
-                    _ = self.wait_until(wait, settled) => {}
-                    () = self.inner.shutdown.cancelled() => return,
+                    _ = plane.wait_until(wait, settled) => {}
+                    () = plane.inner.shutdown.cancelled() => return,
                 }
                 continue;
             }
@@ -475,18 +549,18 @@ impl Plane {
             }
             // The plane is shutting down: it tells the worker to detach, and the worker
             // goes on with its drain on the next control plane it attaches to.
-            if self.is_shutting_down() {
+            if plane.is_shutting_down() {
                 return;
             }
-            match self.suspend_actor(key.clone()).await {
+            match plane.suspend_actor(key.clone()).await {
                 // Suspended: the slot is vacant now. Or another operation on the actor
                 // (the restore that put it there, a suspend in progress): wait for it
                 // to end (or the plane to shut down), then look again.
                 Ok(_) => {}
                 Err(e) if e.code() == tonic::Code::Aborted => {
                     let ended = tokio::select! {
-                        ended = self.wait_until(wait, |p| p.lock().busy(&key).is_none()) => ended,
-                        () = self.inner.shutdown.cancelled() => return,
+                        ended = plane.wait_until(wait, |p| p.lock().busy(&key).is_none()) => ended,
+                        () = plane.inner.shutdown.cancelled() => return,
                     };
                     if !ended {
                         break;
@@ -495,7 +569,7 @@ impl Plane {
                 // The checkpoint failed (the actor is CRASHED, or its record could not
                 // be written): the worker may stop all the same; its actor is then
                 // released as for any worker that leaves.
-                Err(_) if self.is_shutting_down() => return,
+                Err(_) if plane.is_shutting_down() => return,
                 Err(e) => {
                     tracing::warn!(worker, actor = %key, error = %e.message(), "drain could not checkpoint the actor; the worker stops all the same");
                     link.notify(Command::Drained(wk::Drained {}));
@@ -508,373 +582,5 @@ impl Plane {
             "drain could not empty the worker; it stops all the same"
         );
         link.notify(Command::Drained(wk::Drained {}));
-    }
-
-    /// A hosting renewal from `worker` (on its current stream `link`).
-    pub(crate) fn renewed(&self, worker: &str, link: &Arc<WorkerLink>) -> bool {
-        self.lock().workers.renewed(worker, link)
-    }
-
-    /// A worker's stream ended: the pool shrinks. Its actor may still be served by the
-    /// worker (only the stream may be cut), so it goes back to SUSPENDED from its last
-    /// snapshot only once the worker has fenced it: `--hosting-lease` after the last
-    /// renewal the plane received, or at once if the worker's port refuses connections
-    /// (its process is gone). An operation in progress on the actor handles it instead;
-    /// a worker told to detach at shutdown keeps its actor on the record.
-    pub(crate) fn worker_left(&self, worker: &str, link: &Arc<WorkerLink>) {
-        let orphan = {
-            let mut st = self.lock();
-            let current = st.workers.get(worker).is_some_and(|w| w.on(link));
-            if !current {
-                return;
-            }
-            let rec = st.workers.remove(worker).expect("checked above");
-            self.inner.peers.worker_left(worker, rec.attach());
-            let id = st.id();
-            let fenced_by = self.fenced_by(rec.last_renewal(), self.config().hosting_lease);
-            let departure = st.workers.depart(worker, id, &rec, fenced_by);
-            let left = st.workers.pool_size(rec.pool());
-            // Scheduled for an actor in the middle of an operation too: should the
-            // operation end with it RUNNING here (a checkpoint the actor was too busy
-            // for), the release finds it so.
-            let orphan = match rec.slot() {
-                Slot::Hosting(key) if !self.is_shutting_down() => st
-                    .records
-                    .get(key)
-                    .filter(|r| r.status != ActorStatus::Suspended)
-                    .map(|_| key.clone()),
-                _ => None,
-            };
-            if self.is_shutting_down() {
-                // Expected: the plane told it to detach.
-                tracing::info!(worker, pool = %rec.pool(), workers_left = left, "worker left its pool");
-            } else {
-                tracing::warn!(
-                    worker,
-                    pool = %rec.pool(),
-                    workers_left = left,
-                    actor = ?orphan.as_ref().map(ToString::to_string),
-                    "worker left its pool"
-                );
-            }
-            orphan.map(|k| (k, departure))
-        };
-        if let Some((key, departure)) = orphan {
-            self.spawn_orphan_release(worker.to_owned(), key, departure);
-        }
-    }
-
-    /// When a worker whose last renewal the plane answered at `last_renewal` has surely
-    /// fenced its actor: `lease` after it, and never before the hosting lease earlier
-    /// runs told their workers has passed since the start. A worker that re-attached
-    /// but never read its Welcome (its stream ended first) still goes by that one.
-    pub(super) fn fenced_by(
-        &self,
-        last_renewal: tokio::time::Instant,
-        lease: std::time::Duration,
-    ) -> tokio::time::Instant {
-        (last_renewal + lease).max(self.inner.workers_unknown_until)
-    }
-
-    /// Waits until `worker` can no longer serve the actor the records place on it: it is
-    /// attached (the plane decides what it hosts), its process is gone (its app port
-    /// refuses connections), or its hosting lease has run out since the last renewal
-    /// the plane heard (for a worker not seen since a restart: since the start). False
-    /// when the plane shuts down first.
-    pub(super) async fn until_fenced(&self, worker: &str) -> bool {
-        if self.is_shutting_down() {
-            return false;
-        }
-        let Some((app, deadline)) = self.unattached(worker) else {
-            return true;
-        };
-        if deadline <= tokio::time::Instant::now() {
-            return true;
-        }
-        if let Some(app) = app
-            && refuses(app).await
-        {
-            return true;
-        }
-        tracing::info!(
-            worker,
-            ?deadline,
-            "waiting out the hosting lease before the actor may run elsewhere"
-        );
-        // Or until it attaches again: attaching, it reports what it hosts, and what the
-        // records no longer place on it is evicted before any later command.
-        let within = deadline.saturating_duration_since(tokio::time::Instant::now());
-        tokio::select! {
-            _ = self.wait_until(within, |p| p.attached(worker)) => true,
-            () = self.inner.shutdown.cancelled() => false,
-        }
-    }
-
-    /// For a `worker` not attached: its app address, if known, and when it has surely
-    /// fenced its actor (see [`Self::until_fenced`]). `None` while it is attached.
-    fn unattached(&self, worker: &str) -> Option<(Option<SocketAddr>, tokio::time::Instant)> {
-        let st = self.lock();
-        // Attached to another replica: that one decides what it hosts (its attach
-        // evicted what the records do not place on it).
-        if st.replicas.attached_elsewhere(worker) {
-            return None;
-        }
-        match (st.workers.get(worker), st.workers.departed(worker)) {
-            (Some(w), _) if w.is_open() => None,
-            // Its stream just ended (the plane has not heard of it yet).
-            (Some(w), _) => Some((
-                Some(w.app_addr()),
-                self.fenced_by(w.last_renewal(), self.config().hosting_lease),
-            )),
-            (None, Some(d)) => Some((Some(d.app()), d.fenced_by())),
-            (None, None) => Some((None, self.inner.workers_unknown_until)),
-        }
-    }
-
-    /// For a checkpoint of SUSPENDING `key` that found its `worker` gone: waits until
-    /// the worker attaches again still hosting it (kept for this checkpoint, which then
-    /// goes over the new stream), bounded by when the worker must have fenced it.
-    /// Whether it did. False at once when the worker's process is gone (its app port
-    /// refuses connections), and when the plane shuts down.
-    pub(super) async fn reattached_hosting(&self, key: &ActorKey, worker: &str) -> bool {
-        let hosting = |p: &Self| {
-            p.lock()
-                .workers
-                .get(worker)
-                .is_some_and(|w| w.is_open() && *w.slot() == Slot::Hosting(key.clone()))
-        };
-        let Some((app, deadline)) = self.unattached(worker) else {
-            return hosting(self);
-        };
-        if self.is_shutting_down() || deadline <= tokio::time::Instant::now() {
-            return false;
-        }
-        if let Some(app) = app
-            && refuses(app).await
-        {
-            return false;
-        }
-        /// Takes `key` out of the waiting set however the wait ends.
-        struct Awaiting<'a>(&'a Plane, ActorKey);
-        impl Drop for Awaiting<'_> {
-            fn drop(&mut self) {
-                self.0.lock().awaiting_worker.remove(&self.1);
-            }
-        }
-        self.lock().awaiting_worker.insert(key.clone());
-        let awaiting = Awaiting(self, key.clone());
-        tracing::info!(actor = %key, worker, ?deadline, "checkpoint waits for the worker to attach again");
-        let within = deadline.saturating_duration_since(tokio::time::Instant::now());
-        let attached = tokio::select! {
-            _ = self.wait_until(within, |p| p.attached(worker)) => self.attached(worker),
-            () = self.inner.shutdown.cancelled() => false,
-        };
-        drop(awaiting);
-        attached && hosting(self)
-    }
-
-    /// Whether `worker` is attached, its stream open (or attached to another live
-    /// replica).
-    fn attached(&self, worker: &str) -> bool {
-        let st = self.lock();
-        st.workers.get(worker).is_some_and(|w| w.is_open())
-            || st.replicas.attached_elsewhere(worker)
-    }
-
-    /// Releases `key`, whose worker left, once the worker must have fenced it (see
-    /// [`Self::worker_left`]), unless the worker came back meanwhile: attached now, or
-    /// attached and left again (that later departure's release decides then).
-    pub(super) fn spawn_orphan_release(&self, worker: String, key: ActorKey, departure: Departure) {
-        let plane = self.clone();
-        self.inner.tasks.spawn(async move {
-            if !plane.until_fenced(&worker).await {
-                return;
-            }
-            // Not if the worker came back (the plane decided what it hosts then), or
-            // left again (that departure's release decides).
-            let gone = |st: &State| {
-                let back = st.workers.contains(&worker) || st.replicas.attached_elsewhere(&worker);
-                let superseded = st
-                    .workers
-                    .departed(&worker)
-                    .is_some_and(|d| !d.same(&departure));
-                !back && !superseded
-            };
-            plane
-                .release_once_idle(&key, &worker, gone, Release::Suspend("its worker left"))
-                .await;
-        });
-    }
-
-    /// Releases `key` if the records place it, RUNNING, on `worker` and `still` holds,
-    /// once no operation holds it: an operation in progress (a restore whose last write
-    /// is landing, a checkpoint the actor was too busy for) may end with it RUNNING
-    /// there, after the worker left or was told to evict it. Ends at shutdown (the next
-    /// start releases it).
-    async fn release_once_idle(
-        &self,
-        key: &ActorKey,
-        worker: &str,
-        still: impl Fn(&State) -> bool,
-        how: Release,
-    ) {
-        loop {
-            let released = {
-                let mut st = self.lock();
-                if st.busy(key).is_some() {
-                    None
-                } else {
-                    let row = st
-                        .records
-                        .get(key)
-                        .filter(|r| {
-                            r.status == ActorStatus::Running && r.worker.as_deref() == Some(worker)
-                        })
-                        .cloned();
-                    match row {
-                        Some(row) if still(&st) => {
-                            let op = Op::take(
-                                self,
-                                &mut st,
-                                OpTarget::Actor(key.clone()),
-                                OpKind::Busy("releasing"),
-                            );
-                            Some((op, row))
-                        }
-                        _ => return,
-                    }
-                }
-            };
-            if let Some((op, row)) = released {
-                self.spawn_release(vec![op], vec![row], how);
-                return;
-            }
-            // Operations are bounded (their worker calls and writes time out).
-            let idle = self.wait_until(self.config().restore_timeout, |p| {
-                p.lock().busy(key).is_none()
-            });
-            tokio::select! {
-                _ = idle => {}
-                () = self.inner.shutdown.cancelled() => return,
-            }
-        }
-    }
-
-    /// After `rejoin_grace`, RUNNING actors whose worker has not re-attached go back to
-    /// SUSPENDED. Cancelled by shutdown.
-    ///
-    /// The wait is at least the hosting lease the earlier runs told their workers
-    /// (recorded in the store), and this run's: a worker cut off from the plane by the
-    /// restart fences its actor at its own deadline, which came before (its last
-    /// answered renewal was before the restart). Only actors recorded RUNNING at the
-    /// start whose worker never re-attached are released here; a worker that attached
-    /// and left is [`Self::worker_left`]'s (its lease counts from its last renewal).
-    pub(super) fn spawn_rejoin_deadline(&self, awaiting: Vec<ActorKey>) {
-        let plane = self.clone();
-        // The earlier runs' hosting lease (recorded), which workers that do not
-        // re-attach still go by; at least this run's.
-        let grace = self.config().rejoin_grace.max(
-            self.inner
-                .workers_unknown_until
-                .saturating_duration_since(tokio::time::Instant::now())
-                .max(self.config().hosting_lease),
-        );
-        self.inner.chores.spawn(async move {
-            tokio::select! {
-                () = tokio::time::sleep(grace) => {}
-                () = plane.inner.shutdown.cancelled() => return,
-            }
-            let (ops, rows) = {
-                let mut st = plane.lock();
-                let stale: Vec<ActorRow> = awaiting
-                    .iter()
-                    .filter_map(|k| st.records.get(k).map(|r| (k, r)))
-                    .filter(|(k, r)| {
-                        r.status == ActorStatus::Running
-                            && st.busy(k).is_none()
-                            && !r.worker.as_ref().is_some_and(|w| {
-                                st.workers.contains(w)
-                                    || st.workers.departed(w).is_some()
-                                    || st.replicas.attached_elsewhere(w)
-                            })
-                    })
-                    .map(|(_, r)| r.clone())
-                    .collect();
-                let ops: Vec<Op> = stale
-                    .iter()
-                    .map(|r| {
-                        Op::take(
-                            &plane,
-                            &mut st,
-                            OpTarget::Actor(r.key()),
-                            OpKind::Busy("releasing"),
-                        )
-                    })
-                    .collect();
-                (ops, stale)
-            };
-            if !rows.is_empty() {
-                plane.spawn_release(
-                    ops,
-                    rows,
-                    Release::Suspend("its worker did not re-attach after the restart"),
-                );
-            }
-        });
-    }
-
-    /// Tells every attached worker to detach: it keeps its actor running and attaches
-    /// again when a control plane comes back.
-    pub(super) fn detach_workers(&self) {
-        let links = self.lock().workers.links();
-        for link in links {
-            link.detach();
-        }
-    }
-
-    /// `ListWorkers`.
-    pub fn list_workers(&self) -> Vec<ateapi::Worker> {
-        let st = self.lock();
-        let local = st.workers.iter().map(|(id, w)| {
-            let actor = match w.slot() {
-                Slot::Hosting(k) | Slot::Reserved(k) => st.records.get(k).map(|r| (k, r)),
-                Slot::Free | Slot::Leaving | Slot::Offered => None,
-            };
-            (id, w.pool(), w.app_addr().to_string(), actor)
-        });
-        // Those attached to other replicas, with the actor the records place there.
-        let remote = st
-            .replicas
-            .workers
-            .iter()
-            .filter(|(_, w)| st.replicas.live.contains(&w.replica))
-            .map(|(id, w)| {
-                let actor = st
-                    .records
-                    .iter()
-                    .find(|(_, r)| r.worker.as_deref() == Some(id.as_str()));
-                (id, w.pool.as_str(), w.app_address.clone(), actor)
-            });
-        let mut all: Vec<_> = local.chain(remote).collect();
-        all.sort_by(|a, b| a.0.cmp(b.0));
-        all.into_iter()
-            .map(|(id, pool, ip, actor)| ateapi::Worker {
-                worker_namespace: NAMESPACE.into(),
-                worker_pool: pool.to_owned(),
-                worker_pod: id.clone(),
-                actor_namespace: actor
-                    .map(|(_, r)| r.template_namespace.clone())
-                    .unwrap_or_default(),
-                actor_template: actor.map(|(_, r)| r.template.clone()).unwrap_or_default(),
-                actor_id: actor.map(|(k, _)| k.name().to_owned()).unwrap_or_default(),
-                ip,
-                version: actor.map(|(_, r)| r.version).unwrap_or_default(),
-                worker_pod_uid: id.clone(),
-                node_name: "localhost".into(),
-                actor_atespace: actor
-                    .map(|(k, _)| k.atespace().to_owned())
-                    .unwrap_or_default(),
-            })
-            .collect()
     }
 }

@@ -22,6 +22,7 @@ mod activation;
 mod capacity;
 mod catalog;
 mod checkpoint;
+mod fencing;
 mod leases;
 mod lifecycle;
 mod membership;
@@ -29,6 +30,7 @@ mod op;
 mod peers;
 mod policy;
 mod records;
+mod release;
 mod replicas;
 mod workers;
 
@@ -531,7 +533,7 @@ impl Plane {
         if longest.1 > plane.config().hosting_lease {
             plane.spawn_lower_lease_bound(true);
         }
-        plane.spawn_rejoin_deadline(awaiting);
+        release::Release::after_rejoin_grace(&plane, awaiting);
         plane.spawn_settler();
         if half_way > 0 {
             plane.inner.unsettled.notify_one();

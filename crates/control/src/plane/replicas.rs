@@ -745,7 +745,7 @@ impl Replicas {
             return;
         }
         for (worker, key, departure) in orphans {
-            plane.spawn_orphan_release(worker, key, departure);
+            super::release::Release::orphan(plane, worker, key, departure);
         }
         plane.wake_policies();
     }
@@ -1439,10 +1439,10 @@ impl Replicas {
         if plane.is_shutting_down() {
             return Err(shutting_down());
         }
-        let (_, hosting) = Plane::read_join(join)?;
+        let (_, hosting) = super::membership::Join::read(join)?;
         // The actor it reports: kept only if the record has it RUNNING there when
         // the attachment is written (a release built from it elsewhere then fails).
-        plane.refuse_duplicate(&plane.lock(), join)?;
+        super::membership::Join::refuse_duplicate(plane, &plane.lock(), join)?;
         let keep = hosting;
         let row = WorkerRow {
             id: join.worker_id.clone(),
@@ -1486,7 +1486,14 @@ impl Replicas {
                     .is_some_and(|k| !st.awaiting_worker.contains(k)),
             }
         };
-        let joined = plane.join_worker(join, link, veto, attach);
+        let joined = super::membership::Join {
+            plane,
+            join,
+            link,
+            veto,
+            attach,
+        }
+        .run();
         if joined.is_ok() {
             undo.keep();
         }
