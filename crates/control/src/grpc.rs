@@ -349,7 +349,7 @@ impl control_server::Control for ControlService {
 
     async fn list_workers(&self, _: Request<()>) -> Res<ateapi::ListWorkersResponse> {
         Ok(Response::new(ateapi::ListWorkersResponse {
-            workers: self.plane.list_workers(),
+            workers: self.plane.membership().list_workers(),
         }))
     }
 
@@ -472,7 +472,7 @@ impl leases_server::Leases for LeasesService {
             })),
         };
         let _ = tx.try_send(Ok(welcome));
-        let conn = self.plane.router_watching(&router, tx.clone())?;
+        let conn = self.plane.leases().router_watching(&router, tx.clone())?;
         // Weak: the stream ends when the plane drops its sender.
         let ending = tx.downgrade();
         drop(tx);
@@ -497,17 +497,17 @@ impl leases_server::Leases for LeasesService {
                         message: Some(lp::router_message::Message::Ack(ack)),
                     })) => {
                         if let Some(actor) = &ack.actor {
-                            plane.lease_acked(&router, actor, ack.through);
+                            plane.leases().lease_acked(&router, actor, ack.through);
                         }
                     }
                     Ok(Some(lp::RouterMessage {
                         message: Some(lp::router_message::Message::ReleaseAll(_)),
-                    })) => plane.leases_released(&router),
+                    })) => plane.leases().leases_released(&router),
                     Ok(Some(_)) => {}
                     Ok(None) | Err(_) => break,
                 }
             }
-            plane.router_detached(&router, conn);
+            plane.leases().router_detached(&router, conn);
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
@@ -545,7 +545,10 @@ impl workers_server::Workers for WorkersService {
         let (tx, rx) = mpsc::channel(64);
         let link = Arc::new(WorkerLink::new(tx));
         // Its Welcome is queued by the join itself, before any other command.
-        self.plane.worker_attached(&join, Arc::clone(&link)).await?;
+        self.plane
+            .membership()
+            .worker_attached(&join, Arc::clone(&link))
+            .await?;
         let plane = self.plane.clone();
         let jwt = self.jwt.clone();
         self.plane.spawn_link(async move {
@@ -578,13 +581,13 @@ impl workers_server::Workers for WorkersService {
                     })) => link.deliver(reply),
                     Ok(Some(wk::WorkerEvent {
                         event: Some(Event::Activity(activity)),
-                    })) => plane.activity(&join.worker_id, &link, &activity),
+                    })) => plane.policies().activity(&join.worker_id, &link, &activity),
                     Ok(Some(wk::WorkerEvent {
                         event: Some(Event::Drain(_)),
-                    })) => plane.worker_draining(&join.worker_id, &link),
+                    })) => plane.membership().worker_draining(&join.worker_id, &link),
                     Ok(Some(wk::WorkerEvent {
                         event: Some(Event::Exited(exited)),
-                    })) => plane.actor_exited(&join.worker_id, &link, &exited),
+                    })) => plane.membership().actor_exited(&join.worker_id, &link, &exited),
                     Ok(Some(wk::WorkerEvent {
                         event: Some(Event::Renew(renew)),
                     })) => {
@@ -596,7 +599,7 @@ impl workers_server::Workers for WorkersService {
                                 None => {}
                             }
                         }
-                        if plane.renewed(&join.worker_id, &link) {
+                        if plane.membership().renewed(&join.worker_id, &link) {
                             renewed = tokio::time::Instant::now();
                             link.notify(Command::Renewed(wk::Renewed { seq: renew.seq }));
                         }
@@ -606,7 +609,7 @@ impl workers_server::Workers for WorkersService {
                 }
             }
             link.close();
-            plane.worker_left(&join.worker_id, &link);
+            plane.membership().worker_left(&join.worker_id, &link);
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }

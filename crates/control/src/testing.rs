@@ -269,7 +269,10 @@ impl FakeWorker {
         hosting: Option<&ActorKey>,
     ) -> Result<(Self, bool), Status> {
         let (join, link, rx) = Self::join_message(id, pool, app, hosting, false, 0);
-        let kept = plane.worker_attached(&join, Arc::clone(&link)).await?;
+        let kept = plane
+            .membership()
+            .worker_attached(&join, Arc::clone(&link))
+            .await?;
         Ok((Self::on(plane, id, link, rx), kept))
     }
 
@@ -283,7 +286,7 @@ impl FakeWorker {
         incarnation: u64,
     ) -> Result<(Self, bool), Status> {
         let (join, link, rx) = Self::join_message(id, pool, app, hosting, draining, incarnation);
-        let kept = plane.worker_joined(&join, Arc::clone(&link))?;
+        let kept = plane.membership().worker_joined(&join, Arc::clone(&link))?;
         Ok((Self::on(plane, id, link, rx), kept))
     }
 
@@ -388,7 +391,7 @@ impl FakeWorker {
     /// Reports that hosted `actor`'s program, started by Restore command `restore`,
     /// exited with `status`.
     pub fn exited(&self, actor: &ActorKey, status: &str, restore: u64) {
-        self.plane.actor_exited(
+        self.plane.membership().actor_exited(
             &self.id,
             &self.link,
             &wk::Exited {
@@ -439,17 +442,21 @@ impl FakeWorker {
             in_flight,
             mark,
         };
-        self.plane.activity(&self.id, &self.link, &activity);
+        self.plane
+            .policies()
+            .activity(&self.id, &self.link, &activity);
     }
 
     /// Renews its hosting lease.
     pub fn renew(&self) {
-        let _ = self.plane.renewed(&self.id, &self.link);
+        let _ = self.plane.membership().renewed(&self.id, &self.link);
     }
 
     /// The worker asks to drain (it is stopping).
     pub fn drain(&self) {
-        self.plane.worker_draining(&self.id, &self.link);
+        self.plane
+            .membership()
+            .worker_draining(&self.id, &self.link);
     }
 
     /// The plane ends the worker's stream from its side (as when the worker stops
@@ -461,6 +468,6 @@ impl FakeWorker {
     /// The worker's stream ends.
     pub fn leave(self) {
         self.link.close();
-        self.plane.worker_left(&self.id, &self.link);
+        self.plane.membership().worker_left(&self.id, &self.link);
     }
 }

@@ -71,7 +71,7 @@ struct Router {
 
 fn watch(plane: &Plane, id: &str) -> Router {
     let (tx, rx) = mpsc::channel(16);
-    plane.router_watching(id, tx).unwrap();
+    plane.leases().router_watching(id, tx).unwrap();
     Router { id: id.into(), rx }
 }
 
@@ -117,8 +117,8 @@ async fn leases_are_granted_to_watching_routers_only() {
         "renewed, with the next number"
     );
     assert_eq!(resume(&plane, "a", None).await, None);
-    assert_eq!(plane.leases_held("demo", "a"), 1);
-    let err = plane.router_watching("r1", mpsc::channel(1).0).unwrap_err();
+    assert_eq!(plane.leases().leases_held("demo", "a"), 1);
+    let err = plane.leases().router_watching("r1", mpsc::channel(1).0).unwrap_err();
     assert_eq!(err.code(), Code::AlreadyExists, "one watch per router id");
 }
 
@@ -153,7 +153,7 @@ async fn revocation_waits_for_the_ack() {
         Code::Aborted,
         "nothing granted while revoking"
     );
-    plane.lease_acked(
+    plane.leases().lease_acked(
         &r.id,
         &pb::Actor {
             atespace: "demo".into(),
@@ -170,7 +170,7 @@ async fn revocation_waits_for_the_ack() {
     );
     w.answer(checkpoint.id, Ok(()));
     assert_eq!(suspend.await.unwrap().unwrap().status, S::Suspended as i32);
-    assert_eq!(plane.leases_held("demo", "a"), 0);
+    assert_eq!(plane.leases().leases_held("demo", "a"), 0);
 }
 
 /// Lease numbers never repeat: after a revocation (the router remembers `through`) and
@@ -194,7 +194,7 @@ async fn lease_numbers_outgrow_every_revocation() {
         atespace: "demo".into(),
         name: "a".into(),
     };
-    plane.lease_acked(&r.id, &actor, through);
+    plane.leases().lease_acked(&r.id, &actor, through);
     suspend.await.unwrap().unwrap();
     let (_, again) = resume(&plane, "a", Some("r1")).await.unwrap();
     assert!(
@@ -238,7 +238,7 @@ async fn a_silent_holder_holds_up_a_suspend_at_most_its_lease() {
     }
     let granted = Instant::now();
     drop(gone);
-    plane.leases_released(&polite.id);
+    plane.leases().leases_released(&polite.id);
 
     let suspend_b = {
         let plane = plane.clone();
@@ -705,7 +705,7 @@ async fn the_lease_book_forgets_what_has_ended() {
         tokio::time::sleep(LEASE + Duration::from_secs(1)).await;
         w.renew();
     }
-    assert_eq!(plane.lease_records(), (1, 1), "only the last grant is kept");
+    assert_eq!(plane.leases().lease_records(), (1, 1), "only the last grant is kept");
     let suspend = {
         let plane = plane.clone();
         tokio::spawn(async move { plane.suspend_actor(key("a")).await })
@@ -713,7 +713,7 @@ async fn the_lease_book_forgets_what_has_ended() {
     let checkpoint = w.next().await.unwrap();
     w.answer(checkpoint.id, Ok(()));
     suspend.await.unwrap().unwrap();
-    assert_eq!(plane.lease_records(), (0, 0));
+    assert_eq!(plane.leases().lease_records(), (0, 0));
 }
 
 /// A router behind on its watch (its queue full) still gets every Revoke once it
@@ -731,7 +731,7 @@ async fn a_revoke_waits_for_room_on_a_full_watch() {
         });
     }
     let (tx, rx) = mpsc::channel(1);
-    plane.router_watching("r1", tx).unwrap();
+    plane.leases().router_watching("r1", tx).unwrap();
     let mut r = Router {
         id: "r1".into(),
         rx,
@@ -754,7 +754,7 @@ async fn a_revoke_waits_for_room_on_a_full_watch() {
             .await
             .expect("every Revoke arrives");
         let (atespace, name) = actor.split_once('/').unwrap();
-        plane.lease_acked(
+        plane.leases().lease_acked(
             &r.id,
             &pb::Actor {
                 atespace: atespace.into(),

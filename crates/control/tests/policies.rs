@@ -347,7 +347,7 @@ async fn a_lease_renewal_is_no_activity() {
     };
     let plane = plane(config, &["a"]).await;
     let (tx, _watch) = tokio::sync::mpsc::channel(16);
-    plane.router_watching("r1", tx).unwrap();
+    plane.leases().router_watching("r1", tx).unwrap();
     let mut w = worker(&plane, "w");
     let start = Instant::now();
     let resume = {

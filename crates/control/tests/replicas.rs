@@ -68,7 +68,7 @@ async fn workers_on(to: &Replica, n: usize, snapshots: &std::path::Path) -> Vec<
 async fn lists_workers(replica: &Replica, n: usize) {
     let listed = replica
         .plane
-        .wait_until(WAIT, |p| p.list_workers().len() == n)
+        .wait_until(WAIT, |p| p.membership().list_workers().len() == n)
         .await;
     assert!(listed, "{n} workers listed on every replica");
 }
@@ -533,7 +533,7 @@ async fn a_refused_join_records_no_attachment() {
         sql_count(&pg.url(), "SELECT count(*) FROM valet_workers").await,
         0
     );
-    assert!(b.plane.list_workers().is_empty());
+    assert!(b.plane.membership().list_workers().is_empty());
     b.served.stop().await;
     a.served.stop().await;
 }

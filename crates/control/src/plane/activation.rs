@@ -227,11 +227,11 @@ impl Activation {
                 // Copied out: a borrow held into the arm would deadlock its `send_modify`.
                 let until = capacity.borrow().until;
                 match st.free_worker(&row.pool) {
-                    Some(w) => Start::Reserved(plane.reserve(&mut st, &w, key)),
+                    Some(w) => Start::Reserved(plane.capacity().reserve(&mut st, &w, key)),
                     None => match until {
                         Some(_) => {
                             capacity.send_modify(|c| c.queued = true);
-                            Start::Queued(plane.enqueue(&mut st, &row.pool, key))
+                            Start::Queued(plane.capacity().enqueue(&mut st, &row.pool, key))
                         }
                         None => {
                             st.signals.refused(key, &row.pool);
@@ -424,7 +424,7 @@ impl Restore {
             }
             Err(e) => {
                 tracing::warn!(actor = %key, worker, error = %e, "restore failed; actor CRASHED");
-                plane.evict(&worker, key, &claimed);
+                plane.lock().workers.evict(&worker, key, &claimed);
                 let crashed_row = claimed.crashed(&e.to_string());
                 plane.finish(op, Batch::put([crashed_row])).await?;
                 Err(crashed())

@@ -211,7 +211,7 @@ impl Drop for Ticket {
         };
         // Its row goes too (one still being written goes once it is: see `enqueue`).
         if let Some(seq) = seq {
-            self.plane.dequeue(seq);
+            self.plane.capacity().dequeue(seq);
         }
         // Outside the lock: a worker handed to this ticket and never taken is passed on
         // by its reservation's drop.
@@ -256,7 +256,7 @@ impl Drop for Reservation {
                 .unreserve(&self.worker, &self.actor)
         };
         if freed {
-            self.plane.hand_off(&self.worker);
+            self.plane.capacity().hand_off(&self.worker);
         }
     }
 }
@@ -275,12 +275,27 @@ impl State {
     }
 }
 
+/// The plane's capacity: reservations, the queues' tickets, and the hand-off of a
+/// freed worker to the oldest waiter. Obtained with [`Plane::capacity`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Capacity<'a> {
+    plane: &'a Plane,
+}
+
 impl Plane {
+    /// The plane's capacity.
+    pub(crate) fn capacity(&self) -> Capacity<'_> {
+        Capacity { plane: self }
+    }
+}
+
+impl Capacity<'_> {
     /// Reserves free `worker` for `actor`.
     pub(crate) fn reserve(&self, st: &mut State, worker: &str, actor: &ActorKey) -> Reservation {
+        let plane = self.plane;
         st.workers.reserve(worker, actor);
         Reservation {
-            plane: self.clone(),
+            plane: plane.clone(),
             worker: worker.to_owned(),
             actor: actor.clone(),
             settled: false,
@@ -292,6 +307,7 @@ impl Plane {
     /// ticket is handed [`Handed::Elsewhere`] when the actor waits on another
     /// replica already, and [`Handed::Failed`] when the database refuses.
     pub(crate) fn enqueue(&self, st: &mut State, pool: &str, actor: &ActorKey) -> Ticket {
+        let plane = self.plane;
         let id = st.id();
         let (tx, rx) = oneshot::channel();
         st.waiters.push(
@@ -303,10 +319,10 @@ impl Plane {
                 tx,
             },
         );
-        self.inner.stats.queued.fetch_add(1, Ordering::Relaxed);
-        self.inner.peers.queued(pool, actor, id);
+        plane.inner.stats.queued.fetch_add(1, Ordering::Relaxed);
+        plane.inner.peers.queued(pool, actor, id);
         Ticket {
-            plane: self.clone(),
+            plane: plane.clone(),
             pool: pool.to_owned(),
             id,
             rx: Some(rx),
@@ -317,14 +333,16 @@ impl Plane {
     /// stays free. Call only after the change that freed it is durable, and never with
     /// the state lock held.
     pub(crate) fn hand_off(&self, worker: &str) {
-        self.inner.peers.hand_off(self, worker);
+        let plane = self.plane;
+        plane.inner.peers.hand_off(plane, worker);
     }
 
     /// [`Self::hand_off`] with no other replica: to the oldest live waiter here.
     pub(super) fn hand_off_here(&self, worker: &str) {
+        let plane = self.plane;
         loop {
             let (waiter, reservation) = {
-                let mut st = self.lock();
+                let mut st = plane.lock();
                 let Some(w) = st.workers.get(worker) else {
                     return;
                 };
@@ -336,12 +354,12 @@ impl Plane {
                 let Some(waiter) = st.waiters.pop(&pool) else {
                     return;
                 };
-                let reservation = self.reserve(&mut st, worker, &waiter.actor);
+                let reservation = plane.capacity().reserve(&mut st, worker, &waiter.actor);
                 (waiter, reservation)
             };
             match waiter.tx.send(Handed::Worker(reservation)) {
                 Ok(()) => {
-                    self.handed_off();
+                    plane.capacity().handed_off();
                     return;
                 }
                 Err(Handed::Elsewhere { .. } | Handed::Failed(_)) => return,
@@ -350,38 +368,42 @@ impl Plane {
                     unused.settled = true;
                     // Its stream may have ended in between: the departure must not
                     // keep the reservation either.
-                    self.lock().workers.unreserve(worker, &unused.actor);
+                    plane.lock().workers.unreserve(worker, &unused.actor);
                 }
             }
         }
     }
 }
 
-impl Plane {
+impl Capacity<'_> {
     /// Offers every free worker of `pool` attached here to the queue.
     pub(super) fn offer_free(&self, pool: &str) {
-        let free = self.lock().workers.all_free_in(pool);
+        let plane = self.plane;
+        let free = plane.lock().workers.all_free_in(pool);
         for w in free {
-            self.hand_off(&w);
+            plane.capacity().hand_off(&w);
         }
     }
 
     /// A worker was handed to a waiter (here or, several replicas, elsewhere).
     pub(super) fn handed_off(&self) {
-        self.inner
+        let plane = self.plane;
+        plane
+            .inner
             .stats
             .handoffs
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.metrics().handoff();
+        plane.metrics().handoff();
     }
 }
 
-impl Plane {
+impl Capacity<'_> {
     /// Takes this replica's waiter `seq` out of the queue the replicas share, in the
     /// background (its resume no longer waits). A row a hand-off took already stays
     /// taken.
     pub(crate) fn dequeue(&self, seq: i64) {
-        self.inner.peers.dequeue(self, seq);
+        let plane = self.plane;
+        plane.inner.peers.dequeue(plane, seq);
     }
 }
 

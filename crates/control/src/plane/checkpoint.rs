@@ -145,7 +145,7 @@ impl Checkpoint {
             fence,
         } = self;
         let key = &key;
-        plane.revoke_leases(key).await;
+        plane.leases().revoke_leases(key).await;
         let suspending = row.moved(ActorStatus::Suspending, row.worker.clone());
         if let Err(e) = plane.step(&op, Batch::put([suspending.clone()])).await {
             return Checkpointed::Failed(e);
@@ -279,7 +279,7 @@ async fn record(
         }
         Err(e) => {
             tracing::warn!(actor = %key, worker, error = %e, "checkpoint failed; actor CRASHED");
-            plane.evict(&worker, key, &suspending);
+            plane.lock().workers.evict(&worker, key, &suspending);
             let done = suspending.crashed(&e.to_string());
             plane.finish(op, Batch::put([done])).await?;
             Err(Status::internal(format!(

@@ -121,16 +121,32 @@ impl State {
     }
 }
 
+/// The route leases of the plane: routers' watches, grants' acknowledgements, and
+/// revocations before an actor moves (`docs/leases.md`). Obtained with
+/// [`Plane::leases`].
+#[derive(Debug, Clone, Copy)]
+pub struct Leases<'a> {
+    plane: &'a Plane,
+}
+
 impl Plane {
+    /// The route leases of the plane.
+    pub fn leases(&self) -> Leases<'_> {
+        Leases { plane: self }
+    }
+}
+
+impl Leases<'_> {
     /// A router opened its watch as `router`; `AlreadyExists` while another watch with
     /// that id is open.
     pub fn router_watching(&self, router: &str, tx: WatchTx) -> Result<u64, Status> {
+        let plane = self.plane;
         if router.is_empty() || router.len() > 128 {
             return Err(Status::invalid_argument(
                 "router_id must be 1-128 characters",
             ));
         }
-        let mut st = self.lock();
+        let mut st = plane.lock();
         if st
             .leases
             .routers
@@ -152,7 +168,8 @@ impl Plane {
     /// `router`'s watch `conn` ended: it gets no new lease; those it holds end by
     /// themselves.
     pub(crate) fn router_detached(&self, router: &str, conn: u64) {
-        let mut st = self.lock();
+        let plane = self.plane;
+        let mut st = plane.lock();
         if st
             .leases
             .routers
@@ -166,11 +183,12 @@ impl Plane {
 
     /// `router` acked the revocation of its leases on `actor` up to `through`.
     pub fn lease_acked(&self, router: &str, actor: &pb::Actor, through: u64) {
+        let plane = self.plane;
         let Ok(key) = ActorKey::new(&actor.atespace, &actor.name) else {
             return;
         };
         let ack = {
-            let mut st = self.lock();
+            let mut st = plane.lock();
             let Some(al) = st.leases.actors.get_mut(&key) else {
                 return;
             };
@@ -186,8 +204,9 @@ impl Plane {
 
     /// `router` stopped cleanly: every lease it held ends now.
     pub fn leases_released(&self, router: &str) {
+        let plane = self.plane;
         let acks: Vec<oneshot::Sender<()>> = {
-            let mut st = self.lock();
+            let mut st = plane.lock();
             st.leases
                 .actors
                 .values_mut()
@@ -202,7 +221,8 @@ impl Plane {
 
     /// Ends every router's watch (shutdown): routers watch again when a plane returns.
     pub(crate) fn close_watches(&self) {
-        self.lock().leases.routers.clear();
+        let plane = self.plane;
+        plane.lock().leases.routers.clear();
     }
 
     /// Revokes the route leases on `key`: each holder with a lease not yet ended is
@@ -211,9 +231,10 @@ impl Plane {
     /// For the previous run's recorded route lease after the plane started it waits
     /// first, also with `--route-lease 0`: leases that run granted may still be held.
     pub(crate) async fn revoke_leases(&self, key: &ActorKey) {
+        let plane = self.plane;
         // Also with `--route-lease 0`: the previous run may have granted some.
-        tokio::time::sleep_until(self.inner.leases_unknown_until).await;
-        if self.config().route_lease.is_zero() {
+        tokio::time::sleep_until(plane.inner.leases_unknown_until).await;
+        if plane.config().route_lease.is_zero() {
             return;
         }
         type Wait = (
@@ -222,7 +243,7 @@ impl Plane {
             Option<mpsc::WeakSender<Result<pb::PlaneMessage, Status>>>,
         );
         let (mut waits, through): (Vec<Wait>, u64) = {
-            let mut st = self.lock();
+            let mut st = plane.lock();
             let now = Instant::now();
             let State { leases, .. } = &mut *st;
             let Some(al) = leases.actors.get_mut(key) else {
@@ -283,8 +304,8 @@ impl Plane {
                 () = tokio::time::sleep_until(until) => {}
             }
         }
-        self.lock().leases.actors.remove(key);
-        self.metrics().revoked(started.elapsed());
+        plane.lock().leases.actors.remove(key);
+        plane.metrics().revoked(started.elapsed());
         tracing::debug!(actor = %key, took = ?started.elapsed(), "route leases revoked");
     }
 
@@ -294,8 +315,10 @@ impl Plane {
     /// A failed write leaves the longer one recorded: the next start waits longer than
     /// it needs to, never shorter. Cancelled by shutdown.
     pub(super) fn spawn_lower_lease_bound(&self, hosting: bool) {
-        let plane = self.clone();
-        self.inner.chores.spawn(async move {
+        let plane = self.plane;
+        let chores = plane.inner.chores.clone();
+        let plane = plane.clone();
+        chores.spawn(async move {
             let (ended, lease) = if hosting {
                 (plane.inner.workers_unknown_until, plane.config().hosting_lease)
             } else {
@@ -327,13 +350,15 @@ impl Plane {
     /// How many actors the lease book keeps records of, and how many holders those
     /// records name, ended or not (tests: the book does not grow without bound).
     pub fn lease_records(&self) -> (usize, usize) {
-        let st = self.lock();
+        let plane = self.plane;
+        let st = plane.lock();
         let actors = &st.leases.actors;
         (actors.len(), actors.values().map(|al| al.held.len()).sum())
     }
 
     /// Route leases outstanding on `atespace/name` now.
     pub fn leases_held(&self, atespace: &str, name: &str) -> usize {
-        ActorKey::new(atespace, name).map_or(0, |k| self.lock().leases_held(&k))
+        let plane = self.plane;
+        ActorKey::new(atespace, name).map_or(0, |k| plane.lock().leases_held(&k))
     }
 }

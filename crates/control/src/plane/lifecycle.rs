@@ -8,7 +8,6 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tonic::Status;
 use valet_proto::ateapi;
-use valet_proto::worker::{self as wk, worker_command::Command};
 
 use super::activation::Activation;
 use super::checkpoint::Checkpoint;
@@ -30,7 +29,7 @@ pub(super) fn stop_waits_for(st: &super::State, key: &ActorKey) -> bool {
 
 /// How soon [`Plane::checkpoint_all`] tries a busy actor again.
 pub(crate) const CHECKPOINT_ALL_RETRY: Duration = Duration::from_millis(100);
-use super::{Op, OpKind, OpTarget, Plane, aborted, not_found, shutting_down, slot_of};
+use super::{Op, OpKind, OpTarget, Plane, aborted, not_found, shutting_down};
 use crate::metrics::ResumeHow;
 use crate::model::{ActorKey, ActorStatus};
 use crate::store::{ActorRow, Batch};
@@ -99,9 +98,9 @@ impl<'a> Settle<'a> {
     pub(super) async fn run(self) -> Result<ActorRow, Status> {
         let Settle { plane, op, row } = self;
         let key = row.key();
-        plane.revoke_leases(&key).await;
+        plane.leases().revoke_leases(&key).await;
         if let Some(worker) = &row.worker {
-            plane.evict(worker, &key, &row);
+            plane.lock().workers.evict(worker, &key, &row);
             // A worker that is not attached is not told: not elsewhere before it has
             // fenced the actor.
             if !super::fencing::until_fenced(plane, worker).await {
@@ -188,15 +187,6 @@ impl Plane {
             }
         });
         Ok((actor, resumed, grant))
-    }
-
-    /// Tells `worker` to drop `key`, if it is attached (no answer awaited).
-    pub(super) fn evict(&self, worker: &str, key: &ActorKey, row: &ActorRow) {
-        if let Some(w) = self.lock().workers.get(worker) {
-            w.link().notify(Command::Evict(wk::Evict {
-                actor: Some(slot_of(key, row)),
-            }));
-        }
     }
 
     /// `SuspendActor`: RUNNING → SUSPENDING → checkpoint → SUSPENDED, freeing the worker

@@ -23,7 +23,21 @@ use crate::store::ActorRow;
 /// tells the worker to stop all the same.
 const DRAIN_ROUNDS: usize = 4;
 
+/// The workers' side of the plane: their streams' joins, reports and departures,
+/// and the list of workers. Obtained with [`Plane::membership`].
+#[derive(Debug, Clone, Copy)]
+pub struct Membership<'a> {
+    plane: &'a Plane,
+}
+
 impl Plane {
+    /// The workers' side of the plane.
+    pub fn membership(&self) -> Membership<'_> {
+        Membership { plane: self }
+    }
+}
+
+impl Membership<'_> {
     /// A worker attached (or re-attached) over its stream: recorded for the other
     /// replicas first, if any ([`super::peers::Peers::attach`]), then
     /// [`Self::worker_joined`].
@@ -32,7 +46,8 @@ impl Plane {
         join: &wk::Join,
         link: Arc<WorkerLink>,
     ) -> Result<bool, Status> {
-        self.inner.peers.attach(self, join, link).await
+        let plane = self.plane;
+        plane.inner.peers.attach(plane, join, link).await
     }
 
     /// A worker attached (or re-attached). Returns whether it keeps the actor it
@@ -42,8 +57,9 @@ impl Plane {
         join: &wk::Join,
         link: Arc<WorkerLink>,
     ) -> Result<bool, Status> {
+        let plane = self.plane;
         Join {
-            plane: self,
+            plane,
             join,
             link,
             veto: false,
@@ -60,11 +76,12 @@ impl Plane {
     /// status and last output, and the worker free, once no operation holds the
     /// actor. Not if the records place the actor elsewhere by then.
     pub(crate) fn actor_exited(&self, worker: &str, link: &Arc<WorkerLink>, exited: &wk::Exited) {
+        let plane = self.plane;
         let Some(slot) = &exited.actor else { return };
         let Ok(key) = ActorKey::new(&slot.atespace, &slot.name) else {
             return;
         };
-        let current = self.lock().workers.get(worker).is_some_and(|w| w.on(link));
+        let current = plane.lock().workers.get(worker).is_some_and(|w| w.on(link));
         if !current {
             return;
         }
@@ -82,10 +99,11 @@ impl Plane {
             )
         };
         tracing::warn!(actor = %key, worker, status = %exited.status, "the actor's program exited on its worker");
-        let plane = self.clone();
+        let tasks = plane.inner.tasks.clone();
+        let plane = plane.clone();
         let worker = worker.to_owned();
         let link = Arc::clone(link);
-        self.inner.tasks.spawn(async move {
+        tasks.spawn(async move {
             let still = |st: &State| {
                 st.workers
                     .get(&worker)
@@ -100,20 +118,22 @@ impl Plane {
     /// does (its requests in flight end first; the actor is SUSPENDED from that fresh
     /// snapshot, not reverted to an older one), and then it is told `Drained`.
     pub(crate) fn worker_draining(&self, worker: &str, link: &Arc<WorkerLink>) {
+        let plane = self.plane;
         {
-            let mut st = self.lock();
+            let mut st = plane.lock();
             let Some(pool) = st.workers.drain(worker, link) else {
                 return;
             };
             tracing::info!(worker, %pool, "worker draining: checkpointing its actor, giving it no new one");
         }
-        self.inner.peers.worker_draining(worker);
-        Drain::spawn(self, worker, Arc::clone(link));
+        plane.inner.peers.worker_draining(worker);
+        Drain::spawn(plane, worker, Arc::clone(link));
     }
 
     /// A hosting renewal from `worker` (on its current stream `link`).
     pub(crate) fn renewed(&self, worker: &str, link: &Arc<WorkerLink>) -> bool {
-        self.lock().workers.renewed(worker, link)
+        let plane = self.plane;
+        plane.lock().workers.renewed(worker, link)
     }
 
     /// A worker's stream ended: the pool shrinks. Its actor may still be served by the
@@ -123,31 +143,32 @@ impl Plane {
     /// (its process is gone). An operation in progress on the actor handles it instead;
     /// a worker told to detach at shutdown keeps its actor on the record.
     pub(crate) fn worker_left(&self, worker: &str, link: &Arc<WorkerLink>) {
+        let plane = self.plane;
         let orphan = {
-            let mut st = self.lock();
+            let mut st = plane.lock();
             let current = st.workers.get(worker).is_some_and(|w| w.on(link));
             if !current {
                 return;
             }
             let rec = st.workers.remove(worker).expect("checked above");
-            self.inner.peers.worker_left(worker, rec.attach());
+            plane.inner.peers.worker_left(worker, rec.attach());
             let id = st.id();
             let fenced_by =
-                super::fencing::fenced_by(self, rec.last_renewal(), self.config().hosting_lease);
+                super::fencing::fenced_by(plane, rec.last_renewal(), plane.config().hosting_lease);
             let departure = st.workers.depart(worker, id, &rec, fenced_by);
             let left = st.workers.pool_size(rec.pool());
             // Scheduled for an actor in the middle of an operation too: should the
             // operation end with it RUNNING here (a checkpoint the actor was too busy
             // for), the release finds it so.
             let orphan = match rec.slot() {
-                Slot::Hosting(key) if !self.is_shutting_down() => st
+                Slot::Hosting(key) if !plane.is_shutting_down() => st
                     .records
                     .get(key)
                     .filter(|r| r.status != ActorStatus::Suspended)
                     .map(|_| key.clone()),
                 _ => None,
             };
-            if self.is_shutting_down() {
+            if plane.is_shutting_down() {
                 // Expected: the plane told it to detach.
                 tracing::info!(worker, pool = %rec.pool(), workers_left = left, "worker left its pool");
             } else {
@@ -162,14 +183,15 @@ impl Plane {
             orphan.map(|k| (k, departure))
         };
         if let Some((key, departure)) = orphan {
-            Release::orphan(self, worker.to_owned(), key, departure);
+            Release::orphan(plane, worker.to_owned(), key, departure);
         }
     }
 
     /// Tells every attached worker to detach: it keeps its actor running and attaches
     /// again when a control plane comes back.
     pub(super) fn detach_workers(&self) {
-        let links = self.lock().workers.links();
+        let plane = self.plane;
+        let links = plane.lock().workers.links();
         for link in links {
             link.detach();
         }
@@ -177,7 +199,8 @@ impl Plane {
 
     /// `ListWorkers`.
     pub fn list_workers(&self) -> Vec<ateapi::Worker> {
-        let st = self.lock();
+        let plane = self.plane;
+        let st = plane.lock();
         let local = st.workers.iter().map(|(id, w)| {
             let actor = match w.slot() {
                 Slot::Hosting(k) | Slot::Reserved(k) => st.records.get(k).map(|r| (k, r)),
@@ -479,7 +502,7 @@ impl Join<'_> {
             });
         }
         if free {
-            plane.hand_off(&id);
+            plane.capacity().hand_off(&id);
         }
         if let Some(link) = draining {
             tracing::info!(worker = %id, "worker re-attached draining: its drain goes on");

@@ -528,17 +528,17 @@ impl Plane {
             .map(|(k, _)| k.clone())
             .collect();
         if longest.0 > plane.config().route_lease {
-            plane.spawn_lower_lease_bound(false);
+            plane.leases().spawn_lower_lease_bound(false);
         }
         if longest.1 > plane.config().hosting_lease {
-            plane.spawn_lower_lease_bound(true);
+            plane.leases().spawn_lower_lease_bound(true);
         }
         release::Release::after_rejoin_grace(&plane, awaiting);
         plane.spawn_settler();
         if half_way > 0 {
             plane.inner.unsettled.notify_one();
         }
-        plane.spawn_policies();
+        plane.policies().spawn_policies();
         if let (peers::Peers::Replicas(replicas), Some(following)) = (&plane.inner.peers, following)
         {
             replicas.start(&plane, following);
@@ -738,7 +738,7 @@ impl Plane {
 
     fn hand_off_all(&self, freed: Vec<String>) {
         for worker in freed {
-            self.hand_off(&worker);
+            self.capacity().hand_off(&worker);
         }
         self.wake_policies();
     }
@@ -869,8 +869,8 @@ impl Plane {
                 "operations still in progress after the shutdown timeout; the next start resolves them"
             );
         }
-        self.detach_workers();
-        self.close_watches();
+        self.membership().detach_workers();
+        self.leases().close_watches();
         // Forwarded suspends carried out here still write their answers: within what
         // is left of the timeout (at least a second), never past it for long.
         let left = until
@@ -896,7 +896,7 @@ impl Plane {
     /// of the replica that took over.
     pub fn step_down(&self) {
         self.inner.shutdown.cancel();
-        self.detach_workers();
+        self.membership().detach_workers();
     }
 
     /// Runs the reader of a worker's attach stream; it ends with the stream.

@@ -174,7 +174,7 @@ impl Drop for Op {
             }
         };
         if let Some(pool) = queued_in {
-            plane.offer_free(&pool);
+            plane.capacity().offer_free(&pool);
         }
     }
 }

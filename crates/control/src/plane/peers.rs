@@ -48,7 +48,7 @@ impl Peers {
         link: Arc<WorkerLink>,
     ) -> Result<bool, Status> {
         match self {
-            Peers::Alone => plane.worker_joined(join, link),
+            Peers::Alone => plane.membership().worker_joined(join, link),
             Peers::Replicas(r) => r.attach(plane, join, link).await,
         }
     }
@@ -100,7 +100,7 @@ impl Peers {
     /// Free `worker` goes to the oldest waiter of its pool: here, or of any replica.
     pub(super) fn hand_off(&self, plane: &Plane, worker: &str) {
         match self {
-            Peers::Alone => plane.hand_off_here(worker),
+            Peers::Alone => plane.capacity().hand_off_here(worker),
             Peers::Replicas(r) => r.offer(plane, worker),
         }
     }

@@ -154,6 +154,27 @@ impl Why {
 }
 
 impl Plane {
+    /// Re-evaluates the policies now.
+    pub(crate) fn wake_policies(&self) {
+        self.inner.policy.notify_one();
+    }
+}
+
+/// The capacity that frees itself: idle suspension and demand eviction, fed by the
+/// workers' activity reports. Obtained with [`Plane::policies`].
+#[derive(Debug, Clone, Copy)]
+pub struct Policies<'a> {
+    plane: &'a Plane,
+}
+
+impl Plane {
+    /// The plane's policies.
+    pub fn policies(&self) -> Policies<'_> {
+        Policies { plane: self }
+    }
+}
+
+impl Policies<'_> {
     /// A worker reported its actor's activity.
     pub(crate) fn activity(
         &self,
@@ -161,12 +182,13 @@ impl Plane {
         link: &std::sync::Arc<WorkerLink>,
         report: &wk::Activity,
     ) {
+        let plane = self.plane;
         let Some(slot) = &report.actor else { return };
         let Ok(key) = ActorKey::new(&slot.atespace, &slot.name) else {
             return;
         };
         let wake = {
-            let mut st = self.lock();
+            let mut st = plane.lock();
             let current = st
                 .workers
                 .on(worker, link)
@@ -178,25 +200,22 @@ impl Plane {
             st.signals.report(key, report.in_flight, report.mark)
         };
         if wake {
-            self.wake_policies();
+            plane.wake_policies();
         }
-    }
-
-    /// Re-evaluates the policies now.
-    pub(crate) fn wake_policies(&self) {
-        self.inner.policy.notify_one();
     }
 
     /// Runs the policies, if any is configured, until shutdown.
     pub(super) fn spawn_policies(&self) {
-        let c = self.config();
+        let plane = self.plane;
+        let c = plane.config();
         if c.idle_suspend_after.is_zero() && c.evict_idle_after.is_zero() {
             return;
         }
-        let plane = self.clone();
-        self.inner.chores.spawn(async move {
+        let chores = plane.inner.chores.clone();
+        let plane = plane.clone();
+        chores.spawn(async move {
             loop {
-                let next = plane.policy_pass(Instant::now());
+                let next = plane.policies().policy_pass(Instant::now());
                 let sleep = async {
                     match next {
                         Some(at) => tokio::time::sleep_until(at).await,
@@ -215,13 +234,14 @@ impl Plane {
     /// Starts the checkpoints the policies call for now; returns when the next actor
     /// crosses a threshold, if one will.
     fn policy_pass(&self, now: Instant) -> Option<Instant> {
-        let idle_after = self.config().idle_suspend_after;
-        let evict_after = self.config().evict_idle_after;
+        let plane = self.plane;
+        let idle_after = plane.config().idle_suspend_after;
+        let evict_after = plane.config().evict_idle_after;
         let mut starts: Vec<(Op, ActorKey, Why, u64, std::time::Duration)> = Vec::new();
         let mut next: Option<Instant> = None;
         let mut soonest = |at: Instant| next = Some(next.map_or(at, |n: Instant| n.min(at)));
         {
-            let mut st = self.lock();
+            let mut st = plane.lock();
             st.signals.expire(now);
             // Running, unlocked actors by pool, least recently active first.
             let mut idle: BTreeMap<String, Vec<(Instant, ActorKey, u64, Duration)>> =
@@ -272,7 +292,7 @@ impl Plane {
                         }
                         taken += 1;
                         let op = Op::take(
-                            self,
+                            plane,
                             &mut st,
                             OpTarget::Actor(key.clone()),
                             OpKind::Busy(Why::Evict.op()),
@@ -291,7 +311,7 @@ impl Plane {
                         continue;
                     }
                     let op = Op::take(
-                        self,
+                        plane,
                         &mut st,
                         OpTarget::Actor(key.clone()),
                         OpKind::Busy(Why::Idle.op()),
@@ -301,7 +321,9 @@ impl Plane {
             }
         }
         for (op, key, why, mark, idle_for) in starts {
-            self.spawn_policy_checkpoint(op, key, why, mark, idle_for);
+            plane
+                .policies()
+                .spawn_policy_checkpoint(op, key, why, mark, idle_for);
         }
         next
     }
@@ -314,8 +336,10 @@ impl Plane {
         mark: u64,
         idle_for: Duration,
     ) {
-        let plane = self.clone();
-        self.inner.tasks.spawn(async move {
+        let plane = self.plane;
+        let tasks = plane.inner.tasks.clone();
+        let plane = plane.clone();
+        tasks.spawn(async move {
             let Some(row) = plane.lock().records.get(&key).cloned() else {
                 return;
             };

@@ -46,7 +46,7 @@ impl Release {
         let plane = plane.clone();
         tasks.spawn(async move {
             for row in &rows {
-                plane.revoke_leases(&row.key()).await;
+                plane.leases().revoke_leases(&row.key()).await;
             }
             let keys: Vec<String> = rows.iter().map(|r| r.key().to_string()).collect();
             // A failed write changed nothing: the actors would stay RUNNING on a worker

@@ -584,7 +584,7 @@ impl Replicas {
         };
         for (worker, key, row) in evict {
             tracing::warn!(actor = %key, worker, "another replica moved the actor off this replica's worker; evicting it there");
-            plane.evict(&worker, &key, &row);
+            plane.lock().workers.evict(&worker, &key, &row);
         }
         plane.hand_off_all(freed);
     }
@@ -651,7 +651,7 @@ impl Replicas {
             st.replicas.added.insert(row.seq, seen);
             st.replicas.waiting.insert(row.seq, row);
         }
-        plane.offer_free(&pool);
+        plane.capacity().offer_free(&pool);
         plane.wake_policies();
     }
 
@@ -825,7 +825,7 @@ impl Replicas {
                 .collect()
         };
         for seq in orphaned {
-            plane.dequeue(seq);
+            plane.capacity().dequeue(seq);
         }
         for w in &view.workers {
             self.apply_worker(plane, &w.id, Some(w.clone()));
@@ -842,7 +842,7 @@ impl Replicas {
             self.replica_died(plane, id);
         }
         for pool in pools {
-            plane.offer_free(&pool);
+            plane.capacity().offer_free(&pool);
         }
         self.spawn_forwarded(plane);
         let waiting: Vec<i64> = plane.lock().replicas.forwards.keys().copied().collect();
@@ -951,7 +951,7 @@ impl Replicas {
             }
             for pool in pools {
                 // A worker free here goes to the oldest waiter, maybe one of these.
-                plane.offer_free(&pool);
+                plane.capacity().offer_free(&pool);
             }
             plane.wake_policies();
         }
@@ -1179,7 +1179,8 @@ impl Replicas {
                             // again): the waiter queues again, its row being gone.
                             Some(local) if !offered => Then::Requeue(local),
                             Some(local) => {
-                                let reservation = plane.reserve(&mut st, worker, &waiter.actor);
+                                let reservation =
+                                    plane.capacity().reserve(&mut st, worker, &waiter.actor);
                                 Then::Hand(local, reservation)
                             }
                         }
@@ -1216,7 +1217,7 @@ impl Replicas {
                     return;
                 }
                 Then::Hand(local, reservation) => {
-                    plane.handed_off();
+                    plane.capacity().handed_off();
                     // A waiter that left just now drops the reservation unused, which
                     // passes the worker on.
                     local.hand(Handed::Worker(reservation));
@@ -1224,7 +1225,7 @@ impl Replicas {
                 }
                 Then::Restore(claimed) => {
                     let (waiter, row, op) = *claimed;
-                    plane.handed_off();
+                    plane.capacity().handed_off();
                     plane
                         .inner
                         .stats

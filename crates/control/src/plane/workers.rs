@@ -9,8 +9,11 @@ use std::sync::Arc;
 
 use tokio::time::Instant;
 
+use valet_proto::worker::{self as wk, worker_command::Command};
+
 use crate::link::WorkerLink;
 use crate::model::ActorKey;
+use crate::store::ActorRow;
 
 /// What a worker's slot holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -405,6 +408,16 @@ impl Workers {
                 true
             }
             None => false,
+        }
+    }
+
+    /// Tells worker `id` to drop `key` (recorded as `row`), if it is attached; no
+    /// answer awaited.
+    pub(crate) fn evict(&self, id: &str, key: &ActorKey, row: &ActorRow) {
+        if let Some(w) = self.attached.get(id) {
+            w.link.notify(Command::Evict(wk::Evict {
+                actor: Some(super::slot_of(key, row)),
+            }));
         }
     }
 
