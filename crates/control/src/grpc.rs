@@ -259,7 +259,7 @@ impl control_server::Control for ControlService {
         r: Request<ateapi::GetActorRequest>,
     ) -> Res<ateapi::GetActorResponse> {
         let key = ActorKey::from_ref(r.get_ref().actor_ref.as_ref())?;
-        let actor = self.plane.get_actor(&key)?;
+        let actor = self.plane.catalog().get_actor(&key)?;
         Ok(Response::new(ateapi::GetActorResponse {
             actor: Some(actor),
         }))
@@ -296,6 +296,7 @@ impl control_server::Control for ControlService {
         model::check_name("actor_template_namespace", ns)?;
         let actor = self
             .plane
+            .catalog()
             .create_actor(key, ns, &r.actor_template_name, selector)
             .await?;
         Ok(Response::new(ateapi::CreateActorResponse {
@@ -343,7 +344,7 @@ impl control_server::Control for ControlService {
 
     async fn delete_actor(&self, r: Request<ateapi::DeleteActorRequest>) -> Res<()> {
         let key = ActorKey::from_ref(r.get_ref().actor_ref.as_ref())?;
-        self.plane.delete_actor(key).await?;
+        self.plane.catalog().delete_actor(key).await?;
         Ok(Response::new(()))
     }
 
@@ -360,6 +361,7 @@ impl control_server::Control for ControlService {
         let r = r.get_ref();
         let (actors, next_page_token) =
             self.plane
+                .catalog()
                 .list_actors(&r.atespace, r.page_size, &r.page_token)?;
         Ok(Response::new(ateapi::ListActorsResponse {
             actors,
@@ -371,7 +373,11 @@ impl control_server::Control for ControlService {
         &self,
         r: Request<ateapi::CreateAtespaceRequest>,
     ) -> Res<ateapi::CreateAtespaceResponse> {
-        let atespace = self.plane.create_atespace(&r.get_ref().name).await?;
+        let atespace = self
+            .plane
+            .catalog()
+            .create_atespace(&r.get_ref().name)
+            .await?;
         Ok(Response::new(ateapi::CreateAtespaceResponse {
             atespace: Some(atespace),
         }))
@@ -381,7 +387,7 @@ impl control_server::Control for ControlService {
         &self,
         r: Request<ateapi::GetAtespaceRequest>,
     ) -> Res<ateapi::GetAtespaceResponse> {
-        let atespace = self.plane.get_atespace(&r.get_ref().name)?;
+        let atespace = self.plane.catalog().get_atespace(&r.get_ref().name)?;
         Ok(Response::new(ateapi::GetAtespaceResponse {
             atespace: Some(atespace),
         }))
@@ -389,12 +395,15 @@ impl control_server::Control for ControlService {
 
     async fn list_atespaces(&self, _: Request<()>) -> Res<ateapi::ListAtespacesResponse> {
         Ok(Response::new(ateapi::ListAtespacesResponse {
-            atespaces: self.plane.list_atespaces(),
+            atespaces: self.plane.catalog().list_atespaces(),
         }))
     }
 
     async fn delete_atespace(&self, r: Request<ateapi::DeleteAtespaceRequest>) -> Res<()> {
-        self.plane.delete_atespace(&r.get_ref().name).await?;
+        self.plane
+            .catalog()
+            .delete_atespace(&r.get_ref().name)
+            .await?;
         Ok(Response::new(()))
     }
 
@@ -414,7 +423,7 @@ impl control_server::Control for ControlService {
         r: Request<ateapi::GetActorLogsRequest>,
     ) -> Res<ateapi::GetActorLogsResponse> {
         let key = ActorKey::from_ref(r.get_ref().actor_ref.as_ref())?;
-        let (output, worker) = self.plane.actor_logs(&key).await?;
+        let (output, worker) = self.plane.catalog().actor_logs(&key).await?;
         Ok(Response::new(ateapi::GetActorLogsResponse {
             output,
             worker,

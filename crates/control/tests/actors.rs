@@ -478,7 +478,7 @@ async fn busy_echo_actor(
     let key = valet_control::ActorKey::new("demo", "busy").unwrap();
     assert!(
         sys.plane
-            .wait_until(WAIT, |p| p.get_actor(&key).is_ok_and(|a| a.busy))
+            .wait_until(WAIT, |p| p.catalog().get_actor(&key).is_ok_and(|a| a.busy))
             .await,
         "the worker reports the request in flight"
     );

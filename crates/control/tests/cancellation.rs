@@ -333,9 +333,10 @@ async fn a_failed_write_applies_nothing_and_hands_nothing_over() {
     )
     .unwrap();
     let plane = s.plane.clone();
-    plane.create_atespace("demo").await.unwrap();
+    plane.catalog().create_atespace("demo").await.unwrap();
     for a in ["a", "b"] {
         plane
+            .catalog()
             .create_actor(
                 ActorKey::new("demo", a).unwrap(),
                 "default",

@@ -37,9 +37,10 @@ async fn plane_with(store: &MemoryStore, actors: &[&str]) -> Plane {
 /// A plane on `store` with `config`, atespace `demo` and `actors` in it.
 async fn plane_configured(store: &MemoryStore, config: PlaneConfig, actors: &[&str]) -> Plane {
     let plane = Plane::open(Arc::new(store.clone()), config).await.unwrap();
-    plane.create_atespace("demo").await.unwrap();
+    plane.catalog().create_atespace("demo").await.unwrap();
     for a in actors {
         plane
+            .catalog()
             .create_actor(key(a), "default", "counter", Vec::new())
             .await
             .unwrap();
@@ -600,6 +601,7 @@ async fn a_worker_rejoining_empty_is_free_only_once_its_old_actor_is_released() 
     };
     let plane = Plane::open(Arc::new(store.clone()), leased).await.unwrap();
     plane
+        .catalog()
         .create_actor(key("new"), "default", "counter", Vec::new())
         .await
         .unwrap();
@@ -855,9 +857,10 @@ async fn resumes_of_unknown_actors_keep_nothing_per_name() {
     // from zero.
     let _ = plane.resume_actor(key("a"), None).await;
     assert_eq!(plane.resume_calls_for("demo", "a"), 1);
-    plane.delete_actor(key("a")).await.unwrap();
+    plane.catalog().delete_actor(key("a")).await.unwrap();
     assert_eq!(plane.resume_calls_for("demo", "a"), 0);
     plane
+        .catalog()
         .create_actor(key("a"), "default", "counter", Vec::new())
         .await
         .unwrap();
@@ -964,7 +967,7 @@ async fn a_second_process_is_refused_while_the_first_may_still_serve() {
     first.leave();
     let e = FakeWorker::attach_as(&plane, "w1", "counter", app(), 2).unwrap_err();
     assert_eq!(e.code(), Code::AlreadyExists, "{e}");
-    let p1 = plane.get_actor(&key("p1")).unwrap();
+    let p1 = plane.catalog().get_actor(&key("p1")).unwrap();
     assert_eq!(
         p1.status(),
         S::Running,
@@ -1329,7 +1332,7 @@ async fn a_reported_exit_crashes_the_actor_and_frees_its_worker() {
                 == Some(S::Crashed))
             .await
     );
-    let a = plane.get_actor(&key("a")).unwrap();
+    let a = plane.catalog().get_actor(&key("a")).unwrap();
     assert_eq!(
         a.status_reason,
         "its program exited with status 3; its last output:\nlast words"

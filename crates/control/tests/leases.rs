@@ -34,11 +34,12 @@ async fn plane_on(store: &MemoryStore, actors: &[&str]) -> Plane {
     let plane = Plane::open(Arc::new(store.clone()), config())
         .await
         .unwrap();
-    if plane.get_atespace("demo").is_err() {
-        plane.create_atespace("demo").await.unwrap();
+    if plane.catalog().get_atespace("demo").is_err() {
+        plane.catalog().create_atespace("demo").await.unwrap();
     }
     for a in actors {
         plane
+            .catalog()
             .create_actor(key(a), "default", "counter", Vec::new())
             .await
             .unwrap();
@@ -118,7 +119,10 @@ async fn leases_are_granted_to_watching_routers_only() {
     );
     assert_eq!(resume(&plane, "a", None).await, None);
     assert_eq!(plane.leases().leases_held("demo", "a"), 1);
-    let err = plane.leases().router_watching("r1", mpsc::channel(1).0).unwrap_err();
+    let err = plane
+        .leases()
+        .router_watching("r1", mpsc::channel(1).0)
+        .unwrap_err();
     assert_eq!(err.code(), Code::AlreadyExists, "one watch per router id");
 }
 
@@ -705,7 +709,11 @@ async fn the_lease_book_forgets_what_has_ended() {
         tokio::time::sleep(LEASE + Duration::from_secs(1)).await;
         w.renew();
     }
-    assert_eq!(plane.leases().lease_records(), (1, 1), "only the last grant is kept");
+    assert_eq!(
+        plane.leases().lease_records(),
+        (1, 1),
+        "only the last grant is kept"
+    );
     let suspend = {
         let plane = plane.clone();
         tokio::spawn(async move { plane.suspend_actor(key("a")).await })

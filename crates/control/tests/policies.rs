@@ -21,9 +21,10 @@ async fn plane(config: PlaneConfig, actors: &[&str]) -> Plane {
     let plane = Plane::open(Arc::new(MemoryStore::default()), config)
         .await
         .unwrap();
-    plane.create_atespace("demo").await.unwrap();
+    plane.catalog().create_atespace("demo").await.unwrap();
     for a in actors {
         plane
+            .catalog()
             .create_actor(key(a), "default", "counter", Vec::new())
             .await
             .unwrap();

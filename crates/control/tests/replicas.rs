@@ -138,7 +138,7 @@ async fn waiters_on_one_replica_are_served_in_order_by_workers_freed_on_another(
     let mut freed_at = Vec::new();
     for (i, w) in waiting.iter_mut().take(3).enumerate() {
         let r = format!("demo/r{}", i + 1);
-        let freed_worker = addr_of(&a.plane.get_actor(&key(&r)).unwrap());
+        let freed_worker = addr_of(&a.plane.catalog().get_actor(&key(&r)).unwrap());
         suspend_on(&a.client, &r).await.unwrap();
         freed_at.push(Instant::now());
         let (served, at) = tokio::time::timeout(WAIT, w).await.unwrap().unwrap();
@@ -242,7 +242,12 @@ async fn two_hundred_resumes_over_two_replicas_fill_twenty_workers_once() {
     demo(&a, (0..200).map(|i| format!("a{i:03}"))).await;
     assert!(
         b.plane
-            .wait_until(WAIT, |p| p.list_actors("demo", 1000, "").unwrap().0.len()
+            .wait_until(WAIT, |p| p
+                .catalog()
+                .list_actors("demo", 1000, "")
+                .unwrap()
+                .0
+                .len()
                 == 200)
             .await
     );
@@ -472,7 +477,7 @@ async fn an_actor_created_again_is_the_new_one_on_every_replica() {
     demo(&a, ["p1".to_owned()]).await;
     assert!(
         b.plane
-            .wait_until(WAIT, |p| p.get_actor(&key("demo/p1")).is_ok())
+            .wait_until(WAIT, |p| p.catalog().get_actor(&key("demo/p1")).is_ok())
             .await
     );
     let (client, conn) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls)
@@ -493,11 +498,9 @@ async fn an_actor_created_again_is_the_new_one_on_every_replica() {
         .unwrap();
     assert!(
         b.plane
-            .wait_until(WAIT, |p| p
-                .get_actor(&key("demo/p1"))
-                .is_ok_and(
-                    |r| r.actor_template_name == "echo" && r.ateom_pod_uid == "again"
-                ))
+            .wait_until(WAIT, |p| p.catalog().get_actor(&key("demo/p1")).is_ok_and(
+                |r| r.actor_template_name == "echo" && r.ateom_pod_uid == "again"
+            ))
             .await,
         "B has the new actor"
     );
@@ -588,7 +591,12 @@ async fn waiters_on_both_replicas_are_served_in_arrival_order() {
     // Workers free on B, A, B, A: x1, x2, x4, x5 in that order.
     let order = [(3, &b, 0), (1, &a, 1), (4, &b, 3), (2, &a, 4)];
     for (r, on, x) in order {
-        let freed = addr_of(&on.plane.get_actor(&key(&format!("demo/r{r}"))).unwrap());
+        let freed = addr_of(
+            &on.plane
+                .catalog()
+                .get_actor(&key(&format!("demo/r{r}")))
+                .unwrap(),
+        );
         suspend_on(&on.client, &format!("demo/r{r}")).await.unwrap();
         let served = tokio::time::timeout(WAIT, &mut waiting[x])
             .await
@@ -624,8 +632,9 @@ async fn a_worker_back_during_its_checkpoint_keeps_the_actor_on_a_replica() {
         .await
         .unwrap();
     let a = ActorKey::new("demo", "a").unwrap();
-    plane.create_atespace("demo").await.unwrap();
+    plane.catalog().create_atespace("demo").await.unwrap();
     plane
+        .catalog()
         .create_actor(a.clone(), "default", "counter", Vec::new())
         .await
         .unwrap();

@@ -65,10 +65,16 @@ impl System {
         let mut config = EmbeddedConfig::counter(dir.path(), 0).with_template(template, workers);
         tune(&mut config);
         let embedded = Embedded::start(config).await.unwrap();
-        embedded.plane.create_atespace("demo").await.unwrap();
+        embedded
+            .plane
+            .catalog()
+            .create_atespace("demo")
+            .await
+            .unwrap();
         for name in ["p1", "p2"] {
             embedded
                 .plane
+                .catalog()
                 .create_actor(key(name), "default", "app", Vec::new())
                 .await
                 .unwrap();
@@ -90,7 +96,7 @@ impl System {
     }
 
     fn actor(&self, name: &str) -> valet_proto::ateapi::Actor {
-        self.embedded.plane.get_actor(&key(name)).unwrap()
+        self.embedded.plane.catalog().get_actor(&key(name)).unwrap()
     }
 
     async fn until_status(&self, name: &str, status: Status) {
@@ -99,7 +105,9 @@ impl System {
             .embedded
             .plane
             .wait_until(WITHIN, |p| {
-                p.get_actor(&k).is_ok_and(|a| a.status == status as i32)
+                p.catalog()
+                    .get_actor(&k)
+                    .is_ok_and(|a| a.status == status as i32)
                     && !p.is_busy("demo", k.name())
             })
             .await;
@@ -366,7 +374,13 @@ async fn a_program_that_crashes_while_hosted_is_crashed_and_reverted_from_its_la
     let e = sys.resume("p1").await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::FailedPrecondition);
     // Its output outlives it.
-    let (logs, _) = sys.embedded.plane.actor_logs(&key("p1")).await.unwrap();
+    let (logs, _) = sys
+        .embedded
+        .plane
+        .catalog()
+        .actor_logs(&key("p1"))
+        .await
+        .unwrap();
     let logs = String::from_utf8(logs).unwrap();
     assert!(logs.contains("[err] crashing on purpose"), "{logs}");
     assert!(
@@ -706,7 +720,9 @@ async fn bodies_upgrades_and_h2c_reach_the_program() {
         sys.actor("p1").busy || {
             sys.embedded
                 .plane
-                .wait_until(WITHIN, |p| p.get_actor(&key("p1")).is_ok_and(|a| a.busy))
+                .wait_until(WITHIN, |p| {
+                    p.catalog().get_actor(&key("p1")).is_ok_and(|a| a.busy)
+                })
                 .await
         }
     );

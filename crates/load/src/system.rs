@@ -155,6 +155,7 @@ impl System {
         .await?;
         embedded
             .plane
+            .catalog()
             .create_atespace("demo")
             .await
             .map_err(|e| e.message().to_owned())?;

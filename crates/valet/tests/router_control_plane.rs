@@ -213,10 +213,11 @@ async fn silent_control_plane_is_unavailable_not_a_timeout() {
         .await
         .unwrap();
     let plane = embedded.plane.clone();
-    plane.create_atespace("demo").await.unwrap();
+    plane.catalog().create_atespace("demo").await.unwrap();
     for a in ["p1", "p2"] {
         let key = valet_control::ActorKey::new("demo", a).unwrap();
         plane
+            .catalog()
             .create_actor(key, "default", "counter", Vec::new())
             .await
             .unwrap();

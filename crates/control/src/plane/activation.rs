@@ -296,7 +296,11 @@ impl Activation {
         };
         op.stop_joining();
         let claimed = row.moved(ActorStatus::Resuming, Some(reservation.worker().to_owned()));
-        if let Err(e) = plane.step(&op, Batch::put([claimed.clone()])).await {
+        if let Err(e) = plane
+            .ledger()
+            .step(&op, Batch::put([claimed.clone()]))
+            .await
+        {
             // The reservation passes the worker on as it drops.
             return Ok(Err(e));
         }
@@ -391,7 +395,10 @@ impl Restore {
                 let mut running = claimed.moved(ActorStatus::Running, claimed.worker.clone());
                 running.revert_pending = false;
                 plane.lock().signals.restored(key);
-                plane.finish(op, Batch::put([running.clone()])).await?;
+                plane
+                    .ledger()
+                    .finish(op, Batch::put([running.clone()]))
+                    .await?;
                 tracing::info!(actor = %key, worker, "actor RUNNING");
                 // Its worker may have left while that was written: there is no
                 // address to answer; its departure releases the actor, and the
@@ -419,14 +426,14 @@ impl Restore {
                     return Err(shutting_down());
                 }
                 let back = claimed.moved(ActorStatus::Suspended, None);
-                plane.finish(op, Batch::put([back])).await?;
+                plane.ledger().finish(op, Batch::put([back])).await?;
                 Err(gone)
             }
             Err(e) => {
                 tracing::warn!(actor = %key, worker, error = %e, "restore failed; actor CRASHED");
                 plane.lock().workers.evict(&worker, key, &claimed);
                 let crashed_row = claimed.crashed(&e.to_string());
-                plane.finish(op, Batch::put([crashed_row])).await?;
+                plane.ledger().finish(op, Batch::put([crashed_row])).await?;
                 Err(crashed())
             }
         }

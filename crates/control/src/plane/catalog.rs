@@ -10,37 +10,55 @@ use crate::store::{ActorRow, Batch};
 /// How long a worker may take to read an actor's output.
 const LOGS_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// The plane's catalog: atespaces and actors created, read, listed and deleted.
+/// Obtained with [`Plane::catalog`].
+#[derive(Debug, Clone, Copy)]
+pub struct Catalog<'a> {
+    plane: &'a Plane,
+}
+
 impl Plane {
+    /// The plane's catalog.
+    pub fn catalog(&self) -> Catalog<'_> {
+        Catalog { plane: self }
+    }
+}
+
+impl Catalog<'_> {
     /// `CreateAtespace`.
     pub async fn create_atespace(&self, name: &str) -> Result<ateapi::Atespace, Status> {
+        let plane = self.plane;
         model::check_name("atespace", name)?;
-        let plane = self.clone();
         let name = name.to_owned();
-        self.detached(async move {
-            let op = {
-                let mut st = plane.lock();
-                let target = OpTarget::Atespace(name.clone());
-                if st.records.has_atespace(&name) || st.ops.holder(&target).is_some() {
-                    return Err(Status::already_exists(format!(
-                        "atespace {name} already exists"
-                    )));
-                }
-                Op::take(&plane, &mut st, target, OpKind::Busy("creating"))
-            };
-            let batch = Batch {
-                put_atespaces: vec![name.clone()],
-                ..Batch::default()
-            };
-            plane.finish(op, batch).await?;
-            Ok(ateapi::Atespace { name })
-        })
-        .await
+        let detached = plane.clone();
+        let plane = plane.clone();
+        detached
+            .detached(async move {
+                let op = {
+                    let mut st = plane.lock();
+                    let target = OpTarget::Atespace(name.clone());
+                    if st.records.has_atespace(&name) || st.ops.holder(&target).is_some() {
+                        return Err(Status::already_exists(format!(
+                            "atespace {name} already exists"
+                        )));
+                    }
+                    Op::take(&plane, &mut st, target, OpKind::Busy("creating"))
+                };
+                let batch = Batch {
+                    put_atespaces: vec![name.clone()],
+                    ..Batch::default()
+                };
+                plane.ledger().finish(op, batch).await?;
+                Ok(ateapi::Atespace { name })
+            })
+            .await
     }
 
     /// `GetAtespace`.
     pub fn get_atespace(&self, name: &str) -> Result<ateapi::Atespace, Status> {
+        let plane = self.plane;
         model::check_name("atespace", name)?;
-        if self.lock().records.has_atespace(name) {
+        if plane.lock().records.has_atespace(name) {
             Ok(ateapi::Atespace {
                 name: name.to_owned(),
             })
@@ -51,7 +69,9 @@ impl Plane {
 
     /// `ListAtespaces`.
     pub fn list_atespaces(&self) -> Vec<ateapi::Atespace> {
-        self.lock()
+        let plane = self.plane;
+        plane
+            .lock()
             .records
             .atespaces()
             .map(|n| ateapi::Atespace { name: n.clone() })
@@ -60,34 +80,37 @@ impl Plane {
 
     /// `DeleteAtespace`: only an empty one.
     pub async fn delete_atespace(&self, name: &str) -> Result<(), Status> {
+        let plane = self.plane;
         model::check_name("atespace", name)?;
-        let plane = self.clone();
         let name = name.to_owned();
-        self.detached(async move {
-            let op = {
-                let mut st = plane.lock();
-                if !st.records.has_atespace(&name) {
-                    return Err(Status::not_found(format!("atespace {name} not found")));
-                }
-                let target = OpTarget::Atespace(name.clone());
-                let busy_inside = st.ops.inside(&name);
-                if st.ops.holder(&target).is_some() || busy_inside {
-                    return Err(aborted());
-                }
-                if st.records.keys().any(|k| k.atespace() == name) {
-                    return Err(Status::failed_precondition(format!(
-                        "atespace {name} still has actors; delete them first"
-                    )));
-                }
-                Op::take(&plane, &mut st, target, OpKind::Busy("deleting"))
-            };
-            let batch = Batch {
-                delete_atespaces: vec![name.clone()],
-                ..Batch::default()
-            };
-            plane.finish(op, batch).await
-        })
-        .await
+        let detached = plane.clone();
+        let plane = plane.clone();
+        detached
+            .detached(async move {
+                let op = {
+                    let mut st = plane.lock();
+                    if !st.records.has_atespace(&name) {
+                        return Err(Status::not_found(format!("atespace {name} not found")));
+                    }
+                    let target = OpTarget::Atespace(name.clone());
+                    let busy_inside = st.ops.inside(&name);
+                    if st.ops.holder(&target).is_some() || busy_inside {
+                        return Err(aborted());
+                    }
+                    if st.records.keys().any(|k| k.atespace() == name) {
+                        return Err(Status::failed_precondition(format!(
+                            "atespace {name} still has actors; delete them first"
+                        )));
+                    }
+                    Op::take(&plane, &mut st, target, OpKind::Busy("deleting"))
+                };
+                let batch = Batch {
+                    delete_atespaces: vec![name.clone()],
+                    ..Batch::default()
+                };
+                plane.ledger().finish(op, batch).await
+            })
+            .await
     }
 
     /// `CreateActor`: a SUSPENDED actor of `template_name` (whose pool it runs in).
@@ -98,7 +121,8 @@ impl Plane {
         template_name: &str,
         selector: Vec<(String, String)>,
     ) -> Result<ateapi::Actor, Status> {
-        let template = self.template(template_name).ok_or_else(|| {
+        let plane = self.plane;
+        let template = plane.template(template_name).ok_or_else(|| {
             Status::failed_precondition(format!(
                 "ActorTemplate {}/{} not found",
                 crate::model::shown(template_namespace),
@@ -121,44 +145,47 @@ impl Plane {
             snapshot: String::new(),
             reason: String::new(),
         };
-        let plane = self.clone();
-        self.detached(async move {
-            let op = {
-                let mut st = plane.lock();
-                if !st.records.has_atespace(key.atespace()) {
-                    return Err(Status::failed_precondition(format!(
-                        "atespace {} not found; create it first",
-                        key.atespace()
-                    )));
-                }
-                if st
-                    .ops
-                    .holder(&OpTarget::Atespace(key.atespace().to_owned()))
-                    .is_some()
-                {
-                    return Err(aborted());
-                }
-                if st.records.contains(&key) || st.busy(&key).is_some() {
-                    return Err(Status::already_exists(format!(
-                        "actor {key} already exists"
-                    )));
-                }
-                Op::take(
-                    &plane,
-                    &mut st,
-                    OpTarget::Actor(key),
-                    OpKind::Busy("creating"),
-                )
-            };
-            plane.finish(op, Batch::put([row.clone()])).await?;
-            Ok(plane.lock().to_proto(&row))
-        })
-        .await
+        let detached = plane.clone();
+        let plane = plane.clone();
+        detached
+            .detached(async move {
+                let op = {
+                    let mut st = plane.lock();
+                    if !st.records.has_atespace(key.atespace()) {
+                        return Err(Status::failed_precondition(format!(
+                            "atespace {} not found; create it first",
+                            key.atespace()
+                        )));
+                    }
+                    if st
+                        .ops
+                        .holder(&OpTarget::Atespace(key.atespace().to_owned()))
+                        .is_some()
+                    {
+                        return Err(aborted());
+                    }
+                    if st.records.contains(&key) || st.busy(&key).is_some() {
+                        return Err(Status::already_exists(format!(
+                            "actor {key} already exists"
+                        )));
+                    }
+                    Op::take(
+                        &plane,
+                        &mut st,
+                        OpTarget::Actor(key),
+                        OpKind::Busy("creating"),
+                    )
+                };
+                plane.ledger().finish(op, Batch::put([row.clone()])).await?;
+                Ok(plane.lock().to_proto(&row))
+            })
+            .await
     }
 
     /// `GetActor`.
     pub fn get_actor(&self, key: &ActorKey) -> Result<ateapi::Actor, Status> {
-        let st = self.lock();
+        let plane = self.plane;
+        let st = plane.lock();
         let row = st.records.get(key).ok_or_else(|| not_found(key))?;
         Ok(st.to_proto(row))
     }
@@ -171,8 +198,9 @@ impl Plane {
     /// # Errors
     /// `NotFound`; `Unavailable` when no worker can answer.
     pub async fn actor_logs(&self, key: &ActorKey) -> Result<(Vec<u8>, String), Status> {
+        let plane = self.plane;
         let (link, worker, slot) = {
-            let st = self.lock();
+            let st = plane.lock();
             let row = st.records.get(key).ok_or_else(|| not_found(key))?;
             let hosting = row.worker.as_ref().and_then(|w| {
                 st.workers
@@ -218,6 +246,7 @@ impl Plane {
         page_size: i32,
         page_token: &str,
     ) -> Result<(Vec<ateapi::Actor>, String), Status> {
+        let plane = self.plane;
         if !atespace.is_empty() {
             model::check_name("atespace", atespace)?;
         }
@@ -233,7 +262,7 @@ impl Plane {
                 .ok_or_else(|| Status::invalid_argument("invalid page_token"))?;
             Some(ActorKey::new(a, n).map_err(|_| Status::invalid_argument("invalid page_token"))?)
         };
-        let st = self.lock();
+        let st = plane.lock();
         let mut page = Vec::with_capacity(size.min(st.records.len()));
         let mut last = None;
         let mut more = false;
@@ -266,8 +295,10 @@ impl Plane {
 
     /// `DeleteActor`: only SUSPENDED or CRASHED actors.
     pub async fn delete_actor(&self, key: ActorKey) -> Result<(), Status> {
-        let plane = self.clone();
-        self.detached(async move {
+        let plane = self.plane;
+        let detached = plane.clone();
+        let plane = plane.clone();
+        detached.detached(async move {
             let op = {
                 let mut st = plane.lock();
                 let status = st.records.get(&key).ok_or_else(|| not_found(&key))?.status;
@@ -290,7 +321,7 @@ impl Plane {
                 delete_actors: vec![key],
                 ..Batch::default()
             };
-            plane.finish(op, batch).await
+            plane.ledger().finish(op, batch).await
         })
         .await
     }

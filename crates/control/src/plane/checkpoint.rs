@@ -147,7 +147,11 @@ impl Checkpoint {
         let key = &key;
         plane.leases().revoke_leases(key).await;
         let suspending = row.moved(ActorStatus::Suspending, row.worker.clone());
-        if let Err(e) = plane.step(&op, Batch::put([suspending.clone()])).await {
+        if let Err(e) = plane
+            .ledger()
+            .step(&op, Batch::put([suspending.clone()]))
+            .await
+        {
             return Checkpointed::Failed(e);
         }
         let mut result = call(&plane, key, &suspending, fence).await;
@@ -166,7 +170,7 @@ impl Checkpoint {
             // The actor runs on: a failed write must not leave it SUSPENDING, which
             // the settler would take back to its last snapshot, evicting it with its
             // requests in flight and everything it did since.
-            let Some(freed) = plane.write_until_landed(Batch::put([back])).await else {
+            let Some(freed) = plane.ledger().write_until_landed(Batch::put([back])).await else {
                 // The plane stops, or another replica changed the record (its to
                 // settle now).
                 return Checkpointed::Failed(if plane.is_shutting_down() {
@@ -178,7 +182,7 @@ impl Checkpoint {
                 });
             };
             drop(op);
-            plane.hand_off_all(freed);
+            plane.ledger().hand_off_all(freed);
             return match result {
                 Err(LinkError::StillRunning(why)) => {
                     tracing::warn!(actor = %key, worker, %why, "checkpoint failed; the actor keeps running");
@@ -253,7 +257,10 @@ async fn record(
         Err(LinkError::NotHosting(why)) => {
             tracing::warn!(actor = %key, worker, %why, "the worker no longer hosts the actor; back to its last snapshot");
             let done = suspending.moved(ActorStatus::Suspended, None);
-            plane.finish(op, Batch::put([done.clone()])).await?;
+            plane
+                .ledger()
+                .finish(op, Batch::put([done.clone()]))
+                .await?;
             Ok(plane.lock().to_proto(&done))
         }
         Ok(_) | Err(LinkError::Gone) => {
@@ -273,7 +280,10 @@ async fn record(
             {
                 done.snapshot = reply.snapshot.clone();
             }
-            plane.finish(op, Batch::put([done.clone()])).await?;
+            plane
+                .ledger()
+                .finish(op, Batch::put([done.clone()]))
+                .await?;
             tracing::info!(actor = %key, worker, snapshot = %done.snapshot, "actor SUSPENDED");
             Ok(plane.lock().to_proto(&done))
         }
@@ -281,7 +291,7 @@ async fn record(
             tracing::warn!(actor = %key, worker, error = %e, "checkpoint failed; actor CRASHED");
             plane.lock().workers.evict(&worker, key, &suspending);
             let done = suspending.crashed(&e.to_string());
-            plane.finish(op, Batch::put([done])).await?;
+            plane.ledger().finish(op, Batch::put([done])).await?;
             Err(Status::internal(format!(
                 "checkpoint of actor {key} failed: {e}"
             )))

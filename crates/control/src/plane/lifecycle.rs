@@ -108,7 +108,7 @@ impl<'a> Settle<'a> {
             }
         }
         let back = row.moved(ActorStatus::Suspended, None);
-        plane.step(op, Batch::put([back.clone()])).await?;
+        plane.ledger().step(op, Batch::put([back.clone()])).await?;
         tracing::warn!(actor = %key, was = %row.status, "actor left half-way by an earlier operation; back to SUSPENDED from its last snapshot");
         Ok(back)
     }
@@ -332,7 +332,10 @@ impl Plane {
             };
             let mut reverted = row.moved(ActorStatus::Suspended, None);
             reverted.revert_pending = true;
-            plane.finish(op, Batch::put([reverted.clone()])).await?;
+            plane
+                .ledger()
+                .finish(op, Batch::put([reverted.clone()]))
+                .await?;
             Ok(plane.lock().to_proto(&reverted))
         })
         .await

@@ -59,7 +59,7 @@ impl Release {
             let mut rows = rows;
             let mut rounds = 0;
             let freed = loop {
-                if let Some(freed) = plane.write_until_landed(Batch::put(released(&rows))).await {
+                if let Some(freed) = plane.ledger().write_until_landed(Batch::put(released(&rows))).await {
                     break freed;
                 }
                 rounds += 1;
@@ -69,7 +69,7 @@ impl Release {
                 }
             };
             drop(ops);
-            plane.hand_off_all(freed);
+            plane.ledger().hand_off_all(freed);
             for actor in keys {
                 match &how {
                     Ending::Suspend(why) => {

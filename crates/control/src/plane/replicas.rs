@@ -586,7 +586,7 @@ impl Replicas {
             tracing::warn!(actor = %key, worker, "another replica moved the actor off this replica's worker; evicting it there");
             plane.lock().workers.evict(&worker, &key, &row);
         }
-        plane.hand_off_all(freed);
+        plane.ledger().hand_off_all(freed);
     }
 
     /// A worker's attachment as recorded now (`None`: it is attached nowhere).

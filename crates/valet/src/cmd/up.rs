@@ -355,7 +355,7 @@ async fn start(mut args: UpArgs) -> Result<(Embedded, RunningRouter), UpError> {
         let n = args.workers;
 
         for key in &actors {
-            match plane.create_atespace(key.atespace()).await {
+            match plane.catalog().create_atespace(key.atespace()).await {
                 Ok(_) => {}
                 Err(e) if e.code() == tonic::Code::AlreadyExists => {}
                 Err(e) => {
@@ -367,12 +367,13 @@ async fn start(mut args: UpArgs) -> Result<(Embedded, RunningRouter), UpError> {
                 }
             }
             match plane
+                .catalog()
                 .create_actor(key.clone(), "default", &demo, Vec::new())
                 .await
             {
                 Ok(_) => {}
                 Err(e) if e.code() == tonic::Code::AlreadyExists => {
-                    if let Ok(a) = plane.get_actor(key)
+                    if let Ok(a) = plane.catalog().get_actor(key)
                         && a.actor_template_name != demo
                     {
                         say!(
