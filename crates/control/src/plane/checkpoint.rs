@@ -11,7 +11,7 @@ use tonic::Status;
 use valet_proto::ateapi;
 use valet_proto::worker::{self as wk, worker_command::Command};
 
-use super::lifecycle::{Settle, stop_waits_for};
+use super::settle::Settle;
 use super::{Op, OpKind, OpTarget, Plane, aborted, not_found, shutting_down, slot_of};
 use crate::link::LinkError;
 use crate::model::{ActorKey, ActorStatus, Template};
@@ -38,6 +38,21 @@ pub(crate) enum Checkpointed {
     Refused(String),
     /// It failed (the actor is CRASHED, or a write failed).
     Failed(Status),
+}
+
+/// Whether a stop's [`Plane::checkpoint_all`] waits for a SUSPENDED actor held by
+/// `op`: one about to run (a resume handed a worker, writing its claim), yes; one still
+/// queued for capacity, no (it may never get a worker, and the plane's shutdown answers
+/// it), nor one another operation holds that leaves it suspended.
+pub(super) fn stop_waits_for(st: &super::State, key: &ActorKey) -> bool {
+    match st.busy(key) {
+        Some(OpKind::Resuming {
+            joinable: false, ..
+        }) => true,
+        // Handed a worker (reserved under the lock) before its task has run.
+        Some(OpKind::Resuming { .. }) => st.workers.reserved_for(key),
+        _ => false,
+    }
 }
 
 /// One checkpoint of a RUNNING actor under its operation lock.

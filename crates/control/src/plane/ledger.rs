@@ -128,7 +128,7 @@ impl Ledger<'_> {
                     if !backoff.wait(&plane.inner.shutdown).await {
                         return;
                     }
-                    if super::lifecycle::Settle::all(&plane).await {
+                    if super::settle::Settle::all(&plane).await {
                         break;
                     }
                 }

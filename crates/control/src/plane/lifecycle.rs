@@ -1,6 +1,6 @@
-//! An actor's life on a worker: resume (claim a worker, restore, RUNNING), suspend
-//! (checkpoint, free the worker), revert, and settling an actor an earlier operation
-//! left half-way (a write that failed after the worker acted).
+//! The calls on an actor's life: `ResumeActor` (through an [`Activation`]),
+//! `SuspendActor` (a [`Checkpoint`], or forwarded to the replica its worker is attached
+//! to), `RevertActor`, and the stop's checkpoint of every actor.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -10,109 +10,14 @@ use tonic::Status;
 use valet_proto::ateapi;
 
 use super::activation::Activation;
-use super::checkpoint::Checkpoint;
-
-/// Whether a stop's [`Plane::checkpoint_all`] waits for a SUSPENDED actor held by
-/// `op`: one about to run (a resume handed a worker, writing its claim), yes; one still
-/// queued for capacity, no (it may never get a worker, and the plane's shutdown answers
-/// it), nor one another operation holds that leaves it suspended.
-pub(super) fn stop_waits_for(st: &super::State, key: &ActorKey) -> bool {
-    match st.busy(key) {
-        Some(OpKind::Resuming {
-            joinable: false, ..
-        }) => true,
-        // Handed a worker (reserved under the lock) before its task has run.
-        Some(OpKind::Resuming { .. }) => st.workers.reserved_for(key),
-        _ => false,
-    }
-}
+use super::checkpoint::{Checkpoint, stop_waits_for};
+use super::{Op, OpKind, OpTarget, Plane, aborted, not_found};
+use crate::metrics::ResumeHow;
+use crate::model::{ActorKey, ActorStatus};
+use crate::store::Batch;
 
 /// How soon [`Plane::checkpoint_all`] tries a busy actor again.
 pub(crate) const CHECKPOINT_ALL_RETRY: Duration = Duration::from_millis(100);
-use super::{Op, OpKind, OpTarget, Plane, aborted, not_found, shutting_down};
-use crate::metrics::ResumeHow;
-use crate::model::{ActorKey, ActorStatus};
-use crate::store::{ActorRow, Batch};
-
-/// Settling an actor an earlier operation left half-way (RESUMING or SUSPENDING with
-/// no operation on it: a write failed after the worker acted), under an operation
-/// lock of its own or of the operation that found it so.
-pub(super) struct Settle<'a> {
-    plane: &'a Plane,
-    op: &'a Op,
-    row: ActorRow,
-}
-
-impl<'a> Settle<'a> {
-    pub(super) fn new(plane: &'a Plane, op: &'a Op, row: ActorRow) -> Self {
-        Self { plane, op, row }
-    }
-
-    /// Settles every actor left RESUMING or SUSPENDING with no operation on it (a
-    /// failed write ended its operation); whether all are settled now.
-    pub(super) async fn all(plane: &Plane) -> bool {
-        let left: Vec<ActorKey> = plane
-            .lock()
-            .records
-            .values()
-            .filter(|r| r.status.is_transitional())
-            .map(ActorRow::key)
-            .collect();
-        let mut settled = true;
-        // One at a time, each under its own operation lock, taken only if no operation
-        // holds the actor now.
-        for key in left {
-            let taken = {
-                let mut st = plane.lock();
-                match st.records.get(&key) {
-                    Some(r)
-                        if r.status.is_transitional()
-                            && st.busy(&key).is_none()
-                            && !st.held_elsewhere(r) =>
-                    {
-                        let row = r.clone();
-                        let op = Op::take(
-                            plane,
-                            &mut st,
-                            OpTarget::Actor(key.clone()),
-                            OpKind::Busy("settling"),
-                        );
-                        Some((op, row))
-                    }
-                    _ => None,
-                }
-            };
-            let Some((op, row)) = taken else { continue };
-            let done = tokio::select! {
-                r = Settle::new(plane, &op, row).run() => r.is_ok(),
-                () = plane.inner.shutdown.cancelled() => return false,
-            };
-            settled &= done;
-        }
-        settled
-    }
-
-    /// An actor an earlier operation left half-way (RESUMING or SUSPENDING with no
-    /// operation on it: a write failed after the worker acted) goes back to SUSPENDED
-    /// from its last snapshot, as a restart would do, freeing its worker.
-    pub(super) async fn run(self) -> Result<ActorRow, Status> {
-        let Settle { plane, op, row } = self;
-        let key = row.key();
-        plane.leases().revoke_leases(&key).await;
-        if let Some(worker) = &row.worker {
-            plane.lock().workers.evict(worker, &key, &row);
-            // A worker that is not attached is not told: not elsewhere before it has
-            // fenced the actor.
-            if !super::fencing::until_fenced(plane, worker).await {
-                return Err(shutting_down());
-            }
-        }
-        let back = row.moved(ActorStatus::Suspended, None);
-        plane.ledger().step(op, Batch::put([back.clone()])).await?;
-        tracing::warn!(actor = %key, was = %row.status, "actor left half-way by an earlier operation; back to SUSPENDED from its last snapshot");
-        Ok(back)
-    }
-}
 
 impl Plane {
     /// `ResumeActor`: see `control-plane.md`. Returns the actor and whether this call

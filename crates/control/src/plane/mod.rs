@@ -1,18 +1,31 @@
-//! The reference control plane's state machine, split along its seams:
+//! The reference control plane's state machine, in three layers.
 //!
-//! - [`op`]: the per-actor operation lock ([`op::Op`], released on drop) and the one
-//!   method that orders every step ([`Plane::step`] / [`Plane::finish`]: durable write,
-//!   then memory, then the lock, then freed workers to the oldest waiters);
-//! - [`capacity`]: first-come capacity queues, whose entries are tickets removed on
-//!   drop, and reservations that pass a worker on when not used;
-//! - [`catalog`]: atespaces and actor records;
-//! - [`lifecycle`]: resume (restore), suspend (checkpoint), revert, and settling an
-//!   actor an earlier step left half-way;
-//! - [`membership`]: workers joining and leaving, the rejoin grace after a restart;
-//! - [`policy`]: what each actor is doing (reported by its worker), and the capacity
-//!   that frees itself: idle suspension and demand eviction;
-//! - [`leases`]: route leases granted to routers and revoked before an actor moves,
-//!   and the hosting lease of each worker (`docs/leases.md`).
+//! **Books** own the state, each the only one to change its part, under the plane's
+//! one state lock ([`State`], whose fields are private to this module):
+//! - [`records`]: atespaces and actor records, memory's copy of the store;
+//! - [`workers`]: attached workers, their slots (the one place a slot changes), and
+//!   the departed that may still serve;
+//! - [`capacity`]'s `Waiters`: the first-come queues per pool;
+//! - [`op`]'s `Ops`: the operation locks, taken and released by [`Op`] only;
+//! - [`policy`]'s `Signals`: activity reports and recent refusals;
+//! - [`leases`]' `LeaseBook`: routers' watches and route leases;
+//! - [`replicas`]' `Known`: what this replica knows of the others.
+//!
+//! **The ledger** ([`ledger`]) orders every step of every operation: the durable
+//! write, then memory, then the operation's lock, then freed workers handed to the
+//! oldest waiters. Nothing is applied unless the write was durable.
+//!
+//! **Operations** that span books are types whose one method holds the order of their
+//! steps: [`activation::Activation`] and [`activation::Restore`],
+//! [`checkpoint::Checkpoint`], [`settle::Settle`], [`release::Release`],
+//! [`membership`]'s `Join` and `Drain`; [`fencing`] says when a worker can no
+//! longer serve. The plane's calls are grouped on [`Plane`] (resume, suspend, revert,
+//! observation, shutdown) and its handles: [`Plane::catalog`], [`Plane::membership`],
+//! [`Plane::leases`], [`Plane::policies`], and inside the crate `capacity()` and
+//! `ledger()`.
+//!
+//! **Peers** ([`peers`]): the one seam to the control planes sharing the records,
+//! chosen once at startup: alone, or [`replicas`] on one PostgreSQL database.
 //!
 //! Memory is the working copy; the [`Store`] is the record. Every mutating RPC runs
 //! detached on the plane's task tracker, so a caller that goes away never leaves an
@@ -33,6 +46,7 @@ mod policy;
 mod records;
 mod release;
 mod replicas;
+mod settle;
 mod workers;
 
 use std::collections::{BTreeMap, HashMap};
