@@ -16,7 +16,7 @@ use valet_proto::worker::{self as wk, worker_command::Command};
 
 use super::capacity::{Handed, Reservation, Ticket};
 use super::op::CapacityWait;
-use super::replicas::Observed;
+use super::peers::Observed;
 use super::settle::Settle;
 use super::{
     Op, OpKind, OpTarget, Outcome, Plane, aborted, crashed, no_room, not_found, shutting_down,
@@ -165,7 +165,7 @@ impl Activation {
                 }
                 // A call that may wait for capacity and joined an activation that was
                 // refused just before (no caller waited then) asks again, within its
-                // own deadline, and waits in the queue itplane.
+                // own deadline, and waits in the queue itself.
                 if mine.is_some_and(|m| m > Instant::now())
                     && o.as_ref()
                         .is_err_and(|e| e.code() == tonic::Code::ResourceExhausted)
@@ -272,14 +272,14 @@ impl Activation {
             match handed {
                 Some(Handed::Worker(r)) => break r,
                 Some(Handed::Failed(e)) => return Ok(Err(e)),
-                Some(Handed::Elsewhere { queued, replicas }) => {
+                Some(Handed::Elsewhere { queued, on }) => {
                     drop(ticket);
                     // The operation is another replica's (it restores the actor, or
                     // queued it first): the lock goes, so that this replica's
                     // hand-offs may claim the actor for that replica's waiter.
                     let kind = plane.lock().busy(key).cloned();
                     drop(op);
-                    match replicas.observe(&plane, key, queued, capacity, tx).await {
+                    match on.observe(&plane, key, queued, capacity, tx).await {
                         Observed::Done(outcome) => return Ok(*outcome),
                         Observed::Again => {
                             let mut st = plane.lock();

@@ -32,7 +32,7 @@ pub(crate) enum Handed {
     /// (`queued`). The record tells the outcome.
     Elsewhere {
         queued: bool,
-        replicas: super::replicas::Replicas,
+        on: std::sync::Arc<dyn super::peers::Elsewhere>,
     },
     /// It could not be queued (the database refused): this is the answer.
     Failed(tonic::Status),
@@ -265,7 +265,7 @@ impl State {
     /// A free worker of `pool` for a resume that has not queued, if any. None while a
     /// resume waits in the pool's queue: a worker that frees is handed to the oldest
     /// waiter in a step of its own, after the change that freed it (see
-    /// [`Plane::hand_off`]), and a resume arriving in between queues behind the
+    /// [`Capacity::hand_off`]), and a resume arriving in between queues behind the
     /// waiters instead of taking it.
     pub(crate) fn free_worker(&self, pool: &str) -> Option<String> {
         if self.waiters.any_live(pool) || self.replicas.queued_in(pool) {
@@ -334,11 +334,13 @@ impl Capacity<'_> {
     /// the state lock held.
     pub(crate) fn hand_off(&self, worker: &str) {
         let plane = self.plane;
-        plane.inner.peers.hand_off(plane, worker);
+        if !plane.inner.peers.offer(plane, worker) {
+            self.hand_off_here(worker);
+        }
     }
 
     /// [`Self::hand_off`] with no other replica: to the oldest live waiter here.
-    pub(super) fn hand_off_here(&self, worker: &str) {
+    fn hand_off_here(&self, worker: &str) {
         let plane = self.plane;
         loop {
             let (waiter, reservation) = {

@@ -68,7 +68,7 @@ pub(super) async fn until_fenced(plane: &Plane, worker: &str) -> bool {
 }
 
 /// For a `worker` not attached: its app address, if known, and when it has surely
-/// fenced its actor (see [`Plane::until_fenced`]). `None` while it is attached.
+/// fenced its actor (see [`until_fenced`]). `None` while it is attached.
 fn unattached(plane: &Plane, worker: &str) -> Option<(Option<SocketAddr>, tokio::time::Instant)> {
     let st = plane.lock();
     // Attached to another replica: that one decides what it hosts (its attach
@@ -115,10 +115,10 @@ pub(super) async fn reattached_hosting(plane: &Plane, key: &ActorKey, worker: &s
     struct Awaiting<'a>(&'a Plane, ActorKey);
     impl Drop for Awaiting<'_> {
         fn drop(&mut self) {
-            self.0.lock().awaiting_worker.remove(&self.1);
+            self.0.lock().workers.not_awaited(&self.1);
         }
     }
-    plane.lock().awaiting_worker.insert(key.clone());
+    plane.lock().workers.await_worker_of(key);
     let awaiting = Awaiting(plane, key.clone());
     tracing::info!(actor = %key, worker, ?deadline, "checkpoint waits for the worker to attach again");
     let within = deadline.saturating_duration_since(tokio::time::Instant::now());

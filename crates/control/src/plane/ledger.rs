@@ -107,35 +107,6 @@ impl Ledger<'_> {
         Ok(st.apply(&batch))
     }
 
-    /// Settles what failed writes leave half-way: an operation whose last write failed
-    /// ends with its actor RESUMING or SUSPENDING and no operation on it (its worker's
-    /// slot still taken). After each failed write, and again with a back-off (0.5 s
-    /// doubling to 5 s) until every such actor is settled, each goes back to SUSPENDED
-    /// from its last snapshot as a resume of it would do. Cancelled by shutdown (the
-    /// next start settles them).
-    pub(super) fn spawn_settler(&self) {
-        let plane = self.plane;
-        let chores = plane.inner.chores.clone();
-        let plane = plane.clone();
-        chores.spawn(async move {
-            loop {
-                tokio::select! {
-                    () = plane.inner.unsettled.notified() => {}
-                    () = plane.inner.shutdown.cancelled() => return,
-                }
-                let mut backoff = store_backoff();
-                loop {
-                    if !backoff.wait(&plane.inner.shutdown).await {
-                        return;
-                    }
-                    if super::settle::Settle::all(&plane).await {
-                        break;
-                    }
-                }
-            }
-        });
-    }
-
     pub(crate) fn hand_off_all(&self, freed: Vec<String>) {
         let plane = self.plane;
         for worker in freed {

@@ -39,15 +39,23 @@ impl Plane {
 
 impl Membership<'_> {
     /// A worker attached (or re-attached) over its stream: recorded for the other
-    /// replicas first, if any ([`super::peers::Peers::attach`]), then
-    /// [`Self::worker_joined`].
+    /// replicas first and joined there, if any ([`super::peers::Peers::attach`]);
+    /// else [`Self::worker_joined`].
     pub(crate) async fn worker_attached(
         &self,
         join: &wk::Join,
         link: Arc<WorkerLink>,
     ) -> Result<bool, Status> {
         let plane = self.plane;
-        plane.inner.peers.attach(plane, join, link).await
+        match plane
+            .inner
+            .peers
+            .attach(plane, join, Arc::clone(&link))
+            .await
+        {
+            Some(joined) => joined,
+            None => self.worker_joined(join, link),
+        }
     }
 
     /// A worker attached (or re-attached). Returns whether it keeps the actor it
@@ -68,9 +76,6 @@ impl Membership<'_> {
         .run()
     }
 
-    /// [`Self::worker_joined`]; with `veto`, the actor it reports is not kept (its
-    /// record changed elsewhere as the attachment was written).
-    /// A Join's addresses, read and checked: its app's, and the actor it reports.
     /// `worker` (on its stream `link`) reports that the program of the actor it hosted
     /// exited by itself (it hosts it no more): the actor is CRASHED, with its exit
     /// status and last output, and the worker free, once no operation holds the
@@ -209,18 +214,13 @@ impl Membership<'_> {
             (id, w.pool(), w.app_addr().to_string(), actor)
         });
         // Those attached to other replicas, with the actor the records place there.
-        let remote = st
-            .replicas
-            .workers
-            .iter()
-            .filter(|(_, w)| st.replicas.live.contains(&w.replica))
-            .map(|(id, w)| {
-                let actor = st
-                    .records
-                    .iter()
-                    .find(|(_, r)| r.worker.as_deref() == Some(id.as_str()));
-                (id, w.pool.as_str(), w.app_address.clone(), actor)
-            });
+        let remote = st.replicas.live_workers().map(|(id, w)| {
+            let actor = st
+                .records
+                .iter()
+                .find(|(_, r)| r.worker.as_deref() == Some(id.as_str()));
+            (id, w.pool.as_str(), w.app_address.clone(), actor)
+        });
         let mut all: Vec<_> = local.chain(remote).collect();
         all.sort_by(|a, b| a.0.cmp(b.0));
         all.into_iter()
@@ -259,6 +259,7 @@ pub(super) struct Join<'a> {
 }
 
 impl Join<'_> {
+    /// A Join's addresses, read and checked: its app's, and the actor it reports.
     pub(super) fn read(join: &wk::Join) -> Result<(SocketAddr, Option<ActorKey>), Status> {
         if join.worker_id.is_empty() || join.worker_id.len() > 128 {
             return Err(Status::invalid_argument(
@@ -337,7 +338,7 @@ impl Join<'_> {
             let mut st = plane.lock();
             Join::refuse_duplicate(plane, &st, join)?;
             // Attached here now (several replicas): not another replica's any more.
-            st.replicas.workers.remove(&id);
+            st.replicas.attached_here(&id);
             let previous = st.workers.remove(&id);
             // Back: what it hosts is decided below, not by a lease running out.
             let reserved = st.workers.back(&id);
@@ -354,7 +355,7 @@ impl Join<'_> {
                     r.worker.as_deref() == Some(id.as_str())
                         && match r.status {
                             ActorStatus::Running => st.busy(k).is_none(),
-                            ActorStatus::Suspending => st.awaiting_worker.contains(k),
+                            ActorStatus::Suspending => st.workers.awaited(k),
                             _ => false,
                         }
                 })
@@ -516,7 +517,7 @@ impl Join<'_> {
 struct Drain;
 
 impl Drain {
-    /// Runs [`Self::drain`] for `worker`, marked leaving, on the plane's task tracker.
+    /// Runs [`Self::run`] for `worker`, marked leaving, on the plane's task tracker.
     fn spawn(plane: &Plane, worker: &str, link: Arc<WorkerLink>) {
         let tasks = plane.inner.tasks.clone();
         let plane = plane.clone();
@@ -527,7 +528,7 @@ impl Drain {
     }
 
     /// Empties a draining worker, then tells it `Drained`. Ends without a word when its
-    /// stream ends first (then [`Self::worker_left`] handles its actor). Each round
+    /// stream ends first (then [`Membership::worker_left`] handles its actor). Each round
     /// suspends the actor on it or waits (bounded) for the operation on that actor to
     /// end; a worker still not empty after a few rounds is told all the same.
     async fn run(plane: &Plane, worker: &str, link: &Arc<WorkerLink>) {

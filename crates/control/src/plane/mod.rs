@@ -211,10 +211,6 @@ pub(crate) struct State {
     signals: policy::Signals,
     /// Routers' watches and the route leases of every actor.
     leases: leases::LeaseBook,
-    /// SUSPENDING actors whose checkpoint waits for their worker to attach again: a
-    /// re-attach that reports one keeps it (the checkpoint then goes over the new
-    /// stream) instead of evicting it with everything it did since its last snapshot.
-    awaiting_worker: std::collections::HashSet<ActorKey>,
     /// Several replicas on one database: what this one knows of the others.
     replicas: replicas::Known,
 }
@@ -241,8 +237,7 @@ impl State {
 
     /// Whether another live replica's operation holds `row` (several replicas).
     pub(crate) fn held_elsewhere(&self, row: &ActorRow) -> bool {
-        row.op_replica
-            .is_some_and(|r| Some(r) != self.replicas.me && self.replicas.live.contains(&r))
+        self.replicas.held_by_other(row.op_replica)
     }
 
     pub(crate) fn busy(&self, key: &ActorKey) -> Option<&OpKind> {
@@ -376,7 +371,7 @@ pub(crate) struct Inner {
     /// Wakes the policies (idle suspension, eviction) when their inputs change.
     policy: tokio::sync::Notify,
     /// Woken by a failed write: an operation may have left an actor half-way (see
-    /// [`Plane::spawn_settler`]).
+    /// [`settle::Settle::spawn_settler`]).
     unsettled: tokio::sync::Notify,
     /// Until when leases granted before this start may still be held: nothing moves
     /// before then (the start itself on a fresh store: none can be).
@@ -386,7 +381,7 @@ pub(crate) struct Inner {
     /// renewal before the start).
     workers_unknown_until: tokio::time::Instant,
     /// Who else writes its records: nobody, or other replicas on one database.
-    peers: peers::Peers,
+    peers: Box<dyn peers::Peers>,
 }
 
 /// A failed write changed nothing: `Unavailable`, so that a router parks the request
@@ -416,9 +411,8 @@ impl Plane {
         Self::open_with(
             store,
             config,
-            peers::Peers::Alone,
+            Box::new(peers::Alone),
             replicas::Known::default(),
-            None,
         )
         .await
     }
@@ -436,23 +430,17 @@ impl Plane {
         config: PlaneConfig,
     ) -> Result<Self, StoreError> {
         let (replicas, known, following) = replicas::Replicas::open(Arc::clone(&store)).await?;
-        Self::open_with(
-            store,
-            config,
-            peers::Peers::Replicas(replicas),
-            known,
-            Some(following),
-        )
-        .await
+        let plane = Self::open_with(store, config, Box::new(replicas.clone()), known).await?;
+        replicas.start(&plane, following);
+        Ok(plane)
     }
 
     async fn open_with(
         store: Arc<dyn Store>,
         config: PlaneConfig,
-        peers: peers::Peers,
+        peers: Box<dyn peers::Peers>,
         // The others first: an actor another live replica holds is not half-way.
         known: replicas::Known,
-        following: Option<replicas::Following>,
     ) -> Result<Self, StoreError> {
         let loaded = store.load().await?;
         let mut templates: HashMap<String, Template> = config
@@ -549,15 +537,11 @@ impl Plane {
             plane.leases().spawn_lower_lease_bound(true);
         }
         release::Release::after_rejoin_grace(&plane, awaiting);
-        plane.ledger().spawn_settler();
+        settle::Settle::spawn_settler(&plane);
         if half_way > 0 {
             plane.inner.unsettled.notify_one();
         }
         plane.policies().spawn_policies();
-        if let (peers::Peers::Replicas(replicas), Some(following)) = (&plane.inner.peers, following)
-        {
-            replicas.start(&plane, following);
-        }
         Ok(plane)
     }
 
@@ -641,6 +625,11 @@ impl Plane {
             .unwrap_or_else(|_| Err(Status::internal("operation ended without a result")))
     }
 
+    /// Re-evaluates the policies now (idle suspension, eviction).
+    pub(crate) fn wake_policies(&self) {
+        self.inner.policy.notify_one();
+    }
+
     /// Waits until `cond` holds, re-checking whenever the state changes; false if
     /// `timeout` passes first.
     pub async fn wait_until(&self, timeout: Duration, cond: impl Fn(&Plane) -> bool) -> bool {
@@ -669,7 +658,7 @@ impl Plane {
 
     /// Whether a checkpoint of `atespace/name` waits for its worker to attach again.
     pub fn checkpoint_awaits_worker(&self, atespace: &str, name: &str) -> bool {
-        ActorKey::new(atespace, name).is_ok_and(|k| self.lock().awaiting_worker.contains(&k))
+        ActorKey::new(atespace, name).is_ok_and(|k| self.lock().workers.awaited(&k))
     }
 
     /// Whether an operation holds `atespace/name` now.

@@ -1,7 +1,7 @@
 //! The operation lock of one actor (or atespace): taken for an operation's whole life,
 //! released when its [`Op`] is dropped, on every path including a panic or a cancelled
-//! future. The order of an operation's steps lives in [`super::Plane::step`] and
-//! [`super::Plane::finish`].
+//! future. The order of an operation's steps lives in [`super::ledger::Ledger::step`]
+//! and [`super::ledger::Ledger::finish`].
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -167,7 +167,7 @@ impl Drop for Op {
             // offered again.
             match &self.target {
                 OpTarget::Actor(k) if st.replicas.queued(k) => {
-                    st.replicas.waiters_seen += 1;
+                    st.replicas.passed_over();
                     st.records.get(k).map(|r| r.pool.clone())
                 }
                 _ => None,

@@ -153,13 +153,6 @@ impl Why {
     }
 }
 
-impl Plane {
-    /// Re-evaluates the policies now.
-    pub(crate) fn wake_policies(&self) {
-        self.inner.policy.notify_one();
-    }
-}
-
 /// The capacity that frees itself: idle suspension and demand eviction, fed by the
 /// workers' activity reports. Obtained with [`Plane::policies`].
 #[derive(Debug, Clone, Copy)]
@@ -257,7 +250,7 @@ impl Policies<'_> {
                     .as_ref()
                     .and_then(|w| st.workers.get(w))
                     .is_some_and(|w| w.is_open());
-                if st.replicas.me.is_some() && !here {
+                if st.replicas.is_shared() && !here {
                     continue;
                 }
                 let Some(a) = st.signals.activity(key) else {
@@ -390,7 +383,7 @@ impl super::State {
     /// How many more actors of `pool` to evict now: the distinct actors waiting for it
     /// (queued, or refused lately), less its free workers and the workers being freed.
     fn eviction_demand(&self, pool: &str) -> usize {
-        if self.replicas.me.is_some() {
+        if self.replicas.is_shared() {
             return self.shared_eviction_demand(pool);
         }
         let mut waiting: BTreeSet<&ActorKey> = self.waiters.live_actors(pool).collect();
@@ -440,13 +433,7 @@ impl super::State {
     /// refused actors, less its free workers and the workers its other checkpoints
     /// free.
     fn shared_eviction_demand(&self, pool: &str) -> usize {
-        let mut waiting: BTreeSet<&ActorKey> = self
-            .replicas
-            .waiting
-            .values()
-            .filter(|w| w.pool == pool && w.evicting.is_none())
-            .map(|w| &w.actor)
-            .collect();
+        let mut waiting: BTreeSet<&ActorKey> = self.replicas.unclaimed(pool).collect();
         // Queued here, its row not written yet.
         waiting.extend(self.waiters.unwritten_actors(pool));
         waiting.extend(self.refused_in(pool));

@@ -84,7 +84,7 @@ impl Release {
     }
 
     /// Releases `key`, whose worker left, once the worker must have fenced it (see
-    /// [`Self::worker_left`]), unless the worker came back meanwhile: attached now, or
+    /// [`super::membership::Membership::worker_left`]), unless the worker came back meanwhile: attached now, or
     /// attached and left again (that later departure's release decides then).
     pub(super) fn orphan(plane: &Plane, worker: String, key: ActorKey, departure: Departure) {
         let tasks = plane.inner.tasks.clone();
@@ -176,7 +176,7 @@ impl Release {
     /// restart fences its actor at its own deadline, which came before (its last
     /// answered renewal was before the restart). Only actors recorded RUNNING at the
     /// start whose worker never re-attached are released here; a worker that attached
-    /// and left is [`Self::worker_left`]'s (its lease counts from its last renewal).
+    /// and left is [`super::membership::Membership::worker_left`]'s (its lease counts from its last renewal).
     pub(super) fn after_rejoin_grace(plane: &Plane, awaiting: Vec<ActorKey>) {
         let plane = plane.clone();
         // The earlier runs' hosting lease (recorded), which workers that do not

@@ -27,6 +27,7 @@ use valet_proto::worker as wk;
 
 use super::capacity::Handed;
 use super::op::CapacityWait;
+use super::peers::{Boxed, Claim, Elsewhere, Observed, Peers};
 use super::workers::Departure;
 use super::{Op, OpKind, OpTarget, Outcome, Plane, Slot, crashed, not_found, shutting_down};
 use crate::link::WorkerLink;
@@ -54,18 +55,18 @@ const MARGIN: Duration = Duration::from_secs(5);
 #[derive(Debug, Default)]
 pub(crate) struct Known {
     /// This replica's id; `None` with one control plane.
-    pub(crate) me: Option<i64>,
+    me: Option<i64>,
     /// Replicas not declared dead, this one included.
-    pub(crate) live: BTreeSet<i64>,
+    live: BTreeSet<i64>,
     /// Workers attached to other replicas, by id.
-    pub(crate) workers: BTreeMap<String, WorkerRow>,
+    workers: BTreeMap<String, WorkerRow>,
     /// Every replica's capacity waiters, by `seq`: a pool's oldest is its first.
-    pub(crate) waiting: BTreeMap<i64, WaiterRow>,
+    waiting: BTreeMap<i64, WaiterRow>,
     /// This replica's forwarded suspends waiting for their answer.
-    pub(crate) forwards: HashMap<i64, oneshot::Sender<Answer>>,
+    forwards: HashMap<i64, oneshot::Sender<Answer>>,
     /// Suspends forwarded to this replica being carried out, or carried out (the
     /// latest ones): never carried out twice.
-    pub(crate) executing: HashSet<i64>,
+    executing: HashSet<i64>,
     carried_out: std::collections::VecDeque<i64>,
     /// Reads of the record under way, by id: what this replica wrote meanwhile, which
     /// a read may predate (never forgotten because of it).
@@ -80,7 +81,7 @@ pub(crate) struct Known {
     /// Bumped by whatever may let an offer that found nobody find someone now (a
     /// waiter announced, an operation on a queued actor ended, an eviction's claim
     /// given up): such an offer looks again.
-    pub(crate) waiters_seen: u64,
+    waiters_seen: u64,
     /// When each waiter in `waiting` was announced (`waiters_seen` then).
     added: HashMap<i64, u64>,
     /// Answers of this replica's forwarded suspends that came before their caller
@@ -226,6 +227,47 @@ impl Known {
         self.waiting.values().any(|w| w.pool == pool)
     }
 
+    /// Whether this is one of several replicas.
+    pub(crate) fn is_shared(&self) -> bool {
+        self.me.is_some()
+    }
+
+    /// Whether an operation of replica `op_replica` (from a record) belongs to
+    /// another live replica.
+    pub(crate) fn held_by_other(&self, op_replica: Option<i64>) -> bool {
+        op_replica.is_some_and(|r| Some(r) != self.me && self.live.contains(&r))
+    }
+
+    /// The workers attached to other live replicas, by id.
+    pub(crate) fn live_workers(&self) -> impl Iterator<Item = (&String, &WorkerRow)> {
+        self.workers
+            .iter()
+            .filter(|(_, w)| self.live.contains(&w.replica))
+    }
+
+    /// Worker `id` attached here: not another replica's any more.
+    pub(crate) fn attached_here(&mut self, id: &str) {
+        self.workers.remove(id);
+    }
+
+    /// Something may let an offer that found nobody find someone now (an operation
+    /// on a queued actor ended): such an offer looks again.
+    pub(crate) fn passed_over(&mut self) {
+        self.waiters_seen += 1;
+    }
+
+    /// The actors every replica's waiters of `pool` wait for that no eviction serves
+    /// yet.
+    pub(crate) fn unclaimed<'a>(
+        &'a self,
+        pool: &'a str,
+    ) -> impl Iterator<Item = &'a ActorKey> + 'a {
+        self.waiting
+            .values()
+            .filter(move |w| w.pool == pool && w.evicting.is_none())
+            .map(|w| &w.actor)
+    }
+
     /// Whether a resume of `actor` waits in a queue (on any replica).
     pub(crate) fn queued(&self, actor: &ActorKey) -> bool {
         self.waiting.values().any(|w| w.actor == *actor)
@@ -264,15 +306,6 @@ impl crate::replica_store::View {
     fn waiting_by_seq(&self) -> BTreeMap<i64, WaiterRow> {
         self.waiters.iter().map(|w| (w.seq, w.clone())).collect()
     }
-}
-
-/// How watching another replica's resume ended.
-pub(super) enum Observed {
-    /// With this outcome.
-    Done(Box<Outcome>),
-    /// The actor is suspended and queued nowhere, and its callers still wait: queue
-    /// it again.
-    Again,
 }
 
 /// Watching ended with `outcome`.
@@ -354,14 +387,20 @@ impl Replicas {
     /// the queue they share, and declares silent replicas dead, until the plane stops.
     pub(super) fn start(&self, plane: &Plane, following: Following) {
         let Following { events, writes } = following;
-        if let Some(events) = events {
-            let (this, plane) = (self.clone(), plane.clone());
-            self.followers
-                .spawn(async move { this.follow(&plane, events).await });
-        }
-        let (this, plane2) = (self.clone(), plane.clone());
+        // The announcements are taken once: a second plane on the same store follows
+        // nothing and shares no queue (as before the seam).
+        let Some(events) = events else {
+            tracing::warn!(
+                "the replica store's announcements were taken already; this plane follows no other replica"
+            );
+            return;
+        };
+        let (this, follower) = (self.clone(), plane.clone());
         self.followers
-            .spawn(async move { this.write_queue(&plane2, writes).await });
+            .spawn(async move { this.follow(&follower, events).await });
+        let (this, writer) = (self.clone(), plane.clone());
+        self.followers
+            .spawn(async move { this.write_queue(&writer, writes).await });
         let this = self.clone();
         self.followers
             .spawn(async move { this.watch_replicas().await });
@@ -680,7 +719,7 @@ impl Replicas {
         if let Some(w) = waiter {
             w.hand(Handed::Elsewhere {
                 queued: false,
-                replicas: self.clone(),
+                on: Arc::new(self.clone()),
             });
         }
     }
@@ -811,7 +850,7 @@ impl Replicas {
         for w in moved {
             w.hand(Handed::Elsewhere {
                 queued: false,
-                replicas: self.clone(),
+                on: Arc::new(self.clone()),
             });
         }
         // Rows of this replica that no waiter here owns (a delete that failed): out.
@@ -936,7 +975,7 @@ impl Replicas {
                         if let Some(w) = w {
                             w.hand(Handed::Elsewhere {
                                 queued: true,
-                                replicas: self.clone(),
+                                on: Arc::new(self.clone()),
                             });
                         }
                     }
@@ -1203,7 +1242,7 @@ impl Replicas {
                 Then::Requeue(local) => {
                     local.hand(Handed::Elsewhere {
                         queued: false,
-                        replicas: self.clone(),
+                        on: Arc::new(self.clone()),
                     });
                     return;
                 }
@@ -1428,7 +1467,7 @@ impl Drop for Unrecorded {
 
 impl Replicas {
     /// A worker attached (or re-attached) over its stream: joined as
-    /// [`Plane::worker_joined`] does once its attachment is recorded (after the Join
+    /// [`super::membership::Membership::worker_joined`] does once its attachment is recorded (after the Join
     /// is checked, and undone when it is refused after all or this call is dropped):
     /// refused when another process holds its id on another live replica.
     pub(super) async fn attach(
@@ -1482,9 +1521,7 @@ impl Replicas {
                 // operation changes its record, so memory decides (below). Before,
                 // such a worker was told to drop the actor, and the checkpoint lost
                 // the actor's state since its last snapshot.
-                None => keep
-                    .as_ref()
-                    .is_some_and(|k| !st.awaiting_worker.contains(k)),
+                None => keep.as_ref().is_some_and(|k| !st.workers.awaited(k)),
             }
         };
         let joined = super::membership::Join {
@@ -1608,5 +1645,95 @@ impl Replicas {
         if let Some(w) = plane.lock().replicas.waiting.get_mut(&seq) {
             w.evicting = None;
         }
+    }
+}
+
+impl Peers for Replicas {
+    fn attach<'a>(
+        &'a self,
+        plane: &'a Plane,
+        join: &'a wk::Join,
+        link: Arc<WorkerLink>,
+    ) -> Boxed<'a, Option<Result<bool, Status>>> {
+        Box::pin(async move { Some(Replicas::attach(self, plane, join, link).await) })
+    }
+
+    fn worker_draining(&self, worker: &str) {
+        Replicas::worker_draining(self, worker);
+    }
+
+    fn worker_left(&self, worker: &str, attach: i64) {
+        Replicas::worker_left(self, worker, attach);
+    }
+
+    fn releases_still_due<'a>(
+        &'a self,
+        plane: &'a Plane,
+        rows: &'a [ActorRow],
+    ) -> Boxed<'a, Option<Vec<ActorRow>>> {
+        Box::pin(Replicas::releases_still_due(self, plane, rows))
+    }
+
+    fn queued(&self, pool: &str, actor: &ActorKey, id: u64) {
+        Replicas::queued(self, pool, actor, id);
+    }
+
+    fn dequeue(&self, plane: &Plane, seq: i64) {
+        Replicas::dequeue(self, plane, seq);
+    }
+
+    fn offer(&self, plane: &Plane, worker: &str) -> bool {
+        Replicas::offer(self, plane, worker);
+        true
+    }
+
+    fn claim_eviction<'a>(
+        &'a self,
+        plane: &'a Plane,
+        key: &'a ActorKey,
+        pool: &'a str,
+    ) -> Boxed<'a, Claim> {
+        Box::pin(Replicas::claim_eviction(self, plane, key, pool))
+    }
+
+    fn release_eviction<'a>(&'a self, plane: &'a Plane, seq: i64) -> Boxed<'a, ()> {
+        Box::pin(Replicas::release_eviction(self, plane, seq))
+    }
+
+    fn writing(&self, plane: &Plane, batch: &Batch) -> Option<Box<dyn Send>> {
+        Some(Box::new(Writing::start(self, plane, batch)))
+    }
+
+    fn changed_elsewhere(&self, plane: &Plane, batch: &Batch) {
+        self.refresh(plane, batch);
+    }
+
+    fn suspend_elsewhere<'a>(
+        &'a self,
+        plane: &'a Plane,
+        key: &'a ActorKey,
+        worker: &'a str,
+    ) -> Boxed<'a, Option<Result<ateapi::Actor, Status>>> {
+        Box::pin(async move {
+            let replica = self.replica_of(plane, worker)?;
+            Some(self.forward_suspend(plane, replica, key).await)
+        })
+    }
+
+    fn unfollow(&self) -> Boxed<'_, ()> {
+        Box::pin(Replicas::unfollow(self))
+    }
+}
+
+impl Elsewhere for Replicas {
+    fn observe<'a>(
+        &'a self,
+        plane: &'a Plane,
+        key: &'a ActorKey,
+        queued: bool,
+        capacity: &'a watch::Sender<CapacityWait>,
+        tx: &'a watch::Sender<Option<Outcome>>,
+    ) -> Boxed<'a, Observed> {
+        Box::pin(Replicas::observe(self, plane, key, queued, capacity, tx))
     }
 }

@@ -4,7 +4,7 @@
 
 use tonic::Status;
 
-use super::{Op, OpKind, OpTarget, Plane, shutting_down};
+use super::{Op, OpKind, OpTarget, Plane, shutting_down, store_backoff};
 use crate::model::{ActorKey, ActorStatus};
 use crate::store::{ActorRow, Batch};
 
@@ -15,6 +15,36 @@ pub(super) struct Settle<'a> {
     plane: &'a Plane,
     op: &'a Op,
     row: ActorRow,
+}
+
+impl Settle<'_> {
+    /// Settles what failed writes leave half-way: an operation whose last write failed
+    /// ends with its actor RESUMING or SUSPENDING and no operation on it (its worker's
+    /// slot still taken). After each failed write, and again with a back-off (0.5 s
+    /// doubling to 5 s) until every such actor is settled, each goes back to SUSPENDED
+    /// from its last snapshot as a resume of it would do. Cancelled by shutdown (the
+    /// next start settles them).
+    pub(super) fn spawn_settler(plane: &Plane) {
+        let chores = plane.inner.chores.clone();
+        let plane = plane.clone();
+        chores.spawn(async move {
+            loop {
+                tokio::select! {
+                    () = plane.inner.unsettled.notified() => {}
+                    () = plane.inner.shutdown.cancelled() => return,
+                }
+                let mut backoff = store_backoff();
+                loop {
+                    if !backoff.wait(&plane.inner.shutdown).await {
+                        return;
+                    }
+                    if Settle::all(&plane).await {
+                        break;
+                    }
+                }
+            }
+        });
+    }
 }
 
 impl<'a> Settle<'a> {

@@ -3,7 +3,7 @@
 //! (reserve, host, vacate, offer, drain) is a method here, and a slot becomes
 //! vacant in one ([`WorkerRec::vacate`]).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -221,6 +221,10 @@ impl Departure {
 pub(crate) struct Workers {
     attached: BTreeMap<String, WorkerRec>,
     departed: HashMap<String, Departure>,
+    /// SUSPENDING actors whose checkpoint waits for their worker to attach again: a
+    /// re-attach that reports one keeps it (the checkpoint then goes over the new
+    /// stream) instead of evicting it with everything it did since its last snapshot.
+    awaiting: HashSet<ActorKey>,
 }
 
 impl Workers {
@@ -427,6 +431,23 @@ impl Workers {
             .values()
             .map(|w| Arc::clone(&w.link))
             .collect()
+    }
+
+    /// `key`'s checkpoint waits for its worker to attach again (see
+    /// [`Self::awaited`]); until [`Self::not_awaited`].
+    pub(crate) fn await_worker_of(&mut self, key: &ActorKey) {
+        self.awaiting.insert(key.clone());
+    }
+
+    /// `key`'s checkpoint waits no more.
+    pub(crate) fn not_awaited(&mut self, key: &ActorKey) {
+        self.awaiting.remove(key);
+    }
+
+    /// Whether `key`'s checkpoint waits for its worker to attach again: a re-attach
+    /// that reports it keeps it.
+    pub(crate) fn awaited(&self, key: &ActorKey) -> bool {
+        self.awaiting.contains(key)
     }
 
     /// Departed worker `id`, while it may still serve.
