@@ -15,9 +15,9 @@ use valet_proto::ateapi;
 use valet_proto::worker::{self as wk, worker_command::Command};
 
 use super::capacity::{Handed, Reservation, Ticket};
-use super::op::CapacityWait;
 use super::peers::Observed;
 use super::settle::Settle;
+use super::wait::CapacityWait;
 use super::{
     Op, OpKind, OpTarget, Outcome, Plane, aborted, crashed, no_room, not_found, shutting_down,
     slot_of,

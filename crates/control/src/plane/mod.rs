@@ -7,7 +7,7 @@
 //!   the departed that may still serve;
 //! - [`capacity`]'s `Waiters`: the first-come queues per pool;
 //! - [`op`]'s `Ops`: the operation locks, taken and released by [`Op`] only;
-//! - [`policy`]'s `Signals`: activity reports and recent refusals;
+//! - [`signals`]: activity reports and recent refusals (the policies' inputs);
 //! - [`leases`]' `LeaseBook`: routers' watches and route leases;
 //! - [`replicas`]' `Known`: what this replica knows of the others.
 //!
@@ -47,6 +47,8 @@ mod records;
 mod release;
 mod replicas;
 mod settle;
+mod signals;
+mod wait;
 mod workers;
 
 use std::collections::{BTreeMap, HashMap};
@@ -208,7 +210,7 @@ pub(crate) struct State {
     /// The last id handed out (operations, waiters, departures).
     next_id: u64,
     /// What the policies read: activity and refusals.
-    signals: policy::Signals,
+    signals: signals::Signals,
     /// Routers' watches and the route leases of every actor.
     leases: leases::LeaseBook,
     /// Several replicas on one database: what this one knows of the others.

@@ -14,7 +14,7 @@ use tonic::Status;
 use valet_proto::ateapi;
 use valet_proto::worker as wk;
 
-use super::op::CapacityWait;
+use super::wait::CapacityWait;
 use super::{Outcome, Plane};
 use crate::link::WorkerLink;
 use crate::model::ActorKey;

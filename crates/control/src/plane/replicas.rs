@@ -26,8 +26,8 @@ use valet_proto::ateapi;
 use valet_proto::worker as wk;
 
 use super::capacity::Handed;
-use super::op::CapacityWait;
 use super::peers::{Boxed, Claim, Elsewhere, Observed, Peers};
+use super::wait::CapacityWait;
 use super::workers::Departure;
 use super::{Op, OpKind, OpTarget, Outcome, Plane, Slot, crashed, not_found, shutting_down};
 use crate::link::WorkerLink;
