@@ -14,7 +14,7 @@ use valet_proto::worker::{self as wk, worker_command::Command};
 
 use super::release::{Ending, Release};
 use super::workers::Joined;
-use super::{Op, OpKind, OpTarget, Plane, Slot, State};
+use super::{Op, OpTarget, Plane, Slot, State};
 use crate::link::WorkerLink;
 use crate::model::{self, ActorKey, ActorStatus, NAMESPACE};
 use crate::store::ActorRow;
@@ -464,17 +464,7 @@ impl Join<'_> {
                 })
                 .map(|(_, r)| r.clone())
                 .collect();
-            let ops: Vec<Op> = stale
-                .iter()
-                .map(|r| {
-                    Op::take(
-                        plane,
-                        &mut st,
-                        OpTarget::Actor(r.key()),
-                        OpKind::Busy("releasing"),
-                    )
-                })
-                .collect();
+            let ops = Op::take_each(plane, &mut st, &stale, "releasing");
             (kept, (ops, stale), free, held)
         };
         let (ops, rows) = stale;

@@ -112,6 +112,19 @@ impl Op {
         }
     }
 
+    /// Locks each actor of `rows` for a `Busy(what)` operation. The caller has
+    /// checked, under the same state lock, that nothing holds them.
+    pub(crate) fn take_each(
+        plane: &Plane,
+        st: &mut State,
+        rows: &[crate::store::ActorRow],
+        what: &'static str,
+    ) -> Vec<Self> {
+        rows.iter()
+            .map(|r| Self::take(plane, st, OpTarget::Actor(r.key()), OpKind::Busy(what)))
+            .collect()
+    }
+
     /// Tells this operation from a later one on the same target.
     pub(crate) fn id(&self) -> u64 {
         self.id

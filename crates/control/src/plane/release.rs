@@ -210,17 +210,7 @@ impl Release {
                     })
                     .map(|(_, r)| r.clone())
                     .collect();
-                let ops: Vec<Op> = stale
-                    .iter()
-                    .map(|r| {
-                        Op::take(
-                            &plane,
-                            &mut st,
-                            OpTarget::Actor(r.key()),
-                            OpKind::Busy("releasing"),
-                        )
-                    })
-                    .collect();
+                let ops = Op::take_each(&plane, &mut st, &stale, "releasing");
                 (ops, stale)
             };
             if !rows.is_empty() {
