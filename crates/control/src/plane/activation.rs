@@ -123,8 +123,8 @@ impl Activation {
                             // over.
                             let mine = mine.or_else(|| {
                                 (st.free_worker(&row.pool).is_none()
-                                    && st.free_elsewhere(&row.pool))
-                                .then(|| Instant::now() + super::replicas::HAND_OVER_WAIT)
+                                    && st.replicas.free_elsewhere(&row.pool, &st.records))
+                                .then(|| Instant::now() + super::replicas::known::HAND_OVER_WAIT)
                             });
                             let tx = Arc::new(watch::Sender::new(None));
                             let rx = tx.subscribe();

@@ -66,6 +66,27 @@ pub(super) struct Checkpoint {
 }
 
 impl Checkpoint {
+    /// `SuspendActor`: here, or on the replica its worker is attached to when that is
+    /// another one (the request is forwarded, and its answer awaited).
+    pub(super) async fn suspend_anywhere(
+        plane: &Plane,
+        key: ActorKey,
+    ) -> Result<ateapi::Actor, Status> {
+        let worker = {
+            let st = plane.lock();
+            st.records
+                .get(&key)
+                .filter(|r| r.status == ActorStatus::Running && st.busy(&key).is_none())
+                .and_then(|r| r.worker.clone())
+        };
+        if let Some(w) = worker
+            && let Some(done) = plane.inner.peers.suspend_elsewhere(plane, &key, &w).await
+        {
+            return done;
+        }
+        Self::suspend(plane, key).await
+    }
+
     /// `SuspendActor` on this replica (a suspend forwarded here too): detached, under
     /// an operation lock of its own. An actor whose worker is attached to another
     /// replica by now is `Aborted` (the caller asks again, and is forwarded there).

@@ -99,19 +99,7 @@ impl Plane {
     /// an actor whose worker is attached to another one is suspended there (the
     /// request is forwarded, and its answer awaited).
     pub async fn suspend_actor(&self, key: ActorKey) -> Result<ateapi::Actor, Status> {
-        let worker = {
-            let st = self.lock();
-            st.records
-                .get(&key)
-                .filter(|r| r.status == ActorStatus::Running && st.busy(&key).is_none())
-                .and_then(|r| r.worker.clone())
-        };
-        if let Some(w) = worker
-            && let Some(done) = self.inner.peers.suspend_elsewhere(self, &key, &w).await
-        {
-            return done;
-        }
-        Checkpoint::suspend(self, key).await
+        Checkpoint::suspend_anywhere(self, key).await
     }
 
     /// Suspends every RUNNING actor at once, each waiting for its requests in flight,
@@ -207,42 +195,57 @@ impl Plane {
     /// `RevertActor`: CRASHED → SUSPENDED; its next restore starts from the last good
     /// snapshot.
     pub async fn revert_actor(&self, key: ActorKey) -> Result<ateapi::Actor, Status> {
-        let plane = self.clone();
-        self.detached(async move {
-            let (op, row) = {
-                let mut st = plane.lock();
-                let row = st.records.get(&key).ok_or_else(|| not_found(&key))?.clone();
-                match st.busy(&key) {
-                    Some(OpKind::Resuming { .. }) => {
-                        return Err(Status::failed_precondition(format!(
-                            "actor {key} is STATUS_RESUMING; wait for the resume to finish"
-                        )));
-                    }
-                    Some(OpKind::Busy(_)) => return Err(aborted()),
-                    None => {}
-                }
-                if row.status != ActorStatus::Crashed {
+        let revert = Revert {
+            plane: self.clone(),
+            key,
+        };
+        self.detached(revert.run()).await
+    }
+}
+
+/// Reverting a CRASHED actor: SUSPENDED, its next restore from the last good snapshot.
+struct Revert {
+    plane: Plane,
+    key: ActorKey,
+}
+
+impl Revert {
+    /// In order: the actor checked CRASHED and locked, then recorded SUSPENDED with
+    /// its revert pending, the lock released.
+    async fn run(self) -> Result<ateapi::Actor, Status> {
+        let Revert { plane, key } = self;
+        let (op, row) = {
+            let mut st = plane.lock();
+            let row = st.records.get(&key).ok_or_else(|| not_found(&key))?.clone();
+            match st.busy(&key) {
+                Some(OpKind::Resuming { .. }) => {
                     return Err(Status::failed_precondition(format!(
-                        "actor {key} is {}; only CRASHED actors can be reverted",
-                        row.status
+                        "actor {key} is STATUS_RESUMING; wait for the resume to finish"
                     )));
                 }
-                let op = Op::take(
-                    &plane,
-                    &mut st,
-                    OpTarget::Actor(key.clone()),
-                    OpKind::Busy("reverting"),
-                );
-                (op, row)
-            };
-            let mut reverted = row.moved(ActorStatus::Suspended, None);
-            reverted.revert_pending = true;
-            plane
-                .ledger()
-                .finish(op, Batch::put([reverted.clone()]))
-                .await?;
-            Ok(plane.lock().to_proto(&reverted))
-        })
-        .await
+                Some(OpKind::Busy(_)) => return Err(aborted()),
+                None => {}
+            }
+            if row.status != ActorStatus::Crashed {
+                return Err(Status::failed_precondition(format!(
+                    "actor {key} is {}; only CRASHED actors can be reverted",
+                    row.status
+                )));
+            }
+            let op = Op::take(
+                &plane,
+                &mut st,
+                OpTarget::Actor(key.clone()),
+                OpKind::Busy("reverting"),
+            );
+            (op, row)
+        };
+        let mut reverted = row.moved(ActorStatus::Suspended, None);
+        reverted.revert_pending = true;
+        plane
+            .ledger()
+            .finish(op, Batch::put([reverted.clone()]))
+            .await?;
+        Ok(plane.lock().to_proto(&reverted))
     }
 }

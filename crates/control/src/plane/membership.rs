@@ -12,6 +12,7 @@ use tonic::Status;
 use valet_proto::ateapi;
 use valet_proto::worker::{self as wk, worker_command::Command};
 
+use super::checkpoint::Checkpoint;
 use super::release::{Ending, Release};
 use super::workers::Joined;
 use super::{Op, OpTarget, Plane, Slot, State};
@@ -566,7 +567,7 @@ impl Drain {
             if plane.is_shutting_down() {
                 return;
             }
-            match plane.suspend_actor(key.clone()).await {
+            match Checkpoint::suspend_anywhere(plane, key.clone()).await {
                 // Suspended: the slot is vacant now. Or another operation on the actor
                 // (the restore that put it there, a suspend in progress): wait for it
                 // to end (or the plane to shut down), then look again.

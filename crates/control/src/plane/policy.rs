@@ -222,52 +222,15 @@ impl Policies<'_> {
         idle_for: Duration,
     ) {
         let plane = self.plane;
-        let tasks = plane.inner.tasks.clone();
-        let plane = plane.clone();
-        tasks.spawn(async move {
-            let Some(row) = plane.lock().records.get(&key).cloned() else {
-                return;
-            };
-            let pool = row.pool.clone();
-            let claimed = match why {
-                Why::Evict => match plane.inner.peers.claim_eviction(&plane, &key, &pool).await {
-                    Claim::Own => None,
-                    Claim::Waiter(seq) => Some(seq),
-                    Claim::Nobody => return,
-                },
-                Why::Idle => None,
-            };
-            match why {
-                Why::Evict => tracing::info!(actor = %key, %pool, ?idle_for, "evicting the least recently active actor for a waiting one"),
-                Why::Idle => tracing::info!(actor = %key, %pool, ?idle_for, "suspending an idle actor"),
-            }
-            let checkpoint = Checkpoint {
-                plane: plane.clone(),
-                op,
-                key: key.clone(),
-                row,
-                fence: Fence::IdleSince(mark),
-            };
-            match checkpoint.run().await {
-                Checkpointed::Suspended(_) => match why {
-                    Why::Evict => plane.metrics().evicted(&pool),
-                    Why::Idle => plane.metrics().idle_suspended(&pool),
-                },
-                Checkpointed::Busy => {
-                    tracing::debug!(actor = %key, "the actor turned busy; left running");
-                }
-                Checkpointed::Refused(why) => {
-                    tracing::warn!(actor = %key, %why, "policy checkpoint refused; the actor keeps running");
-                }
-                Checkpointed::Failed(e) => {
-                    tracing::warn!(actor = %key, error = %e.message(), "policy checkpoint failed");
-                }
-            }
-            if let Some(seq) = claimed {
-                plane.inner.peers.release_eviction(&plane, seq).await;
-            }
-            plane.wake_policies();
-        });
+        let checkpoint = PolicyCheckpoint {
+            plane: plane.clone(),
+            op,
+            key,
+            why,
+            mark,
+            idle_for,
+        };
+        plane.inner.tasks.spawn(checkpoint.run());
     }
 }
 
@@ -330,7 +293,7 @@ impl super::State {
         let free = self
             .workers
             .count_in(pool, |s| matches!(s, Slot::Free | Slot::Offered))
-            + self.free_elsewhere_count(pool);
+            + self.replicas.free_elsewhere_count(pool, &self.records);
         let freeing = self
             .ops
             .iter()
@@ -346,5 +309,78 @@ impl super::State {
             })
             .count();
         waiting.len().saturating_sub(free + freeing)
+    }
+}
+
+/// A policy's checkpoint of an idle actor (idle suspension, or an eviction for a
+/// waiting one), under the operation lock the pass took.
+struct PolicyCheckpoint {
+    plane: Plane,
+    op: Op,
+    key: ActorKey,
+    why: Why,
+    /// The activity mark it was decided on: the worker refuses it unless the actor
+    /// stayed idle since.
+    mark: u64,
+    idle_for: Duration,
+}
+
+impl PolicyCheckpoint {
+    /// In order: the waiter an eviction serves claimed (several replicas), the
+    /// checkpoint fenced on the mark, the outcome counted, the claim released, the
+    /// policies woken.
+    async fn run(self) {
+        let PolicyCheckpoint {
+            plane,
+            op,
+            key,
+            why,
+            mark,
+            idle_for,
+        } = self;
+        let Some(row) = plane.lock().records.get(&key).cloned() else {
+            return;
+        };
+        let pool = row.pool.clone();
+        let claimed = match why {
+            Why::Evict => match plane.inner.peers.claim_eviction(&plane, &key, &pool).await {
+                Claim::Own => None,
+                Claim::Waiter(seq) => Some(seq),
+                Claim::Nobody => return,
+            },
+            Why::Idle => None,
+        };
+        match why {
+            Why::Evict => {
+                tracing::info!(actor = %key, %pool, ?idle_for, "evicting the least recently active actor for a waiting one")
+            }
+            Why::Idle => tracing::info!(actor = %key, %pool, ?idle_for, "suspending an idle actor"),
+        }
+        let checkpoint = Checkpoint {
+            plane: plane.clone(),
+            op,
+            key: key.clone(),
+            row,
+            fence: Fence::IdleSince(mark),
+        };
+        match checkpoint.run().await {
+            Checkpointed::Suspended(_) => match why {
+                Why::Evict => plane.metrics().evicted(&pool),
+                Why::Idle => plane.metrics().idle_suspended(&pool),
+            },
+            Checkpointed::Busy => {
+                tracing::debug!(actor = %key, "the actor turned busy; left running");
+            }
+            Checkpointed::Refused(why) => {
+                tracing::warn!(actor = %key, %why, "policy checkpoint refused; the actor keeps running");
+            }
+            Checkpointed::Failed(e) => {
+                tracing::warn!(actor = %key, error = %e.message(), "policy checkpoint failed");
+            }
+        }
+        if let Some(seq) = claimed {
+            plane.inner.peers.release_eviction(&plane, seq).await;
+        }
+        plane.wake_policies();
     }
 }
