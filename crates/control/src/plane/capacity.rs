@@ -15,10 +15,9 @@
 
 use std::sync::atomic::Ordering;
 
-use std::collections::{HashMap, VecDeque};
-
 use tokio::sync::oneshot;
 
+use super::queues::Waiter;
 use super::{Plane, Slot, State};
 use crate::model::ActorKey;
 
@@ -36,152 +35,6 @@ pub(crate) enum Handed {
     },
     /// It could not be queued (the database refused): this is the answer.
     Failed(tonic::Status),
-}
-
-/// A queue entry: a resume waiting for a worker of its pool.
-#[derive(Debug)]
-pub(crate) struct Waiter {
-    id: u64,
-    actor: ActorKey,
-    /// Its row in the queue the replicas share, once written.
-    seq: Option<i64>,
-    tx: oneshot::Sender<Handed>,
-}
-
-impl Waiter {
-    /// Whether its resume still waits.
-    pub(crate) fn is_live(&self) -> bool {
-        !self.tx.is_closed()
-    }
-
-    /// Tells its resume what it got. One that left drops it: a reservation then
-    /// passes its worker on.
-    pub(crate) fn hand(self, handed: Handed) {
-        let _ = self.tx.send(handed);
-    }
-}
-
-/// The capacity queues, one per pool, oldest waiter first: the only place entries
-/// are added, taken and dropped.
-#[derive(Debug, Default)]
-pub(crate) struct Waiters {
-    queues: HashMap<String, VecDeque<Waiter>>,
-}
-
-impl Waiters {
-    fn push(&mut self, pool: &str, waiter: Waiter) {
-        self.queues
-            .entry(pool.to_owned())
-            .or_default()
-            .push_back(waiter);
-    }
-
-    /// Entry `id` of `pool`'s queue, out of it.
-    pub(crate) fn remove(&mut self, pool: &str, id: u64) -> Option<Waiter> {
-        let q = self.queues.get_mut(pool)?;
-        let i = q.iter().position(|w| w.id == id)?;
-        q.remove(i)
-    }
-
-    /// The oldest entry of `pool`'s queue, out of it.
-    fn pop(&mut self, pool: &str) -> Option<Waiter> {
-        self.queues.get_mut(pool)?.pop_front()
-    }
-
-    /// Whether a resume still waits for a worker of `pool`.
-    pub(crate) fn any_live(&self, pool: &str) -> bool {
-        self.queues
-            .get(pool)
-            .is_some_and(|q| q.iter().any(Waiter::is_live))
-    }
-
-    /// How many resumes wait for a worker of `pool`.
-    pub(crate) fn live(&self, pool: &str) -> usize {
-        self.queues
-            .get(pool)
-            .map_or(0, |q| q.iter().filter(|w| w.is_live()).count())
-    }
-
-    /// How many resumes wait, by pool.
-    pub(crate) fn live_by_pool(&self) -> Vec<(String, usize)> {
-        self.queues
-            .iter()
-            .map(|(pool, q)| (pool.clone(), q.iter().filter(|w| w.is_live()).count()))
-            .collect()
-    }
-
-    /// The actors whose resumes wait for a worker of `pool`.
-    pub(crate) fn live_actors<'a>(&'a self, pool: &str) -> impl Iterator<Item = &'a ActorKey> + 'a {
-        self.queues
-            .get(pool)
-            .into_iter()
-            .flatten()
-            .filter(|w| w.is_live())
-            .map(|w| &w.actor)
-    }
-
-    /// The actors whose resumes wait for a worker of `pool` and whose shared rows are
-    /// not written yet.
-    pub(crate) fn unwritten_actors<'a>(
-        &'a self,
-        pool: &str,
-    ) -> impl Iterator<Item = &'a ActorKey> + 'a {
-        self.queues
-            .get(pool)
-            .into_iter()
-            .flatten()
-            .filter(|w| w.is_live() && w.seq.is_none())
-            .map(|w| &w.actor)
-    }
-
-    /// Whether `actor` has an entry in `pool`'s queue.
-    pub(crate) fn has(&self, pool: &str, actor: &ActorKey) -> bool {
-        self.queues
-            .get(pool)
-            .is_some_and(|q| q.iter().any(|w| &w.actor == actor))
-    }
-
-    /// The waiter here whose row is `seq` (of `actor`), out of its queue: the one with
-    /// that `seq`, or the actor's one that does not know its row yet.
-    pub(crate) fn take(&mut self, pool: &str, seq: i64, actor: &ActorKey) -> Option<Waiter> {
-        let q = self.queues.get_mut(pool)?;
-        let i = q
-            .iter()
-            .position(|w| &w.actor == actor && w.seq.is_none_or(|s| s == seq))?;
-        q.remove(i)
-    }
-
-    /// Entry `id` of `pool`'s queue has its shared row `seq`; whether it is there.
-    pub(crate) fn written(&mut self, pool: &str, id: u64, seq: i64) -> bool {
-        match self
-            .queues
-            .get_mut(pool)
-            .and_then(|q| q.iter_mut().find(|w| w.id == id))
-        {
-            Some(w) => {
-                w.seq = Some(seq);
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// Entries whose shared rows are gone (`present` says which are not), out of
-    /// their queues.
-    pub(crate) fn vanished(&mut self, present: impl Fn(i64) -> bool) -> Vec<Waiter> {
-        let mut gone = Vec::new();
-        for q in self.queues.values_mut() {
-            let mut i = 0;
-            while i < q.len() {
-                if q[i].seq.is_some_and(|seq| !present(seq)) {
-                    gone.extend(q.remove(i));
-                } else {
-                    i += 1;
-                }
-            }
-        }
-        gone
-    }
 }
 
 /// A resume's place in its pool's queue; it leaves the queue when dropped.
@@ -207,7 +60,7 @@ impl Drop for Ticket {
     fn drop(&mut self) {
         let seq = {
             let mut st = self.plane.lock();
-            st.waiters.remove(&self.pool, self.id).and_then(|w| w.seq)
+            st.waiters.remove(&self.pool, self.id).and_then(|w| w.seq())
         };
         // Its row goes too (one still being written goes once it is: see `enqueue`).
         if let Some(seq) = seq {
@@ -310,15 +163,7 @@ impl Capacity<'_> {
         let plane = self.plane;
         let id = st.id();
         let (tx, rx) = oneshot::channel();
-        st.waiters.push(
-            pool,
-            Waiter {
-                id,
-                actor: actor.clone(),
-                seq: None,
-                tx,
-            },
-        );
+        st.waiters.push(pool, Waiter::new(id, actor.clone(), tx));
         plane.inner.stats.queued.fetch_add(1, Ordering::Relaxed);
         plane.inner.peers.queued(pool, actor, id);
         Ticket {
@@ -356,10 +201,10 @@ impl Capacity<'_> {
                 let Some(waiter) = st.waiters.pop(&pool) else {
                     return;
                 };
-                let reservation = plane.capacity().reserve(&mut st, worker, &waiter.actor);
+                let reservation = plane.capacity().reserve(&mut st, worker, waiter.actor());
                 (waiter, reservation)
             };
-            match waiter.tx.send(Handed::Worker(reservation)) {
+            match waiter.try_hand(Handed::Worker(reservation)) {
                 Ok(()) => {
                     plane.capacity().handed_off();
                     return;
@@ -438,15 +283,8 @@ mod tests {
         st.workers.join("w1", worker("p"));
         assert_eq!(st.free_worker("p").as_deref(), Some("w1"));
         let (tx, rx) = oneshot::channel();
-        st.waiters.push(
-            "p",
-            Waiter {
-                id: 1,
-                actor: ActorKey::new("demo", "a").unwrap(),
-                seq: None,
-                tx,
-            },
-        );
+        st.waiters
+            .push("p", Waiter::new(1, ActorKey::new("demo", "a").unwrap(), tx));
         assert_eq!(st.free_worker("p"), None, "the waiter comes first");
         assert_eq!(st.free_worker("q"), None, "no worker in that pool");
         drop(rx);

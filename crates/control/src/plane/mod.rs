@@ -3,13 +3,14 @@
 //! **Books** own the state, each the only one to change its part, under the plane's
 //! one state lock ([`State`], whose fields are private to this module):
 //! - [`records`]: atespaces and actor records, memory's copy of the store;
-//! - [`workers`]: attached workers, their slots (the one place a slot changes), and
-//!   the departed that may still serve;
-//! - [`capacity`]'s `Waiters`: the first-come queues per pool;
-//! - [`op`]'s `Ops`: the operation locks, taken and released by [`Op`] only;
+//! - [`workers`]: attached workers, their slots (the one place a slot changes), the
+//!   departed that may still serve, and checkpoints awaiting a re-attach;
+//! - [`queues`]: the first-come capacity queues per pool;
+//! - [`locks`]: the operation locks, taken and released by [`Op`] only;
 //! - [`signals`]: activity reports and recent refusals (the policies' inputs);
+//! - [`wait`]: a resume's capacity wait, shared by its callers;
 //! - [`leases`]' `LeaseBook`: routers' watches and route leases;
-//! - [`replicas`]' `Known`: what this replica knows of the others.
+//! - `replicas::known`: what this replica knows of the others.
 //!
 //! **The ledger** ([`ledger`]) orders every step of every operation: the durable
 //! write, then memory, then the operation's lock, then freed workers handed to the
@@ -24,8 +25,13 @@
 //! [`Plane::leases`], [`Plane::policies`], and inside the crate `capacity()` and
 //! `ledger()`.
 //!
-//! **Peers** ([`peers`]): the one seam to the control planes sharing the records,
-//! chosen once at startup: alone, or [`replicas`] on one PostgreSQL database.
+//! **Peers** ([`peers`]): the one seam to the control planes sharing the records, a
+//! trait chosen once at startup ([`open`]): `Alone`, or [`replicas`] on one PostgreSQL
+//! database. [`open`] and [`stop`] start and end the plane's chores.
+//!
+//! Calls between these modules have no cycles (`tools/plane-calls.py` checks it): this
+//! module calls only the books, the books nothing else, the operations the ledger,
+//! `capacity` and the books.
 //!
 //! Memory is the working copy; the [`Store`] is the record. Every mutating RPC runs
 //! detached on the plane's task tracker, so a caller that goes away never leaves an
@@ -39,15 +45,19 @@ mod fencing;
 mod leases;
 mod ledger;
 mod lifecycle;
+mod locks;
 mod membership;
 mod op;
+mod open;
 mod peers;
 mod policy;
+mod queues;
 mod records;
 mod release;
 mod replicas;
 mod settle;
 mod signals;
+mod stop;
 mod wait;
 mod workers;
 
@@ -62,7 +72,6 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::Status;
 use valet_proto::ateapi;
-use valet_proto::worker as wk;
 
 use crate::metrics::PlaneMetrics;
 use crate::model::{self, ActorKey, ActorStatus, NAMESPACE, Template};
@@ -70,7 +79,7 @@ use crate::store::{ActorRow, Batch, Store, StoreError};
 
 pub use leases::WatchTx;
 pub(crate) use op::{Op, OpKind, OpTarget};
-pub(crate) use workers::{Slot, WorkerRec, Workers};
+pub(crate) use workers::{Slot, WorkerRec, Workers, slot_of};
 
 /// Largest `ListActors` page; bigger requests are clamped.
 pub const MAX_PAGE_SIZE: usize = 1000;
@@ -202,11 +211,11 @@ pub(crate) struct State {
     /// Atespaces and actor records (memory's copy of the store).
     records: records::Records,
     /// The operation locks held.
-    ops: op::Ops,
+    ops: locks::Ops,
     /// The workers attached here, their slots, and those departed.
     workers: Workers,
     /// The capacity queues.
-    waiters: capacity::Waiters,
+    waiters: queues::Waiters,
     /// The last id handed out (operations, waiters, departures).
     next_id: u64,
     /// What the policies read: activity and refusals.
@@ -398,155 +407,6 @@ fn shutting_down() -> Status {
 }
 
 impl Plane {
-    /// Loads the store, resolves what an unclean stop left half-way, and returns the
-    /// plane.
-    ///
-    /// Recovery: actors left RESUMING or SUSPENDING go back to SUSPENDED from their
-    /// last snapshot once their worker must have fenced them (it re-attached, which
-    /// evicts what it may still host, or a hosting lease passed since the start), as
-    /// after any operation left half-way; RUNNING actors keep their worker for
-    /// `rejoin_grace`, then go back to SUSPENDED if it has not re-attached.
-    ///
-    /// # Errors
-    /// When the store cannot be read or written.
-    pub async fn open(store: Arc<dyn Store>, config: PlaneConfig) -> Result<Self, StoreError> {
-        Self::open_with(
-            store,
-            config,
-            Box::new(peers::Alone),
-            replicas::Known::default(),
-        )
-        .await
-    }
-
-    /// [`Self::open`] for one of several replicas active at once on one PostgreSQL
-    /// database (docs/scale-out.md): the others' workers, waiters and changes are
-    /// followed from the store's announcements, actors RESUMING or SUSPENDING under
-    /// another live replica's operation are left to it, and what a replica that dies
-    /// leaves is recovered as after a restart.
-    ///
-    /// # Errors
-    /// When the store cannot be read or written.
-    pub async fn open_replica(
-        store: Arc<crate::replica_store::ReplicaStore>,
-        config: PlaneConfig,
-    ) -> Result<Self, StoreError> {
-        let (replicas, known, following) = replicas::Replicas::open(Arc::clone(&store)).await?;
-        let plane = Self::open_with(store, config, Box::new(replicas.clone()), known).await?;
-        replicas.start(&plane, following);
-        Ok(plane)
-    }
-
-    async fn open_with(
-        store: Arc<dyn Store>,
-        config: PlaneConfig,
-        peers: Box<dyn peers::Peers>,
-        // The others first: an actor another live replica holds is not half-way.
-        known: replicas::Known,
-    ) -> Result<Self, StoreError> {
-        let loaded = store.load().await?;
-        let mut templates: HashMap<String, Template> = config
-            .templates
-            .iter()
-            .map(|t| (t.name().to_owned(), t.clone()))
-            .collect();
-        for builtin in [Template::counter(), Template::echo()] {
-            templates
-                .entry(builtin.name().to_owned())
-                .or_insert(builtin);
-        }
-        let fresh = loaded.atespaces.is_empty() && loaded.actors.is_empty();
-        // Route leases earlier runs granted end at most their `--route-lease` after
-        // the start (a store from before that was recorded: this run's). The record
-        // is raised before this run grants longer ones, and lowered once the earlier
-        // ones ended (`spawn_lower_lease_bound`), so a crash in between only waits
-        // longer.
-        // The same for the hosting lease workers were told: one the restart cut off
-        // fences its actor at most the earlier runs' lease after its last answered
-        // renewal, which came before the start.
-        let earlier_lease = loaded.route_lease.unwrap_or(config.route_lease);
-        let earlier_hosting = loaded.hosting_lease.unwrap_or(config.hosting_lease);
-        let longest = (
-            earlier_lease.max(config.route_lease),
-            earlier_hosting.max(config.hosting_lease),
-        );
-        let raise = Batch {
-            route_lease: (loaded.route_lease != Some(longest.0)).then_some(longest.0),
-            hosting_lease: (loaded.hosting_lease != Some(longest.1)).then_some(longest.1),
-            ..Batch::default()
-        };
-        if !raise.is_empty() {
-            store.write(raise).await?;
-        }
-        let (leases_unknown_until, workers_unknown_until) = if fresh {
-            (tokio::time::Instant::now(), tokio::time::Instant::now())
-        } else {
-            let now = tokio::time::Instant::now();
-            (now + earlier_lease, now + earlier_hosting)
-        };
-        let mut state = State {
-            records: records::Records::loaded(loaded.atespaces),
-            replicas: known,
-            ..State::default()
-        };
-        let mut half_way = 0;
-        for row in loaded.actors {
-            if row.status.is_transitional() && !state.held_elsewhere(&row) {
-                // Settled by the settler, like any operation left half-way: its worker
-                // may still host the actor (a checkpoint given up, a restore that went
-                // on), so it may run elsewhere only once that worker fenced it.
-                tracing::warn!(
-                    actor = %row.key(),
-                    was = %row.status,
-                    worker = ?row.worker,
-                    "recovered actor left mid-operation; back to SUSPENDED once its worker cannot host it"
-                );
-                half_way += 1;
-            }
-            state.records.put(row);
-        }
-        let plane = Self {
-            inner: Arc::new(Inner {
-                state: Mutex::new(state),
-                changed: watch::Sender::new(0),
-                store,
-                config,
-                templates,
-                stats: Stats::default(),
-                metrics: PlaneMetrics::new(),
-                tasks: TaskTracker::new(),
-                chores: TaskTracker::new(),
-                links: TaskTracker::new(),
-                shutdown: CancellationToken::new(),
-                policy: tokio::sync::Notify::new(),
-                unsettled: tokio::sync::Notify::new(),
-                leases_unknown_until,
-                workers_unknown_until,
-                peers,
-            }),
-        };
-        let awaiting: Vec<ActorKey> = plane
-            .lock()
-            .records
-            .iter()
-            .filter(|(_, r)| r.status == ActorStatus::Running)
-            .map(|(k, _)| k.clone())
-            .collect();
-        if longest.0 > plane.config().route_lease {
-            plane.leases().spawn_lower_lease_bound(false);
-        }
-        if longest.1 > plane.config().hosting_lease {
-            plane.leases().spawn_lower_lease_bound(true);
-        }
-        release::Release::after_rejoin_grace(&plane, awaiting);
-        settle::Settle::spawn_settler(&plane);
-        if half_way > 0 {
-            plane.inner.unsettled.notify_one();
-        }
-        plane.policies().spawn_policies();
-        Ok(plane)
-    }
-
     pub(crate) fn lock(&self) -> StateGuard<'_> {
         StateGuard {
             guard: Some(self.inner.state.lock().unwrap_or_else(|e| e.into_inner())),
@@ -726,81 +586,9 @@ impl Plane {
         )
     }
 
-    /// The clean shutdown: capacity waiters are answered `Unavailable` at once (the
-    /// router parks and retries); restores and checkpoints in progress get up to
-    /// `timeout`; then every attached worker is told to detach (it keeps its actor
-    /// running and re-attaches when a control plane comes back on the same data dir).
-    pub async fn shutdown(&self, timeout: Duration) {
-        let until = tokio::time::Instant::now() + timeout;
-        self.inner.shutdown.cancel();
-        self.inner.chores.close();
-        self.inner.chores.wait().await;
-        self.inner.tasks.close();
-        let in_progress: Vec<String> = self
-            .lock()
-            .ops
-            .iter()
-            .map(|(target, kind)| format!("{target} {}", kind.name()))
-            .collect();
-        if !in_progress.is_empty() {
-            tracing::info!(
-                operations = ?in_progress,
-                timeout = ?timeout,
-                "waiting for operations in progress"
-            );
-        }
-        if tokio::time::timeout(timeout, self.inner.tasks.wait())
-            .await
-            .is_err()
-        {
-            tracing::warn!(
-                operations = self.inner.tasks.len(),
-                "operations still in progress after the shutdown timeout; the next start resolves them"
-            );
-        }
-        self.membership().detach_workers();
-        self.leases().close_watches();
-        // Forwarded suspends carried out here still write their answers: within what
-        // is left of the timeout (at least a second), never past it for long.
-        let left = until
-            .saturating_duration_since(tokio::time::Instant::now())
-            .max(UNFOLLOW_GRACE);
-        if tokio::time::timeout(left, self.unfollow()).await.is_err() {
-            tracing::warn!(
-                "work for the other replicas still in progress after the shutdown timeout; stopping anyway"
-            );
-        }
-    }
-
-    /// Stops following the other replicas, once nothing in progress needs it.
-    async fn unfollow(&self) {
-        self.inner.peers.unfollow().await;
-    }
-
-    /// The store was lost (another replica may be active already): every attached
-    /// worker is detached now, and joins are refused from now on, so that no worker
-    /// keeps hosting on this replica's renewals while its operations in progress get
-    /// their shutdown time ([`Self::shutdown`] follows). Before, workers were
-    /// detached last, and renewals answered meanwhile could outlast the rejoin grace
-    /// of the replica that took over.
-    pub fn step_down(&self) {
-        self.inner.shutdown.cancel();
-        self.membership().detach_workers();
-    }
-
     /// Runs the reader of a worker's attach stream; it ends with the stream.
     pub(crate) fn spawn_link(&self, reader: impl Future<Output = ()> + Send + 'static) {
         self.inner.links.spawn(reader);
-    }
-
-    /// Waits until every background task has ended (tests).
-    pub async fn close(&self) {
-        self.inner.shutdown.cancel();
-        self.inner.chores.close();
-        self.inner.chores.wait().await;
-        self.inner.tasks.close();
-        self.inner.tasks.wait().await;
-        self.unfollow().await;
     }
 }
 
@@ -833,14 +621,6 @@ impl Drop for StateGuard<'_> {
         if self.dirty {
             self.changed.send_modify(|v| *v += 1);
         }
-    }
-}
-
-pub(crate) fn slot_of(key: &ActorKey, row: &ActorRow) -> wk::ActorSlot {
-    wk::ActorSlot {
-        atespace: key.atespace().to_owned(),
-        name: key.name().to_owned(),
-        snapshot_key: format!("{}/{}/{}", key.atespace(), key.name(), row.uid),
     }
 }
 

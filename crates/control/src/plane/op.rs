@@ -3,7 +3,6 @@
 //! future. The order of an operation's steps lives in [`super::ledger::Ledger::step`]
 //! and [`super::ledger::Ledger::finish`].
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use tokio::sync::watch;
@@ -55,41 +54,6 @@ impl OpKind {
     }
 }
 
-/// The operation locks held now: the only place one is taken or released.
-#[derive(Debug, Default)]
-pub(crate) struct Ops {
-    held: HashMap<OpTarget, (u64, OpKind)>,
-}
-
-impl Ops {
-    /// What holds `target`'s lock, if anything.
-    pub(crate) fn holder(&self, target: &OpTarget) -> Option<&OpKind> {
-        self.held.get(target).map(|(_, kind)| kind)
-    }
-
-    /// The id of the operation holding `target`'s lock, if any.
-    pub(crate) fn id_of(&self, target: &OpTarget) -> Option<u64> {
-        self.held.get(target).map(|(id, _)| *id)
-    }
-
-    /// Whether an operation holds an actor of atespace `name`.
-    pub(crate) fn inside(&self, name: &str) -> bool {
-        self.held
-            .keys()
-            .any(|t| matches!(t, OpTarget::Actor(k) if k.atespace() == name))
-    }
-
-    /// Every lock held, and by what.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (&OpTarget, &OpKind)> {
-        self.held.iter().map(|(target, (_, kind))| (target, kind))
-    }
-
-    /// How many locks are held.
-    pub(crate) fn len(&self) -> usize {
-        self.held.len()
-    }
-}
-
 /// A held operation lock.
 #[derive(Debug)]
 pub(crate) struct Op {
@@ -103,8 +67,8 @@ impl Op {
     /// state lock, that nothing holds it.
     pub(crate) fn take(plane: &Plane, st: &mut State, target: OpTarget, kind: OpKind) -> Self {
         let id = st.id();
-        let previous = st.ops.held.insert(target.clone(), (id, kind));
-        debug_assert!(previous.is_none(), "{target:?} was already locked");
+        let previous = st.ops.lock(target.clone(), id, kind);
+        debug_assert!(!previous, "{target:?} was already locked");
         Self {
             inner: Arc::clone(&plane.inner),
             target,
@@ -136,11 +100,7 @@ impl Op {
             inner: Arc::clone(&self.inner),
         };
         let mut st = plane.lock();
-        if let Some((id, OpKind::Resuming { joinable, .. })) = st.ops.held.get_mut(&self.target)
-            && *id == self.id
-        {
-            *joinable = false;
-        }
+        st.ops.stop_joining(&self.target, self.id);
     }
 }
 
@@ -151,9 +111,7 @@ impl Drop for Op {
         };
         let queued_in = {
             let mut st = plane.lock();
-            if st.ops.id_of(&self.target) == Some(self.id) {
-                st.ops.held.remove(&self.target);
-            }
+            st.ops.unlock(&self.target, self.id);
             // Several replicas: a hand-off here passed over this actor's waiter (on
             // another replica) while this operation held it; a free worker here is
             // offered again.

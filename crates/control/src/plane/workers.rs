@@ -420,7 +420,7 @@ impl Workers {
     pub(crate) fn evict(&self, id: &str, key: &ActorKey, row: &ActorRow) {
         if let Some(w) = self.attached.get(id) {
             w.link.notify(Command::Evict(wk::Evict {
-                actor: Some(super::slot_of(key, row)),
+                actor: Some(slot_of(key, row)),
             }));
         }
     }
@@ -501,5 +501,14 @@ impl Workers {
         {
             d.reserved = None;
         }
+    }
+}
+
+/// The actor as a worker names it in its commands.
+pub(crate) fn slot_of(key: &ActorKey, row: &ActorRow) -> wk::ActorSlot {
+    wk::ActorSlot {
+        atespace: key.atespace().to_owned(),
+        name: key.name().to_owned(),
+        snapshot_key: format!("{}/{}/{}", key.atespace(), key.name(), row.uid),
     }
 }

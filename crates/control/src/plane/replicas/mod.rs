@@ -995,8 +995,8 @@ impl Replicas {
             enum Then {
                 Done,
                 Again,
-                Hand(super::capacity::Waiter, super::capacity::Reservation),
-                Requeue(super::capacity::Waiter),
+                Hand(super::queues::Waiter, super::capacity::Reservation),
+                Requeue(super::queues::Waiter),
                 Later(Duration),
                 Restore(Box<(WaiterRow, ActorRow, Op)>),
             }
