@@ -109,6 +109,9 @@ def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     top = args[0] if args else os.path.join(os.path.dirname(__file__), "..", "crates/control/src/plane")
     mods = modules(top)
+    if not mods:
+        print(f"no Rust sources under {top}", file=sys.stderr)
+        sys.exit(2)
     edges, why = graph(mods)
     for m in sorted(mods):
         print(f"{m:16} -> {', '.join(sorted(edges[m]))}")

@@ -1,4 +1,5 @@
-//! Capacity: first-come queues per pool, and the hand-off of a freed worker to the
+//! Capacity: a resume's place in its pool's queue (the queues themselves are the
+//! [`super::queues`] book), reservations, and the hand-off of a freed worker to the
 //! oldest waiter.
 //!
 //! A waiting resume holds a [`Ticket`]; its queue entry goes when the ticket does, on

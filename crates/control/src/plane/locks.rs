@@ -34,8 +34,8 @@ impl Ops {
         self.held.iter().map(|(target, (_, kind))| (target, kind))
     }
 
-    /// Locks `target` as operation `id` of `kind`; what held it before (nothing,
-    /// when the caller checked first).
+    /// Locks `target` as operation `id` of `kind`; whether something held it before
+    /// (never, when the caller checked first).
     pub(crate) fn lock(&mut self, target: OpTarget, id: u64, kind: OpKind) -> bool {
         self.held.insert(target, (id, kind)).is_some()
     }

@@ -19,7 +19,8 @@
 //! **Operations** that span books are types whose one method holds the order of their
 //! steps: [`activation::Activation`] and [`activation::Restore`],
 //! [`checkpoint::Checkpoint`], [`settle::Settle`], [`release::Release`],
-//! [`membership`]'s `Join` and `Drain`; [`fencing`] says when a worker can no
+//! [`membership`]'s `Join` and `Drain`, [`lifecycle`]'s `Revert`, [`policy`]'s
+//! `PolicyCheckpoint`; [`fencing`] says when a worker can no
 //! longer serve. The plane's calls are grouped on [`Plane`] (resume, suspend, revert,
 //! observation, shutdown) and its handles: [`Plane::catalog`], [`Plane::membership`],
 //! [`Plane::leases`], [`Plane::policies`], and inside the crate `capacity()` and
@@ -30,12 +31,9 @@
 //! database. [`open`] and [`stop`] start and end the plane's chores.
 //!
 //! Calls between these modules have no cycles (`tools/plane-calls.py` checks it): this
-//! module calls only the books, the books nothing else, the operations the ledger,
-//! `capacity` and the books.
-//!
-//! Memory is the working copy; the [`Store`] is the record. Every mutating RPC runs
-//! detached on the plane's task tracker, so a caller that goes away never leaves an
-//! operation half-done. The state lock is a plain mutex, never held across an `.await`.
+//! module calls only the books, and the books nothing else in the plane; operations
+//! call the ledger, `capacity`, the books and the operations below them (a drain
+//! suspends through a checkpoint, a replica restores through `Restore`).
 
 mod activation;
 mod capacity;

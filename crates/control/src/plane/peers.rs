@@ -63,8 +63,8 @@ pub(crate) trait Peers: Send + Sync + std::fmt::Debug {
     /// This replica's waiter `seq` no longer waits: its shared row goes.
     fn dequeue(&self, _plane: &Plane, _seq: i64) {}
 
-    /// Free `worker` is offered to the oldest waiter of its pool on any replica;
-    /// whether it was (if not, the caller hands it off here).
+    /// Free `worker` goes to the oldest waiter of its pool on any replica; whether the
+    /// replicas took it in hand (if not, the caller hands it off here).
     fn offer(&self, _plane: &Plane, _worker: &str) -> bool {
         false
     }

@@ -24,7 +24,6 @@ use valet_proto::worker as wk;
 
 use super::checkpoint::{Checkpoint, Checkpointed, Fence};
 use super::peers::Claim;
-
 use super::{Op, OpKind, OpTarget, Plane, Slot};
 use crate::link::WorkerLink;
 use crate::model::{ActorKey, ActorStatus};
